@@ -1,0 +1,36 @@
+# agentserve: `make demo` and `make test` work on a fresh clone (they install what they need).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# The real vLLM used by the interop tests lives outside the clone so CI reuses it.
+VLLM_VENV ?= $(HOME)/.cache/agentserve/vllm-venv
+export AGENTSERVE_VLLM_VENV := $(VLLM_VENV)
+
+.PHONY: install demo test test-fast bench vllm-venv clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+vllm-venv:
+	bash scripts/ensure_vllm_venv.sh "$(VLLM_VENV)"
+
+demo: install
+	$(VENV)/bin/agentserve demo
+
+test: install vllm-venv
+	$(VENV)/bin/pytest -q -p no:cacheprovider
+
+test-fast: install
+	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not interop and not slow"
+
+bench: install vllm-venv
+	bash benchmarks/run_all.sh
+
+clean:
+	rm -rf $(VENV) build *.egg-info

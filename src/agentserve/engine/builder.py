@@ -1,0 +1,114 @@
+"""Assemble an engine from command-line style arguments: model, KV pool, scheduler, events."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentserve.engine.checkpoint import load_model
+from agentserve.engine.core import EngineCore
+from agentserve.engine.engine import AsyncEngine
+from agentserve.engine.model import KVCache
+from agentserve.engine.runner import ModelRunner
+from agentserve.engine.scheduler import Scheduler
+from agentserve.engine.tokenizer import Tokenizer
+from agentserve.kv.events import KVEventPublisher, KVEventQueue
+from agentserve.kv.hashing import BlockHasher
+from agentserve.kv.manager import KVCacheManager
+from agentserve.kv.pool import BlockPool
+
+log = logging.getLogger("agentserve.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DEFAULT_KV_TOKENS = 131_072
+
+
+class EngineConfigError(ValueError):
+    """A bad engine argument, with a message that says what to change."""
+
+
+@dataclass(slots=True)
+class EngineArgs:
+    model: str | None = None  # HF-format folder; None = the built-in tiny checkpoint
+    served_model_name: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_tokens: int | None = None
+    kv_cache_gib: float | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str | None = None  # default: $PYTHONHASHSEED, as vLLM
+    kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = "kv-events"
+    seed: int = 0
+    check_invariants: bool = False
+
+
+def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
+    if args.kv_cache_tokens is not None and args.kv_cache_gib is not None:
+        raise EngineConfigError("give either --kv-cache-tokens or --kv-cache-gib, not both")
+    if args.kv_cache_gib is not None:
+        if args.kv_cache_gib <= 0:
+            raise EngineConfigError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
+        tokens = int(args.kv_cache_gib * 2**30) // bytes_per_token
+    else:
+        tokens = args.kv_cache_tokens if args.kv_cache_tokens is not None else DEFAULT_KV_TOKENS
+    blocks = tokens // args.block_size
+    if blocks < 2:
+        raise EngineConfigError(f"KV cache of {tokens} tokens holds fewer than 2 blocks of "
+                                f"{args.block_size}; raise --kv-cache-tokens or --kv-cache-gib")
+    return blocks
+
+
+def build_engine(args: EngineArgs) -> AsyncEngine:
+    """Load the model and wire pool, hasher, scheduler, runner and event publisher."""
+    if args.dtype not in DTYPES:
+        raise EngineConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.block_size <= 0:
+        raise EngineConfigError(f"--block-size must be positive, got {args.block_size}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise EngineConfigError("--device cuda requested but torch sees no CUDA device")
+    if args.model is None:
+        from agentserve.engine.tiny import default_model_dir
+
+        model_dir = default_model_dir()
+    else:
+        model_dir = Path(args.model)
+    torch.manual_seed(args.seed)
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    model, cfg = load_model(model_dir, dtype=dtype, device=str(device))
+    num_blocks = _num_blocks(args, KVCache.bytes_per_token(cfg, dtype))
+    kv_cache = KVCache.allocate(cfg, num_blocks, args.block_size, dtype, device)
+    max_len = min(cfg.max_position_embeddings, num_blocks * args.block_size)
+    if args.max_model_len is not None:
+        if args.max_model_len > max_len:
+            raise EngineConfigError(f"--max-model-len {args.max_model_len} exceeds what the model and "
+                                    f"KV cache allow ({max_len} tokens)")
+        max_len = args.max_model_len
+    events = KVEventQueue() if args.kv_events_endpoint else None
+    pool = BlockPool(num_blocks, args.block_size, enable_caching=args.enable_prefix_caching,
+                     events=events)
+    hasher = BlockHasher(algo=args.hash_algo, block_size=args.block_size, seed=args.hash_seed)
+    kv = KVCacheManager(pool, hasher, enable_caching=args.enable_prefix_caching)
+    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens)
+    runner = ModelRunner(model, kv_cache, args.block_size, device)
+    publisher = None
+    if args.kv_events_endpoint:
+        publisher = KVEventPublisher(args.kv_events_endpoint, topic=args.kv_events_topic,
+                                     replay_endpoint=args.kv_events_replay_endpoint)
+    tokenizer = Tokenizer.from_dir(model_dir)
+    core = EngineCore(scheduler, runner, tokenizer.eos_token_ids, max_len, events, publisher,
+                      check_invariants=args.check_invariants)
+    name = args.served_model_name or (model_dir.name if args.model else "agentserve-tiny")
+    log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d", name, num_blocks,
+             args.block_size, max_len)
+    return AsyncEngine(core, tokenizer, name, model_dir, max_len, device)

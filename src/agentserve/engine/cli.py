@@ -1,0 +1,73 @@
+"""Engine commands: `agentserve serve`, `agentserve model make-tiny`, `agentserve demo`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+model_app = typer.Typer(help="Model checkpoints.", no_args_is_help=True)
+
+
+def serve(
+    model: Optional[str] = typer.Option(None, help="HF-format model folder (default: built-in tiny)."),
+    served_model_name: Optional[str] = typer.Option(None, help="Model id clients use."),
+    host: str = typer.Option("127.0.0.1", help="Bind address."),
+    port: int = typer.Option(8000, help="Port."),
+    dtype: str = typer.Option("float32", help="float32 | bfloat16."),
+    device: str = typer.Option("cpu", help="cpu | cuda."),
+    block_size: int = typer.Option(16, help="Tokens per KV block."),
+    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV capacity in tokens."),
+    kv_cache_gib: Optional[float] = typer.Option(None, help="KV capacity in GiB."),
+    max_model_len: Optional[int] = typer.Option(None, help="Context limit (prompt + output)."),
+    max_num_seqs: int = typer.Option(128, help="Max sequences per step."),
+    max_num_batched_tokens: int = typer.Option(2048, help="Token budget per step (chunked prefill)."),
+    no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable prefix caching."),
+    prefix_caching_hash_algo: str = typer.Option("sha256_cbor", help="sha256_cbor (vLLM) | fast."),
+    kv_events_endpoint: Optional[str] = typer.Option(None, help="ZMQ PUB endpoint, e.g. tcp://*:5557."),
+    kv_events_replay_endpoint: Optional[str] = typer.Option(None, help="ZMQ replay endpoint."),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY'."),
+    max_body_mib: int = typer.Option(32, help="Request body size limit (MiB)."),
+    seed: int = typer.Option(0, help="Global seed."),
+    log_level: str = typer.Option("info", help="Logging level."),
+) -> None:
+    """Serve a model over the OpenAI API with paged KV, prefix caching and KV events."""
+    from agentserve.engine.builder import EngineArgs, EngineConfigError
+    from agentserve.engine.serve import run_server
+
+    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = EngineArgs(model=model, served_model_name=served_model_name, dtype=dtype, device=device,
+                      block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_gib=kv_cache_gib,
+                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens,
+                      enable_prefix_caching=not no_prefix_caching, hash_algo=prefix_caching_hash_algo,
+                      kv_events_endpoint=kv_events_endpoint,
+                      kv_events_replay_endpoint=kv_events_replay_endpoint, seed=seed)
+    try:
+        run_server(args, host=host, port=port, api_key=api_key, max_body_bytes=max_body_mib << 20)
+    except EngineConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
+
+
+@model_app.command("make-tiny")
+def make_tiny_cmd(
+    out: Path = typer.Option(..., help="Output folder."),
+    preset: str = typer.Option("tiny", help="tiny | small."),
+    seed: int = typer.Option(0, help="Weight seed."),
+) -> None:
+    """Build a deterministic random-weight Llama checkpoint with a BPE tokenizer, offline."""
+    from agentserve.engine.tiny import make_tiny
+
+    path = make_tiny(out, preset=preset, seed=seed)
+    typer.echo(str(path))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+    app.add_typer(model_app, name="model")
+    from agentserve.demo import demo
+
+    app.command("demo")(demo)

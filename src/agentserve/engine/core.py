@@ -1,0 +1,172 @@
+"""The engine core: a step loop on its own thread (the forward blocks; asyncio must not).
+
+`step()` = schedule -> run the model -> append tokens, check stops, cache full
+blocks, free finished sequences -> publish KV events. The async front talks to it
+through a thread-safe inbox and receives `RequestOutput` lists through a callback.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from agentserve.engine.request import RequestOutput, RequestStatus
+from agentserve.engine.runner import ModelRunner
+from agentserve.engine.scheduler import Scheduler
+from agentserve.engine.sequence import Sequence
+from agentserve.kv.events import KVEventPublisher, KVEventQueue
+
+log = logging.getLogger("agentserve.engine")
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+
+
+class EngineCore:
+    """Owns scheduler, KV manager and runner. Everything here runs on one thread."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, eos_token_ids: list[int],
+                 max_model_len: int, events: KVEventQueue | None = None,
+                 publisher: KVEventPublisher | None = None, check_invariants: bool = False) -> None:
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.runner = runner
+        self.eos = frozenset(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.events = events
+        self.publisher = publisher
+        self.check_invariants = check_invariants
+        self.seqs: dict[str, Sequence] = {}
+        self.prompt_tokens = 0
+        self.generation_tokens = 0
+        self.inbox: queue.Queue[Sequence | _Abort | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    # ---- thread-safe entry points -------------------------------------------------
+    def submit(self, seq: Sequence) -> None:
+        self.inbox.put(seq)
+
+    def abort(self, request_id: str) -> None:
+        self.inbox.put(_Abort(request_id))
+
+    def start(self, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
+        self._thread = threading.Thread(target=self._loop, args=(on_outputs,), name="engine-core",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self.inbox.put(None)
+        if self._thread is not None:
+            self._thread.join(timeout)
+        if self.publisher is not None:
+            self.publisher.close()
+
+    # ---- the loop ----------------------------------------------------------------
+    def _loop(self, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
+        while not self._stop.is_set():
+            outputs = self._drain_inbox(block=not self.scheduler.has_work())
+            if self.scheduler.has_work():
+                try:
+                    outputs.extend(self.step())
+                except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
+                    log.exception("engine step failed")
+                    outputs.extend(self._fail_running(f"engine step failed: {exc!r}"))
+            if outputs:
+                on_outputs(outputs)
+
+    def _drain_inbox(self, block: bool) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        try:
+            item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
+            while True:
+                if isinstance(item, Sequence):
+                    self.seqs[item.request_id] = item
+                    self.scheduler.add(item)
+                elif isinstance(item, _Abort):
+                    out = self._finish_abort(item.request_id)
+                    if out is not None:
+                        outputs.append(out)
+                item = self.inbox.get_nowait()
+        except queue.Empty:
+            pass
+        return outputs
+
+    def _finish_abort(self, request_id: str) -> RequestOutput | None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return None
+        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return self._output(seq, [], "abort")
+
+    def _fail_running(self, message: str) -> list[RequestOutput]:
+        outs = []
+        for seq in list(self.scheduler.running):
+            self.seqs.pop(seq.request_id, None)
+            self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+            outs.append(self._output(seq, [], "error", error=message))
+        return outs
+
+    # ---- one step -----------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        tokens = self.runner.execute(sched, self.kv)
+        outputs: list[RequestOutput] = []
+        it = iter(tokens)
+        for s in sched.scheduled:
+            seq = s.seq
+            done_prompt = s.completes_prompt
+            seq.num_computed_tokens += s.num_tokens
+            self.kv.cache_blocks(seq)
+            if not done_prompt:
+                continue
+            token = next(it)
+            if seq.num_output_tokens == 0:  # first token: the prompt is prefilled
+                self.prompt_tokens += seq.num_prompt_tokens
+            seq.token_ids.append(token)
+            self.generation_tokens += 1
+            if seq.params.constraint is not None:
+                seq.params.constraint.accept(token)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.seqs.pop(seq.request_id, None)
+                self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED if reason == "stop"
+                                      else RequestStatus.FINISHED_LENGTH)
+            outputs.append(self._output(seq, seq.token_ids[seq.num_prompt_tokens + seq.emitted:], reason))
+        self._publish_events()
+        if self.check_invariants:
+            self.kv.pool.check_invariants()
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos:
+            return "stop"
+        if token in p.stop_token_ids:
+            return "stop"
+        if p.constraint is not None and p.constraint.done():
+            return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _output(self, seq: Sequence, new: list[int], reason: str | None,
+                error: str | None = None) -> RequestOutput:
+        seq.emitted += len(new)
+        return RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_prompt_tokens,
+                             max(seq.num_cached_tokens, 0), error)
+
+    def _publish_events(self) -> None:
+        if self.events is None:
+            return
+        events = self.events.take()
+        if events and self.publisher is not None:
+            self.publisher.publish(events)

@@ -1,0 +1,134 @@
+"""`AsyncEngine`: the asyncio face of the engine core, used by the HTTP server.
+
+`generate()` is an async generator of `RequestOutput` deltas. Closing it early
+(client disconnect, task cancelled) aborts the request in the core, which frees
+its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from agentserve.engine.core import EngineCore
+from agentserve.engine.request import RequestOutput, SamplingParams
+from agentserve.engine.sampler import make_generator
+from agentserve.engine.sequence import Sequence
+from agentserve.engine.tokenizer import Tokenizer
+
+log = logging.getLogger("agentserve.engine")
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """Cumulative counters and current gauges, read by /metrics at scrape time."""
+
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_queries_tokens: int
+    prefix_hits_tokens: int
+    num_preemptions: int
+    prompt_tokens: int
+    generation_tokens: int
+    spec_num_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+
+
+class EngineDraining(RuntimeError):
+    """Raised by generate() once shutdown has begun."""
+
+
+class AsyncEngine:
+    """Bridges asyncio request streams and the engine core thread."""
+
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer, model_name: str, model_dir: Path,
+                 max_model_len: int, device: torch.device) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.model_dir = model_dir
+        self.max_model_len = max_model_len
+        self.block_size = core.kv.block_size
+        self.num_gpu_blocks = core.kv.pool.num_blocks
+        self.device = device
+        self.draining = False
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    @classmethod
+    def from_args(cls, **kwargs) -> "AsyncEngine":
+        """Build a ready-to-start engine; see `agentserve.engine.builder.EngineArgs`."""
+        from agentserve.engine.builder import EngineArgs, build_engine
+
+        return build_engine(EngineArgs(**kwargs))
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.core.start(self._on_outputs_threadsafe)
+
+    def _on_outputs_threadsafe(self, outputs: list[RequestOutput]) -> None:
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            loop.call_soon_threadsafe(self._dispatch, outputs)
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            q = self._queues.get(out.request_id)
+            if q is not None:
+                q.put_nowait(out)
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        if self.draining:
+            raise EngineDraining("server is shutting down; retry on another replica")
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = q
+        seq = Sequence(request_id, list(prompt_token_ids), params)
+        if not params.greedy:
+            seq.generator = make_generator(params.seed)
+        self.core.submit(seq)
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.core.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        sch = self.core.scheduler
+        return EngineStats(
+            num_running=len(sch.running), num_waiting=len(sch.waiting), kv_usage=self.core.kv.usage,
+            prefix_queries_tokens=sch.stats.prefix_queries_tokens,
+            prefix_hits_tokens=sch.stats.prefix_hits_tokens, num_preemptions=sch.stats.num_preemptions,
+            prompt_tokens=self.core.prompt_tokens, generation_tokens=self.core.generation_tokens)
+
+    @property
+    def num_inflight(self) -> int:
+        return len(self._queues)
+
+    async def shutdown(self, drain_timeout: float = 30.0) -> None:
+        """Stop admitting, let in-flight requests finish (bounded), then stop the core."""
+        self.draining = True
+        deadline = asyncio.get_running_loop().time() + drain_timeout
+        while self._queues and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        for rid in list(self._queues):
+            self.core.abort(rid)
+        await asyncio.to_thread(self.core.stop)
+

@@ -1,0 +1,84 @@
+"""Request-level types shared by the engine core, the async front and the HTTP server.
+
+A request enters as token ids plus `SamplingParams`, lives in the scheduler as a
+`Request`, and leaves as a stream of `RequestOutput` deltas.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+class LogitsConstraint(Protocol):
+    """Per-request constrained decoding (e.g. a JSON-schema grammar for tool calls).
+
+    The runner calls `apply` on the request's logits row before sampling and
+    `accept` with the sampled token afterwards. `done()` turns true once the
+    grammar has been completed; the engine then finishes the request with
+    finish_reason "stop".
+    """
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Mask disallowed tokens in place. logits: [vocab] float."""
+
+    def accept(self, token_id: int) -> None:
+        """Advance the grammar state by one sampled token."""
+
+    def done(self) -> bool:
+        """True when no more tokens may be produced."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What to generate. Validated by the server before it reaches the engine."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    constraint: LogitsConstraint | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 1e-5
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One delta of a request's output, produced after an engine step.
+
+    `new_token_ids` are the tokens generated since the previous delta.
+    `num_cached_tokens` is the prompt prefix served from the prefix cache
+    (fixed once the first token is produced).
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+    time: float = field(default_factory=time.monotonic)

@@ -1,0 +1,39 @@
+"""Runs one scheduled step on the model: build the batch, forward over paged KV, sample."""
+
+from __future__ import annotations
+
+import torch
+
+from agentserve.engine.model import KVCache, LlamaForCausalLM, SeqChunk, prepare_batch
+from agentserve.engine.sampler import sample
+from agentserve.engine.scheduler import SchedulerOutput
+from agentserve.kv.manager import KVCacheManager
+
+
+class ModelRunner:
+    """Owns the model and its paged KV tensors; stateless across steps otherwise."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, block_size: int,
+                 device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = device
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> list[int]:
+        """Compute the step; return one sampled token per entry that completes its prompt."""
+        chunks: list[SeqChunk] = []
+        need = []
+        for s in out.scheduled:
+            seq = s.seq
+            start = seq.num_computed_tokens
+            chunks.append(SeqChunk(token_ids=seq.token_ids[start:start + s.num_tokens], start_pos=start,
+                                   block_ids=kv.block_ids(seq.request_id), need_logits=s.completes_prompt))
+            if s.completes_prompt:
+                need.append(seq)
+        meta = prepare_batch(chunks, self.block_size, self.device)
+        logits = self.model(meta, self.kv_cache)
+        if not need:
+            return []
+        return sample(logits, [seq.params for seq in need], [seq.generator for seq in need])

@@ -1,0 +1,132 @@
+"""Continuous batching with chunked prefill under a per-step token budget.
+
+Each step (vLLM v1 style, no separate prefill/decode phases):
+1. running sequences first, in arrival order: each gets the tokens it still needs
+   (1 for a decode, a chunk for an unfinished prefill) within the budget; when
+   the pool is full the newest running sequence is preempted (recompute) until
+   the older one fits — never a crash;
+2. then waiting sequences, strictly FCFS (the head blocks the queue, so nothing
+   starves): prefix-cache hit first, then a chunk of the rest.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from agentserve.engine.request import RequestStatus
+from agentserve.engine.sequence import Sequence
+from agentserve.kv.manager import KVCacheManager
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # tokens computed this step, starting at seq.num_computed_tokens
+
+    @property
+    def completes_prompt(self) -> bool:
+        """True when this chunk reaches the end of the known tokens (logits needed)."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    num_tokens: int = 0
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    prefix_queries_tokens: int = 0
+    prefix_hits_tokens: int = 0
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    """Decides, per step, which sequences run and how many tokens each computes."""
+
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.stats = SchedulerStats()
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:  # a full pool admits nobody new this step
+            self._schedule_waiting(out, budget)
+        out.num_tokens = sum(s.num_tokens for s in out.scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(seq, n):
+                victim = self.running.pop()  # newest first
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    return budget
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            fresh = seq.num_cached_tokens < 0
+            computed = self.kv.get_computed_blocks(seq)
+            num_cached = len(computed) * self.kv.block_size
+            n = min(seq.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(seq, n, computed):
+                break  # FCFS: the head waits for memory; nobody overtakes it
+            self.waiting.popleft()
+            seq.num_computed_tokens = num_cached
+            if fresh:  # count a prompt once, as the client sees it in usage.cached_tokens
+                seq.num_cached_tokens = num_cached
+                self.stats.prefix_queries_tokens += seq.num_prompt_tokens
+                self.stats.prefix_hits_tokens += num_cached
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.kv.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = RequestStatus.PREEMPTED
+        seq.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, status: RequestStatus) -> None:
+        """Remove a sequence (finished or aborted) and free its blocks."""
+        seq.status = status
+        if seq in self.running:
+            self.running.remove(seq)
+        else:
+            try:
+                self.waiting.remove(seq)
+            except ValueError:
+                pass
+        self.kv.free(seq)

@@ -1,0 +1,51 @@
+"""A request as the scheduler sees it: token ids, progress, blocks and block hashes."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from agentserve.engine.request import RequestStatus, SamplingParams
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request inside the engine core.
+
+    `num_computed_tokens` counts tokens whose K/V is in the cache; the scheduler
+    advances it. `block_hashes` holds the chained hash of every full block of
+    `token_ids`, computed once per block as the sequence grows.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.monotonic)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prefix-cache hit of the first schedule; -1 = not yet scheduled
+    block_hashes: list[bytes] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
+    emitted: int = 0  # output tokens already handed to the front
+    generator: object | None = None  # torch.Generator for seeded sampling
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)

@@ -1,0 +1,48 @@
+"""Run the engine's HTTP server in the foreground with graceful SIGTERM/SIGINT handling."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+from aiohttp import web
+
+from agentserve.engine.builder import EngineArgs
+from agentserve.engine.engine import AsyncEngine
+from agentserve.engine.server import build_app
+
+log = logging.getLogger("agentserve.serve")
+
+
+async def serve_async(args: EngineArgs, host: str, port: int, api_key: str | None,
+                      max_body_bytes: int, drain_timeout: float = 30.0,
+                      ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT, then drain in-flight requests (bounded) and exit."""
+    engine = await asyncio.to_thread(AsyncEngine.from_args, **_as_kwargs(args))
+    await engine.start()
+    app = build_app(engine, api_key=api_key, max_body_bytes=max_body_bytes)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    log.info("serving %s on http://%s:%d", engine.model_name, host, port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    log.info("shutting down: draining %d in-flight requests", engine.num_inflight)
+    await engine.shutdown(drain_timeout)
+    await runner.cleanup()
+
+
+def _as_kwargs(args: EngineArgs) -> dict:
+    return {f: getattr(args, f) for f in args.__dataclass_fields__}
+
+
+def run_server(args: EngineArgs, host: str, port: int, api_key: str | None = None,
+               max_body_bytes: int = 32 << 20) -> None:
+    asyncio.run(serve_async(args, host, port, api_key, max_body_bytes))
