@@ -1,0 +1,233 @@
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from agentserve.kv.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    KVEventQueue,
+    encode_event_batch,
+)
+from agentserve.kv.hashing import BlockHasher, to_external
+from agentserve.kv.pool import Block, BlockPool, FreeBlockQueue, NoFreeBlocks
+from tests.kv.conftest import VECTORS
+
+BS = 4
+
+
+def make(n=8, **kw):
+    q = KVEventQueue()
+    return BlockPool(n, BS, events=q, **kw), q
+
+
+def run_request(pool, hasher, toks):
+    """Allocate + cache all full blocks of toks the way the engine does; returns blocks."""
+    hashes = hasher.hash_blocks(toks)
+    hit = pool.match_prefix(hashes)
+    pool.touch(hit)
+    new = pool.allocate(-(-len(toks) // BS) - len(hit))
+    blocks = hit + new
+    pool.cache_blocks(new[: len(hashes) - len(hit)], hashes[len(hit):], toks, len(hit),
+                      hashes[len(hit) - 1] if hit else None)
+    return blocks, hashes
+
+
+def test_free_queue_ops():
+    blocks = [Block(i) for i in range(4)]
+    q = FreeBlockQueue(blocks)
+    q.remove(blocks[2])
+    assert [b.block_id for b in q] == [0, 1, 3] and len(q) == 3
+    assert q.popleft() is blocks[0]
+    q.append(blocks[0])
+    q.appendleft(blocks[2])
+    assert [b.block_id for b in q] == [2, 1, 3, 0]
+    with pytest.raises(ValueError):
+        q.append(blocks[1])
+    for _ in range(4):
+        q.popleft()
+    with pytest.raises(NoFreeBlocks):
+        q.popleft()
+
+
+def test_lru_reuse_and_eviction_order():
+    pool, q = make(6)
+    h = BlockHasher(block_size=BS, seed="0")
+    a, ha = run_request(pool, h, list(range(8)))          # 2 full blocks
+    b, hb = run_request(pool, h, list(range(100, 108)))   # 2 full blocks
+    pool.free(list(reversed(a)))
+    pool.free(list(reversed(b)))
+    pool.check_invariants()
+    assert pool.num_free_blocks == 6 and pool.num_cached_blocks == 4 and pool.usage == 0
+    # cached-free blocks are still matchable, and a hit takes them back
+    assert pool.match_prefix(ha) == a
+    again, _ = run_request(pool, h, list(range(8)))
+    assert again == a and pool.num_used_blocks == 2
+    pool.free(list(reversed(again)))
+    q.take()
+    # 2 never-used blocks go first, then the oldest freed cached block: b's tail
+    got = pool.allocate(3)
+    assert got[2] is b[1]
+    assert q.take() == [BlockRemoved([to_external(hb[1])], "GPU", group_idx=0)]
+    assert pool.match_prefix(hb) == [b[0]]
+    pool.check_invariants()
+
+
+def test_uncached_freed_blocks_are_reused_first():
+    pool, _ = make(4)
+    x = pool.allocate(2)
+    pool.free(x)
+    assert pool.allocate(2) == x  # vLLM: uncached blocks go to the queue head
+
+
+def test_events_order_and_shape():
+    pool, q = make(4)
+    h = BlockHasher(block_size=BS, seed="0")
+    toks = list(range(10))
+    blocks, hashes = run_request(pool, h, toks)
+    [ev] = q.take()
+    assert ev == BlockStored(
+        [to_external(x) for x in hashes], None, toks[:8], BS, None, "GPU", None,
+        extra_keys=[None, None], group_idx=0,
+    )
+    # decode grows the request: the third block fills and is cached with its parent
+    toks += [10, 11]
+    h3 = h.hash_blocks(toks)[2]
+    pool.cache_blocks([blocks[2]], [h3], toks, 2, hashes[1])
+    [ev] = q.take()
+    assert ev.parent_block_hash == to_external(hashes[1]) and ev.token_ids == [8, 9, 10, 11]
+    # same call with only the block's own tokens (what KVCacheManager passes)
+    pool2, q2 = make(4)
+    b2 = pool2.allocate(3)
+    pool2.cache_blocks(b2[:2], hashes, toks[:8], 0, None)
+    pool2.cache_blocks([b2[2]], [h3], toks[8:12], 2, hashes[1])
+    assert q2.take()[1] == ev
+    with pytest.raises(ValueError, match="need 4 tokens of their own or 12"):
+        pool2.cache_blocks([b2[2]], [h3], toks[:7], 2, hashes[1])
+    pool.free(list(reversed(blocks)))
+    assert pool.reset_prefix_cache()
+    assert q.take() == [AllBlocksCleared()] and pool.num_cached_blocks == 0
+    pool.check_invariants()
+
+
+def test_reset_refused_while_in_use_and_errors():
+    pool, q = make(2)
+    blocks = pool.allocate(1)
+    assert not pool.reset_prefix_cache() and len(q) == 0
+    with pytest.raises(NoFreeBlocks, match="only 1 of 2"):
+        pool.allocate(2)
+    pool.free(blocks)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(blocks)
+    with pytest.raises(ValueError, match="is free"):
+        pool.cache_blocks(blocks, [b"h" * 32], list(range(4)), 0, None)
+
+
+def test_duplicate_content_keeps_first_mapping():
+    pool, q = make(6)
+    h = BlockHasher(block_size=BS, seed="0")
+    toks = list(range(12))
+    hashes = h.hash_blocks(toks)
+    first, second = pool.allocate(3), pool.allocate(3)
+    pool.cache_blocks(first[:1], hashes[:1], toks, 0, None)
+    pool.cache_blocks([first[2]], hashes[2:3], toks, 2, hashes[1])
+    q.take()
+    pool.cache_blocks(second, hashes, toks, 0, None)  # block 0 and 2 already cached elsewhere
+    [ev] = q.take()
+    assert ev.block_hashes == [to_external(hashes[1])] and ev.token_ids == toks[4:8]
+    assert ev.parent_block_hash == to_external(hashes[0])
+    assert second[0].block_hash is None
+    assert pool.match_prefix(hashes) == [first[0], second[1], first[2]]
+    pool.check_invariants()
+
+
+def test_same_bytes_as_real_vllm_block_pool():
+    """Mirror gen_vllm_vectors.pool_run (vLLM's pool has an extra null block 0)."""
+    pool, q = make(3)
+    h = BlockHasher(block_size=4, seed="0")
+    toks = list(range(100, 109))
+    blocks = pool.allocate(3)
+    hashes = h.hash_blocks(toks)
+    pool.cache_blocks(blocks[:2], hashes, toks, 0, None)
+    pool.free(list(reversed(blocks)))
+    pool.allocate(2)
+    payload = encode_event_batch(KVEventBatch(2.5, q.take(), 0))
+    assert payload.hex() == VECTORS["events"]["pool_run"]
+
+
+def test_caching_disabled():
+    pool, q = make(2, enable_caching=False)
+    b = pool.allocate(1)
+    pool.cache_blocks(b, [b"x" * 32], list(range(4)), 0, None)
+    assert pool.match_prefix([b"x" * 32]) == [] and len(q) == 0
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Random allocate / hit / cache / free / reset sequences against the invariants."""
+
+    def __init__(self):
+        super().__init__()
+        self.pool, self.q = make(10)
+        self.hasher = BlockHasher("fast", BS, "0")
+        self.reqs: list[tuple[list[Block], list[bytes]]] = []
+        self.stored: set = set()  # hashes the event stream says are cached
+
+    @rule(prefix=st.integers(0, 3), n_blocks=st.integers(1, 4), salt=st.integers(0, 2))
+    def request(self, prefix, n_blocks, salt):
+        toks = [7] * (prefix * BS) + [salt * 1000 + i for i in range(n_blocks * BS)]
+        toks = toks[: (prefix + n_blocks) * BS - 1]  # last block partial
+        hashes = self.hasher.hash_blocks(toks)
+        hit = self.pool.match_prefix(hashes)
+        need = -(-len(toks) // BS) - len(hit)
+        if not self.pool.can_allocate(need + sum(b.ref_cnt == 0 for b in hit)):
+            return
+        self.pool.touch(hit)
+        new = self.pool.allocate(need)
+        k = len(hit)
+        self.pool.cache_blocks(new[: len(hashes) - k], hashes[k:], toks, k,
+                               hashes[k - 1] if k else None)
+        self.reqs.append((hit + new, hashes))
+
+    @precondition(lambda self: self.reqs)
+    @rule(i=st.integers(0, 100))
+    def finish(self, i):
+        blocks, _ = self.reqs.pop(i % len(self.reqs))
+        self.pool.free(list(reversed(blocks)))
+
+    @rule()
+    def reset(self):
+        ok = self.pool.reset_prefix_cache()
+        assert ok == (not self.reqs)
+
+    @invariant()
+    def consistent(self):
+        self.pool.check_invariants()
+        for ev in self.q.take():  # the event stream mirrors the prefix map
+            if isinstance(ev, BlockStored):
+                assert not self.stored & set(ev.block_hashes)
+                self.stored |= set(ev.block_hashes)
+            elif isinstance(ev, BlockRemoved):
+                self.stored -= set(ev.block_hashes)
+            else:
+                self.stored.clear()
+        assert self.stored == {to_external(h) for h in self.pool.cached}
+        used = {b.block_id for blocks, _ in self.reqs for b in blocks}
+        assert used == {b.block_id for b in self.pool.blocks if b.ref_cnt > 0}
+
+
+PoolMachine.TestCase.settings = settings(max_examples=100, stateful_step_count=30, deadline=None)
+TestPoolMachine = PoolMachine.TestCase
+
+
+def test_check_invariants_catches_corruption():
+    pool, _ = make(3)
+    b = pool.allocate(1)[0]
+    b.ref_cnt = 0
+    with pytest.raises(AssertionError, match="not in the free queue"):
+        pool.check_invariants()
+    b.ref_cnt = 1
+    pool.cached[b"h"] = b
+    with pytest.raises(AssertionError, match="another hash"):
+        pool.check_invariants()
