@@ -9,23 +9,13 @@ app = typer.Typer(help="agentserve: serving stack for agentic LLM workloads.", n
 
 
 def _register() -> None:
-    # Each part contributes its commands; imports stay lazy inside the commands
-    # themselves so `agentserve --help` does not import torch.
+    # Each part contributes its commands; heavy imports (torch) stay inside the
+    # commands themselves so `agentserve --help` is fast.
     from agentserve.engine import cli as engine_cli
+    from agentserve.workload import cli as workload_cli
 
     engine_cli.register(app)
-    try:
-        from agentserve.workload import cli as workload_cli
-    except ImportError:  # part not built yet
-        workload_cli = None
-    if workload_cli is not None:
-        workload_cli.register(app)
-    try:
-        from agentserve.router import cli as router_cli
-    except ImportError:
-        router_cli = None
-    if router_cli is not None:
-        router_cli.register(app)
+    workload_cli.register(app)
 
 
 _register()

@@ -1,0 +1,129 @@
+"""Router decision latency for 200K-token agent turns (claim: p50 <= 2 ms, p99 <= 10 ms).
+
+Two request shapes, each a *next turn* of a session whose previous turn the router saw:
+- `tokens`: a 200K-token prompt given as token ids (previous prompt + ~632 new tokens);
+- `chat`: a ~200K-token chat conversation (previous messages + one new user message),
+  timed from the parsed messages: chat template, incremental tokenization, hashing,
+  index lookup, scoring, pick.
+With 8 and 100 endpoints, the default policy (precise + speculative + affinity + sticky)
+and an index holding every session's previous prompt on one endpoint.
+
+    .venv/bin/python benchmarks/router_decision_latency.py --out bench-out/router_latency.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+from agentserve.kv.hashing import BlockHasher
+from agentserve.router.config import build_config
+from agentserve.router.core import RouteInput, Router
+from agentserve.router.index import block_key
+
+GROWTH = 632  # median input growth between turns (SPEC)
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def make_router(n: int) -> Router:
+    eps = [{"url": f"http://e{i}", "kv_events": f"tcp://127.0.0.1:{6000 + i}", "block_size": 16}
+           for i in range(n)]
+    return Router(build_config({"policy": "default", "endpoints": eps}))
+
+
+def bench_tokens(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
+    r, rng = make_router(n_eps), random.Random(0)
+    hasher = BlockHasher("sha256_cbor", 16)
+    prompts = [[rng.randrange(50000) for _ in range(tokens)] for _ in range(sessions)]
+    for s, p in enumerate(prompts):  # engine s % n holds the previous turn (events)
+        r.index.store((f"http://e{s % n_eps}", 0), [block_key(h) for h in hasher.hash_blocks(p)])
+        r.finish(r.decide(RouteInput(p, session=f"s{s}")))  # the router saw that turn
+    lat = []
+    for t in range(turns):
+        s = t % sessions
+        prompts[s] = prompts[s] + [rng.randrange(50000) for _ in range(GROWTH)]
+        t0 = time.perf_counter()
+        d = r.decide(RouteInput(prompts[s], session=f"s{s}", max_tokens=300))
+        lat.append(time.perf_counter() - t0)
+        assert d.url == f"http://e{s % n_eps}", d.url
+        r.finish(d)
+    return summary(lat)
+
+
+def conversation(rng: random.Random, chars: int) -> list[dict]:
+    words = ["def", "return", "self.value", "import os", "for i in range(n):", "\n", "    ",
+             "# comment", "x = f(y)", "class Foo:", "{", "}", "'''doc'''"]
+    msgs = [{"role": "system", "content": "You are a coding agent. " * 200}]
+    while sum(len(m["content"]) for m in msgs) < chars:
+        msgs.append({"role": "user" if len(msgs) % 2 else "assistant",
+                     "content": " ".join(rng.choice(words) for _ in range(400))})
+    return msgs
+
+
+def bench_chat(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
+    from agentserve.engine.tiny import default_model_dir
+    from agentserve.engine.tokenizer import Tokenizer
+    from agentserve.router.tokenize import IncrementalTokenizer
+
+    r, rng = make_router(n_eps), random.Random(1)
+    tok = IncrementalTokenizer(Tokenizer.from_dir(default_model_dir()))
+    convs = []
+    for s in range(sessions):
+        msgs = conversation(rng, tokens * 3)
+        t = tok.chat(msgs)
+        while len(t.ids) < tokens:
+            msgs += conversation(rng, 20000)[1:]
+            t = tok.chat(msgs)
+        r.finish(r.decide(RouteInput(t.ids, session=f"s{s}", tokenized=t)))
+        convs.append(msgs)
+    lat, n_tok = [], []
+    for i in range(turns):
+        s = i % sessions
+        convs[s] = convs[s] + [{"role": "user", "content": " ".join(
+            rng.choice(["fix", "the", "bug", "in", "foo.py", "\n"]) for _ in range(300))}]
+        t0 = time.perf_counter()
+        t = tok.chat(convs[s])
+        d = r.decide(RouteInput(t.ids, session=f"s{s}", tokenized=t, max_tokens=300))
+        lat.append(time.perf_counter() - t0)
+        n_tok.append(len(t.ids))
+        r.finish(d)
+        convs[s].append({"role": "assistant", "content": "ok, done."})
+    out = summary(lat)
+    out["prompt_tokens_mean"] = statistics.mean(n_tok)
+    return out
+
+
+def summary(lat: list[float]) -> dict:
+    return {"n": len(lat), "p50_ms": pct(lat, 0.5) * 1e3, "p90_ms": pct(lat, 0.9) * 1e3,
+            "p99_ms": pct(lat, 0.99) * 1e3, "mean_ms": statistics.mean(lat) * 1e3,
+            "decisions_per_s": 1.0 / statistics.mean(lat)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tokens", type=int, default=200_000)
+    ap.add_argument("--turns", type=int, default=200)
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--endpoints", type=int, nargs="+", default=[8, 100])
+    ap.add_argument("--out", default="bench-out/router_decision_latency.json")
+    a = ap.parse_args()
+    res = {"tokens": a.tokens, "growth": GROWTH, "results": []}
+    for n in a.endpoints:
+        for kind, fn in (("tokens", bench_tokens), ("chat", bench_chat)):
+            row = {"endpoints": n, "prompt": kind, **fn(n, a.tokens, a.turns, a.sessions)}
+            print(json.dumps(row))
+            res["results"].append(row)
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

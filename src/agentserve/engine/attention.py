@@ -1,0 +1,234 @@
+"""Paged KV cache, per-step batch metadata and attention over the paged cache.
+
+A step is a list of `SeqChunk`s. `prepare_batch` lays the step's tokens out as
+[all decode tokens (q_len == 1) | prefill chunk 0 | prefill chunk 1 | ...] and builds every
+index tensor once; each layer then reuses them:
+
+- all decodes share ONE block-table gather and ONE SDPA call (key-padding mask);
+- each prefill chunk gets its own SDPA call (plain causal when it starts at position 0,
+  an offset causal mask when earlier tokens already sit in the cache).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias, causal_lower_right
+
+from agentserve.engine.checkpoint import ModelConfig
+
+
+@dataclass(slots=True)
+class KVCache:
+    """Paged K/V pool. k, v: [num_layers, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[2]
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+        """K and V bytes one token occupies across all layers."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+    @classmethod
+    def allocate(cls, cfg: ModelConfig, num_blocks: int, block_size: int,
+                 dtype: torch.dtype, device: str | torch.device) -> KVCache:
+        """Zeroed pool of `num_blocks` blocks of `block_size` tokens."""
+        shape = (cfg.num_hidden_layers, num_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
+        return cls(torch.zeros(shape, dtype=dtype, device=device),
+                   torch.zeros(shape, dtype=dtype, device=device))
+
+
+@dataclass(slots=True)
+class SeqChunk:
+    """The new tokens of one sequence in one step."""
+
+    token_ids: list[int]  # the new tokens to compute this step (prefill chunk or 1 decode token)
+    start_pos: int  # tokens of this sequence already in the KV cache before this chunk
+    block_ids: list[int]  # the sequence's whole block table (covers start_pos + len(token_ids))
+    need_logits: bool  # True if the last token's logits are needed
+
+
+@dataclass(slots=True)
+class PrefillMeta:
+    """One prefill chunk: rows [q_start, q_start + q_len) of the step."""
+
+    q_start: int
+    q_len: int
+    start_pos: int
+    kv_len: int  # start_pos + q_len
+    block_ids: torch.Tensor | None  # [ceil(kv_len / block_size)]; None when start_pos == 0
+    # [q_len, kv_len] bool on CPU, lower-right CausalBias elsewhere; None when start_pos == 0
+    mask: torch.Tensor | CausalBias | None
+
+
+@dataclass(slots=True)
+class BatchMeta:
+    """Everything a forward step needs, built once per step by `prepare_batch`."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] block_id * block_size + offset of each new token
+    logits_idx: torch.Tensor  # [N] rows whose logits are returned, in chunk order
+    num_decodes: int  # rows [0, num_decodes) are decode tokens
+    dec_block_table: torch.Tensor | None  # [B, max_blocks], padded with block 0
+    dec_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
+    # (masks turn into additive masks of the model dtype on first use, then are reused)
+    prefills: list[PrefillMeta]
+
+
+def _slots(block_ids: list[int], start: int, n: int, block_size: int) -> np.ndarray:
+    pos = np.arange(start, start + n)
+    return np.asarray(block_ids, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+
+
+def _decode_meta(chunks: list[SeqChunk], block_size: int, device: torch.device
+                 ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """Slots [B], padded block table [B, MB] and key mask [B, 1, 1, MB * block_size]."""
+    starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
+    nblk = starts // block_size + 1
+    table = np.zeros((len(chunks), int(nblk.max())), dtype=np.int64)
+    for i, c in enumerate(chunks):
+        table[i, : nblk[i]] = c.block_ids[: nblk[i]]
+    slots = table[np.arange(len(chunks)), starts // block_size] * block_size + starts % block_size
+    table_t = torch.from_numpy(table).to(device, non_blocking=True)
+    ctx = torch.from_numpy(starts + 1).to(device, non_blocking=True)
+    keys = torch.arange(table.shape[1] * block_size, device=device)
+    mask = (keys[None, :] < ctx[:, None])[:, None, None, :]
+    return slots, table_t, mask
+
+
+def _prefill_meta(c: SeqChunk, q_start: int, block_size: int, device: torch.device) -> PrefillMeta:
+    n, start = len(c.token_ids), c.start_pos
+    kv_len = start + n
+    if start == 0:
+        return PrefillMeta(q_start, n, 0, kv_len, None, None)
+    nblk = -(-kv_len // block_size)
+    blocks = torch.tensor(c.block_ids[:nblk], dtype=torch.long, device=device)
+    if device.type != "cpu":  # fused GPU kernels apply the offset causal mask themselves
+        return PrefillMeta(q_start, n, start, kv_len, blocks, causal_lower_right(n, kv_len))
+    # query i sits at position start + i and sees keys 0 .. start + i
+    q_pos = torch.arange(start, kv_len, device=device)
+    mask = torch.arange(kv_len, device=device)[None, :] <= q_pos[:, None]
+    return PrefillMeta(q_start, n, start, kv_len, blocks, mask)
+
+
+def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.device) -> BatchMeta:
+    """Lay out one step's tokens (decodes first) and build all index tensors."""
+    device = torch.device(device)
+    dec = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
+    pre = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
+    row_of_last = [0] * len(chunks)
+    ids, pos, slots = [], [], []
+    dec_table = dec_mask = None
+    if dec:
+        d_chunks = [chunks[i] for i in dec]
+        d_slots, dec_table, dec_mask = _decode_meta(d_chunks, block_size, device)
+        ids.append(np.fromiter((c.token_ids[0] for c in d_chunks), np.int64, len(dec)))
+        pos.append(np.fromiter((c.start_pos for c in d_chunks), np.int64, len(dec)))
+        slots.append(d_slots)
+        for row, i in enumerate(dec):
+            row_of_last[i] = row
+    prefills, q_start = [], len(dec)
+    for i in pre:
+        c = chunks[i]
+        n = len(c.token_ids)
+        prefills.append(_prefill_meta(c, q_start, block_size, device))
+        ids.append(np.asarray(c.token_ids, dtype=np.int64))
+        pos.append(np.arange(c.start_pos, c.start_pos + n, dtype=np.int64))
+        slots.append(_slots(c.block_ids, c.start_pos, n, block_size))
+        q_start += n
+        row_of_last[i] = q_start - 1
+    logits_rows = np.asarray([row_of_last[i] for i, c in enumerate(chunks) if c.need_logits],
+                             dtype=np.int64)
+    T = q_start
+    # one host->device copy for all 1-D index arrays
+    flat = torch.from_numpy(np.concatenate([*ids, *pos, *slots, logits_rows]))
+    flat = flat.to(device, non_blocking=True)
+    return BatchMeta(
+        input_ids=flat[:T], positions=flat[T:2 * T], slot_mapping=flat[2 * T:3 * T],
+        logits_idx=flat[3 * T:], num_decodes=len(dec),
+        dec_block_table=dec_table, dec_mask=dec_mask, prefills=prefills,
+    )
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bool mask (True = attend) -> additive float mask; SDPA would redo this every layer."""
+    if mask.dtype == dtype:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache: [num_blocks, block_size, Hkv, D]; blocks: [..., n] -> [..., n * block_size, Hkv, D]."""
+    out = cache.index_select(0, blocks.flatten())  # index_select: ~3x faster than cache[blocks]
+    return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
+
+
+def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: BatchMeta,
+                      scale: float) -> torch.Tensor:
+    """q: [B, H, D]; kc, vc: [num_blocks, block_size, Hkv, D] -> [B, H, D]."""
+    B, H, D = q.shape
+    Hkv = kc.shape[2]
+    # the G = H / Hkv query heads of one KV head become G query rows of an MHA problem
+    qg = q.view(B, Hkv, H // Hkv, D)  # [B, Hkv, G, D]
+    k = _gather(kc, meta.dec_block_table).transpose(1, 2)  # [B, Hkv, K, D]
+    v = _gather(vc, meta.dec_block_table).transpose(1, 2)
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.dec_mask, scale=scale)
+    return o.reshape(B, H, D)
+
+
+def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
+                       vc: torch.Tensor, p: PrefillMeta, scale: float) -> torch.Tensor:
+    """q: [L, H, D]; k, v: [L, Hkv, D] (this chunk) -> [L, H, D].
+
+    Inputs stay 4-D ([1, heads, L, D]): on CPU only 4-D inputs reach the flash kernel
+    (3-D ones fall back to the math path, which materializes [L, L] scores). On GPUs the
+    fused kernels that take a lower-right causal mask lack GQA, so K/V heads are repeated.
+    """
+    if p.block_ids is not None:  # earlier tokens are cached: attend over the gathered blocks
+        k = _gather(kc, p.block_ids)[: p.kv_len]  # [kv_len, Hkv, D]
+        v = _gather(vc, p.block_ids)[: p.kv_len]
+    gqa = q.device.type == "cpu"
+    if not gqa and k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    qh, kh, vh = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, L or kv_len, D]
+    if p.mask is None:  # nothing cached before this chunk: plain causal over the chunk
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        if isinstance(p.mask, torch.Tensor):
+            p.mask = _additive(p.mask, q.dtype)  # once per step, then reused by every layer
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, scale=scale,
+                                           enable_gqa=gqa)
+    return o[0].transpose(0, 1)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int,
+                    meta: BatchMeta, scale: float) -> torch.Tensor:
+    """Write k, v at meta.slot_mapping, then attend. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
+    kc, vc = kv.k[layer], kv.v[layer]  # [num_blocks, block_size, Hkv, D]
+    Hkv, D = kc.shape[2], kc.shape[3]
+    kc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
+    vc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
+    outs = []
+    B = meta.num_decodes
+    if B:
+        meta.dec_mask = _additive(meta.dec_mask, q.dtype)
+        outs.append(_decode_attention(q[:B], kc, vc, meta, scale))
+    for p in meta.prefills:
+        s, e = p.q_start, p.q_start + p.q_len
+        outs.append(_prefill_attention(q[s:e], k[s:e], v[s:e], kc, vc, p, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

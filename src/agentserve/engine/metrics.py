@@ -1,0 +1,110 @@
+"""Prometheus metrics under vLLM's names, on a registry private to one server.
+
+Gauges and counters are read from `engine.stats()` at scrape time by a custom
+collector, so they can never drift from the engine's own counts. Latency
+histograms are observed by the server per request (TTFT, inter-token latency,
+end-to-end), with vLLM's bucket boundaries. Every series carries `model_name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+# vLLM v1 bucket boundaries (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0]
+E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+# (stats field, metric name without _total, help)
+COUNTERS = [
+    ("prefix_queries_tokens", "vllm:prefix_cache_queries", "Prefix cache queries, in tokens."),
+    ("prefix_hits_tokens", "vllm:prefix_cache_hits", "Prefix cache hits, in tokens."),
+    ("num_preemptions", "vllm:num_preemptions", "Cumulative number of preemptions."),
+    ("prompt_tokens", "vllm:prompt_tokens", "Number of prefill tokens processed."),
+    ("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed."),
+    ("spec_num_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
+    ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
+    ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+]
+GAUGES = [
+    ("num_running", "vllm:num_requests_running", "Number of requests in model execution batches."),
+    ("num_waiting", "vllm:num_requests_waiting", "Number of requests waiting to be processed."),
+    ("kv_usage", "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage."),
+]
+
+
+class StatsSource(Protocol):
+    model_name: str
+    block_size: int
+    num_gpu_blocks: int
+
+    def stats(self) -> Any: ...
+
+
+class _EngineCollector:
+    """Reads engine.stats() on every scrape."""
+
+    def __init__(self, engine: StatsSource) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        stats, name = self.engine.stats(), self.engine.model_name
+        for field, metric, doc in GAUGES:
+            g = GaugeMetricFamily(metric, doc, labels=["model_name"])
+            g.add_metric([name], float(getattr(stats, field)))
+            yield g
+        for field, metric, doc in COUNTERS:
+            c = CounterMetricFamily(metric, doc, labels=["model_name"])
+            c.add_metric([name], float(getattr(stats, field, 0)))
+            yield c
+        info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
+                                 labels=["model_name", "block_size", "num_gpu_blocks"])
+        info.add_metric([name, str(self.engine.block_size), str(self.engine.num_gpu_blocks)], 1.0)
+        yield info
+
+
+class ServerMetrics:
+    """One server's registry: engine collector plus per-request latency histograms."""
+
+    def __init__(self, engine: StatsSource) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_EngineCollector(engine))  # type: ignore[arg-type]
+        labels = ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token in seconds.",
+                              labels, buckets=TTFT_BUCKETS, registry=self.registry).labels(
+                                  engine.model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Inter-token latency in seconds.",
+                             labels, buckets=ITL_BUCKETS, registry=self.registry).labels(
+                                 engine.model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
+                             "End-to-end request latency in seconds.", labels,
+                             buckets=E2E_BUCKETS, registry=self.registry).labels(engine.model_name)
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content type) of the Prometheus text exposition."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTimer:
+    """Observes one request's TTFT, inter-token gaps and end-to-end latency."""
+
+    def __init__(self, metrics: ServerMetrics, arrival: float) -> None:
+        self.metrics, self.arrival, self.last = metrics, arrival, None
+
+    def on_tokens(self, t: float) -> None:
+        """A delta with new tokens was produced at monotonic time t."""
+        if self.last is None:
+            self.metrics.ttft.observe(max(t - self.arrival, 0.0))
+        else:
+            self.metrics.itl.observe(max(t - self.last, 0.0))
+        self.last = t
+
+    def on_finish(self, t: float) -> None:
+        self.metrics.e2e.observe(max(t - self.arrival, 0.0))

@@ -1,0 +1,222 @@
+"""OpenAI request schemas, their validation, and OpenAI error objects.
+
+Bodies are decoded with msgspec Structs that ignore unknown fields (as vLLM does);
+type errors name the offending field. Range checks that msgspec cannot express
+live in `check_*`. Every failure is an `APIError` carrying the HTTP status and the
+OpenAI error object `{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, TypeVar
+
+import msgspec
+from msgspec import Struct
+
+T = TypeVar("T")
+
+
+class APIError(Exception):
+    """An error the client can act on; `body()` is the OpenAI error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 code: str | None = None, type: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or _TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+_TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "invalid_request_error",
+          500: "server_error", 503: "service_unavailable"}
+
+
+class StreamOptions(Struct, kw_only=True, omit_defaults=True):
+    include_usage: bool = False
+
+
+class _Sampling(Struct, kw_only=True, omit_defaults=True):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
+    prompt: str | list[Any]  # text, token ids, or a list of either
+    echo: bool = False
+    logprobs: int | None = None
+
+
+class ContentPart(Struct, kw_only=True, omit_defaults=True):
+    type: str
+    text: str | None = None
+
+
+class FunctionCall(Struct, kw_only=True, omit_defaults=True):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class MessageToolCall(Struct, kw_only=True, omit_defaults=True):
+    function: FunctionCall
+    id: str | None = None
+    type: str = "function"
+
+
+class Message(Struct, kw_only=True, omit_defaults=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDef(Struct, kw_only=True, omit_defaults=True):
+    name: str
+    description: str | None = None
+    parameters: Any = None  # a JSON Schema object; checked when the grammar is built
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True, omit_defaults=True):
+    function: FunctionDef
+    type: str = "function"
+
+
+class NamedFunction(Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(Struct, kw_only=True):
+    function: NamedFunction
+    type: str = "function"
+
+
+class ChatRequest(_Sampling, kw_only=True, omit_defaults=True):
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: str | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+_PATH = re.compile(r"at `\$\.?(.*)`")
+
+
+def decode(body: bytes, kind: type[T]) -> T:
+    """JSON body -> request Struct; malformed JSON or wrong types become 400s."""
+    try:
+        return msgspec.json.decode(body, type=kind)
+    except msgspec.ValidationError as e:
+        m = _PATH.search(str(e))
+        raise APIError(400, f"invalid request: {e}", param=m.group(1) if m else None) from None
+    except msgspec.DecodeError as e:
+        raise APIError(400, f"request body is not valid JSON: {e}") from None
+
+
+def check_sampling(req: _Sampling) -> None:
+    """Range checks common to both endpoints."""
+    if req.n != 1:
+        raise APIError(400, f"n must be 1 (got {req.n}); send separate requests", "n")
+    if req.temperature is not None and req.temperature < 0:
+        raise APIError(400, f"temperature must be >= 0, got {req.temperature}", "temperature")
+    if req.top_p is not None and not 0 < req.top_p <= 1:
+        raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", "top_p")
+    if req.top_k is not None and req.top_k < -1:
+        raise APIError(400, f"top_k must be -1, 0 (disabled) or >= 1, got {req.top_k}", "top_k")
+    if req.max_tokens is not None and req.max_tokens <= 0:
+        raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
+
+
+def check_completion(req: CompletionRequest) -> None:
+    check_sampling(req)
+    if req.echo:
+        raise APIError(400, "echo=true is not supported; send echo=false", "echo")
+    if req.logprobs is not None:
+        raise APIError(400, "logprobs are not supported; omit the field or send null", "logprobs")
+
+
+_ROLES = {"system", "developer", "user", "assistant", "tool"}
+
+
+def check_chat(req: ChatRequest) -> None:
+    check_sampling(req)
+    if req.max_completion_tokens is not None and req.max_completion_tokens <= 0:
+        raise APIError(400, f"max_completion_tokens must be >= 1, got {req.max_completion_tokens}",
+                       "max_completion_tokens")
+    if req.logprobs or req.top_logprobs:
+        raise APIError(400, "logprobs are not supported; send logprobs=false", "logprobs")
+    if not req.messages:
+        raise APIError(400, "messages must not be empty", "messages")
+    for i, m in enumerate(req.messages):
+        if m.role not in _ROLES:
+            raise APIError(400, f"messages[{i}].role must be one of {sorted(_ROLES)}, "
+                           f"got {m.role!r}", f"messages[{i}].role")
+        for part in m.content if isinstance(m.content, list) else []:
+            if part.type != "text" or part.text is None:
+                raise APIError(400, f"messages[{i}]: only text content parts are supported, "
+                               f"got type {part.type!r}", f"messages[{i}].content")
+    check_tool_choice(req)
+
+
+def check_tool_choice(req: ChatRequest) -> None:
+    choice, names = req.tool_choice, [t.function.name for t in req.tools or []]
+    if isinstance(choice, str) and choice not in ("auto", "none", "required"):
+        raise APIError(400, f"tool_choice must be 'auto', 'none', 'required' or a named function, "
+                       f"got {choice!r}", "tool_choice")
+    if (choice == "required" or isinstance(choice, NamedToolChoice)) and not names:
+        raise APIError(400, "tool_choice requires tools; add tools or drop tool_choice",
+                       "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        raise APIError(400, f"tool_choice names function {choice.function.name!r}, which is not "
+                       f"in tools {names}", "tool_choice")
+
+
+def stop_list(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def check_prompt_ids(ids: list[int], vocab_size: int, param: str = "prompt") -> None:
+    if not ids:
+        raise APIError(400, "prompt must not be empty", param)
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"token id {bad} is out of range [0, {vocab_size})", param)
+
+
+def check_length(num_prompt: int, max_tokens: int | None, max_model_len: int) -> int:
+    """Check the context limit; returns max_tokens (default: all the room left)."""
+    if num_prompt >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, your prompt has {num_prompt} tokens, leaving no room for output. "
+                       "Please shorten the prompt.", "prompt", "context_length_exceeded")
+    room = max_model_len - num_prompt
+    if max_tokens is None:
+        return room
+    if max_tokens > room:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. "
+                       f"However, you requested {num_prompt + max_tokens} tokens ({num_prompt} in "
+                       f"the prompt, {max_tokens} for the completion). Please reduce the prompt "
+                       f"or max_tokens (at most {room} here).", "max_tokens",
+                       "context_length_exceeded")
+    return max_tokens

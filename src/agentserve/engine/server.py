@@ -1,0 +1,137 @@
+"""The engine's OpenAI-compatible HTTP server (aiohttp).
+
+Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
+GET /health (503 while draining), GET /metrics (Prometheus text, vLLM names).
+
+Every failure is an OpenAI error object with a 4xx/5xx status; a bad request never
+disturbs others. With an API key, /v1/* needs `Authorization: Bearer KEY`;
+/health and /metrics stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+
+from agentserve.engine.metrics import ServerMetrics
+from agentserve.engine.protocol import APIError
+from agentserve.engine.serving import EngineClient, create_completion, json_response
+from agentserve.engine.serving_chat import create_chat
+
+log = logging.getLogger("agentserve.server")
+
+ENGINE = web.AppKey("engine", object)
+METRICS = web.AppKey("metrics", ServerMetrics)
+API_KEY = web.AppKey("api_key", object)
+CREATED = web.AppKey("created", int)
+MAX_BODY = web.AppKey("max_body_bytes", int)
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _engine(request: web.Request) -> EngineClient:
+    return request.app[ENGINE]  # type: ignore[return-value]
+
+
+def check_model(engine: EngineClient, model: str | None) -> None:
+    """Accept the served name or the model folder path; anything else is a 404."""
+    if model is None:
+        return
+    names = {engine.model_name, str(getattr(engine, "model_dir", engine.model_name))}
+    if model not in names:
+        raise APIError(404, f"The model `{model}` does not exist. This server serves "
+                       f"`{engine.model_name}`.", "model", "model_not_found")
+
+
+class _ModelOnly(msgspec.Struct):
+    model: str | None = None
+
+
+def _requested_model(body: bytes) -> str | None:
+    """The body's "model" field, read leniently (full validation comes later)."""
+    try:
+        return msgspec.json.decode(body, type=_ModelOnly).model
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Turn every error into an OpenAI error object."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return json_response(e.body(), e.status)
+    except web.HTTPRequestEntityTooLarge:
+        err = APIError(413, f"request body too large: the limit is {request.app[MAX_BODY]} bytes")
+        return json_response(err.body(), 413)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return json_response(APIError(e.status, e.reason).body(), e.status)
+    except Exception as e:  # a bug: answer 500, keep serving
+        log.exception("request %s %s failed", request.method, request.path)
+        return json_response(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), 500)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    key = request.app[API_KEY]
+    if key and request.path.startswith("/v1/"):
+        if request.headers.get("Authorization", "") != f"Bearer {key}":
+            raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+    return await handler(request)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    check_model(_engine(request), _requested_model(body))
+    return await create_completion(request, _engine(request), request.app[METRICS], body)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    check_model(_engine(request), _requested_model(body))
+    return await create_chat(request, _engine(request), request.app[METRICS], body)
+
+
+async def models(request: web.Request) -> web.Response:
+    engine = _engine(request)
+    card = {"id": engine.model_name, "object": "model", "created": request.app[CREATED],
+            "owned_by": "agentserve", "root": str(getattr(engine, "model_dir", engine.model_name)),
+            "max_model_len": engine.max_model_len}
+    return json_response({"object": "list", "data": [card]})
+
+
+async def health(request: web.Request) -> web.Response:
+    if getattr(_engine(request), "draining", False):
+        return json_response(APIError(503, "server is draining").body(), 503)
+    return web.Response(status=200)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body, content_type = request.app[METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def build_app(engine: EngineClient, api_key: str | None = None,
+              max_body_bytes: int = 32 << 20) -> web.Application:
+    """The aiohttp app for one engine; the caller runs it (and starts the engine)."""
+    app = web.Application(client_max_size=max_body_bytes,
+                          middlewares=[errors_middleware, auth_middleware])
+    app[ENGINE] = engine
+    app[METRICS] = ServerMetrics(engine)
+    app[API_KEY] = api_key
+    app[CREATED] = int(time.time())
+    app[MAX_BODY] = max_body_bytes
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics)
+    return app

@@ -1,0 +1,280 @@
+"""Generation, SSE streaming and the /v1/completions handler (chat: serving_chat.py).
+
+A `Generation` runs one prompt through the engine and turns its token deltas into
+text deltas (incremental detokenizer + stop strings), observing latency metrics.
+Leaving its iteration early for any reason (stop string, client gone, task
+cancelled) closes the engine's generator, which aborts the request and frees its
+KV blocks. Client disconnects are noticed both by failed SSE writes and by
+checking the transport between engine steps (non-streaming requests too).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import msgspec
+from aiohttp import web
+
+from agentserve.engine.engine import EngineDraining
+from agentserve.engine.metrics import RequestTimer, ServerMetrics
+from agentserve.engine.protocol import (APIError, CompletionRequest, _Sampling, check_completion,
+                                        check_length, check_prompt_ids, decode, stop_list)
+from agentserve.engine.request import RequestOutput, SamplingParams
+from agentserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+class EngineClient(Protocol):
+    """The part of `agentserve.engine.engine.AsyncEngine` the server uses."""
+
+    tokenizer: Tokenizer
+    model_name: str
+    max_model_len: int
+    block_size: int
+    num_gpu_blocks: int
+
+    def generate(self, request_id: str, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+
+    def stats(self) -> Any: ...
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sampling_params(req: _Sampling, max_tokens: int) -> SamplingParams:
+    """Request fields -> engine SamplingParams (already range-checked)."""
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k in (None, -1) else req.top_k,
+        seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+
+
+def resolve_max_tokens(num_prompt: int, requested: int | None, default: int | None,
+                       max_model_len: int) -> int:
+    """Explicit max_tokens must fit the context; a default is clamped to the room left."""
+    room = check_length(num_prompt, requested, max_model_len)
+    return room if requested is not None or default is None else min(default, room)
+
+
+class Generation:
+    """One prompt in the engine, as text deltas; totals are read after iteration."""
+
+    def __init__(self, engine: EngineClient, metrics: ServerMetrics, request_id: str,
+                 prompt_ids: list[int], params: SamplingParams, stop: list[str],
+                 alive: Callable[[], bool], arrival: float) -> None:
+        self.engine, self.request_id = engine, request_id
+        self.prompt_ids, self.params = prompt_ids, params
+        self.detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids, stop,
+                                            skip_ids=set(params.stop_token_ids))
+        self.timer = RequestTimer(metrics, arrival)
+        self.alive = alive
+        self.prompt_tokens, self.cached_tokens, self.completion_tokens = len(prompt_ids), 0, 0
+        self.finish_reason: str | None = None
+
+    def usage(self) -> dict[str, Any]:
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+
+    async def deltas(self) -> AsyncIterator[str]:
+        stream = self.engine.generate(self.request_id, self.prompt_ids, self.params)
+        try:
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    text = self._take(out)
+                    if text:
+                        yield text
+                    if self.finish_reason is not None:
+                        break
+                    if not self.alive():  # client gone: leaving the loop aborts the request
+                        self.finish_reason = "abort"
+                        break
+        except EngineDraining as e:
+            raise APIError(503, str(e)) from None
+        finally:
+            if self.finish_reason not in (None, "abort"):  # as vLLM: finished requests only
+                self.timer.on_finish(time.monotonic())
+
+    def _take(self, out: RequestOutput) -> str:
+        """Fold one engine delta in; returns its text and sets finish_reason when done."""
+        self.cached_tokens = out.num_cached_tokens
+        if out.new_token_ids:
+            self.timer.on_tokens(out.time)
+            self.completion_tokens += len(out.new_token_ids)
+        text, stopped = self.detok.push(out.new_token_ids)
+        if stopped:
+            self.finish_reason = "stop"
+        elif out.finished:
+            if out.finish_reason == "error":
+                raise APIError(500, f"engine error: {out.error}")
+            self.finish_reason = out.finish_reason or "stop"
+            text += self.detok.flush()
+        return text
+
+
+def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def sum_usage(gens: list[Generation]) -> dict[str, Any]:
+    return usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
+                 sum(g.cached_tokens for g in gens))
+
+
+async def merge(streams: list[AsyncIterator[str]]) -> AsyncIterator[tuple[int, str | None]]:
+    """Interleave several delta streams as (index, text); (index, None) marks an end.
+
+    Closing the merged stream cancels the pumps, which closes every generation.
+    """
+    if len(streams) == 1:
+        async with contextlib.aclosing(streams[0]):
+            async for text in streams[0]:
+                yield 0, text
+        yield 0, None
+        return
+    q: asyncio.Queue[tuple[int, str | None, Exception | None]] = asyncio.Queue()
+
+    async def pump(i: int, s: AsyncIterator[str]) -> None:
+        try:
+            async with contextlib.aclosing(s):
+                async for text in s:
+                    await q.put((i, text, None))
+            await q.put((i, None, None))
+        except Exception as e:  # re-raised in the consumer
+            await q.put((i, None, e))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    left = len(tasks)
+    try:
+        while left:
+            i, text, err = await q.get()
+            if err is not None:
+                raise err
+            left -= text is None
+            yield i, text
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class SSE:
+    """Server-sent events; the response is prepared lazily so that an error before
+    the first chunk can still be a plain JSON error with a proper status."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.resp: web.StreamResponse | None = None
+
+    async def send(self, obj: dict[str, Any]) -> None:
+        if self.resp is None:
+            self.resp = web.StreamResponse(headers={
+                "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+            await self.resp.prepare(self.request)
+        await self.resp.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+
+    async def close(self) -> web.StreamResponse:
+        assert self.resp is not None
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()
+        return self.resp
+
+
+async def stream_sse(request: web.Request,
+                     events: AsyncIterator[dict[str, Any]]) -> web.StreamResponse:
+    """Write each event as it comes; errors after the first byte become an error event."""
+    sse = SSE(request)
+    try:
+        async with contextlib.aclosing(events):
+            async for obj in events:
+                await sse.send(obj)
+    except APIError as e:
+        if sse.resp is None:
+            raise
+        await sse.send(e.body())
+    except ConnectionResetError:  # client went away; closing `events` aborted the request
+        return sse.resp or web.StreamResponse()
+    if sse.resp is None:
+        await sse.send({"choices": []})  # nothing was produced at all; keep the stream valid
+    return await sse.close()
+
+
+def client_alive(request: web.Request) -> Callable[[], bool]:
+    def alive() -> bool:
+        transport = request.transport
+        return transport is not None and not transport.is_closing()
+    return alive
+
+
+def json_response(obj: dict[str, Any], status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), status=status,
+                        content_type="application/json")
+
+
+# ---- /v1/completions ---------------------------------------------------------------------
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def completion_prompts(prompt: str | list[Any], tok: Tokenizer) -> list[list[int]]:
+    """Text, token ids, or a list of either -> one token-id list per prompt."""
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, str) or (_is_ids(p) and p) for p in prompt):
+        items = list(prompt)
+    else:
+        raise APIError(400, "prompt must be a non-empty string, a list of token ids, or a list "
+                       "of those", "prompt")
+    out = []
+    for item in items:
+        ids = tok.encode(item) if isinstance(item, str) else item
+        check_prompt_ids(ids, tok.vocab_size)
+        out.append(ids)
+    return out
+
+
+async def create_completion(request: web.Request, engine: EngineClient,
+                            metrics: ServerMetrics, body: bytes) -> web.StreamResponse:
+    arrival = time.monotonic()
+    req = decode(body, CompletionRequest)
+    check_completion(req)
+    prompts = completion_prompts(req.prompt, engine.tokenizer)
+    cid = new_id("cmpl")
+    gens = []
+    for i, ids in enumerate(prompts):
+        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len)
+        gens.append(Generation(engine, metrics, f"{cid}-{i}", ids, sampling_params(req, max_tokens),
+                               stop_list(req.stop), client_alive(request), arrival))
+    base = {"id": cid, "object": "text_completion", "created": int(time.time()),
+            "model": engine.model_name}
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    if req.stream:
+        return await stream_sse(request, _completion_events(base, gens, include_usage))
+    texts = [""] * len(gens)
+    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
+        async for i, text in merged:
+            texts[i] += text or ""
+    choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason, "logprobs": None}
+               for i, g in enumerate(gens)]
+    return json_response({**base, "choices": choices, "usage": sum_usage(gens)})
+
+
+async def _completion_events(base: dict[str, Any], gens: list[Generation],
+                             include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    extra = {"usage": None} if include_usage else {}
+    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
+        async for i, text in merged:
+            finish = gens[i].finish_reason if text is None else None
+            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+            yield {**base, "choices": [choice], **extra}
+    if include_usage:
+        yield {**base, "choices": [], "usage": sum_usage(gens)}

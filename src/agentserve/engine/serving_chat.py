@@ -1,0 +1,130 @@
+"""The /v1/chat/completions handler: chat template, tool calls, streaming deltas.
+
+Tools are rendered into the prompt and parsed out of the answer unless tool_choice
+is "none" (then they are neither rendered nor parsed). "required" and a named
+function add a grammar constraint (constrained.py); every tool schema is checked
+by compiling it, so a bad schema is a 400 whatever the tool_choice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+
+from agentserve.engine.constrained import GrammarError, ToolGrammarConstraint, compile_tool_grammar
+from agentserve.engine.metrics import ServerMetrics
+from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice, check_chat,
+                                        check_prompt_ids, decode, stop_list)
+from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
+                                       new_id, resolve_max_tokens, sampling_params, stream_sse)
+from agentserve.engine.tokenizer import Tokenizer
+from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them (as vLLM prepares them)."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = msgspec.to_builtins(m)
+        d["role"] = "system" if m.role == "developer" else m.role
+        if isinstance(m.content, list):  # text parts are joined with newlines, as vLLM does
+            d["content"] = "\n".join(p.text or "" for p in m.content)
+        d.setdefault("content", "")
+        for call in d.get("tool_calls", []):
+            args = call["function"].get("arguments", "")
+            if isinstance(args, str):  # HF templates expect a dict; keep text that is not JSON
+                with contextlib.suppress(ValueError):
+                    call["function"]["arguments"] = msgspec.json.decode(args or "{}")
+        out.append(d)
+    return out
+
+
+def tool_constraint(tok: Tokenizer, tools: list[dict[str, Any]],
+                    req: ChatRequest) -> ToolGrammarConstraint | None:
+    """Validate the tool schemas; a constraint for "required" or a named function."""
+    choice = req.tool_choice or "auto"
+    name = choice.function.name if isinstance(choice, NamedToolChoice) else None
+    try:
+        grammar = compile_tool_grammar(tok, tools, name, req.parallel_tool_calls)
+        return None if choice == "auto" else ToolGrammarConstraint(tok, grammar)
+    except GrammarError as e:
+        raise APIError(400, str(e), "tools") from None
+
+
+async def create_chat(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
+                      body: bytes) -> web.StreamResponse:
+    arrival = time.monotonic()
+    req = decode(body, ChatRequest)
+    check_chat(req)
+    tok = engine.tokenizer
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    tools = [msgspec.to_builtins(t) for t in req.tools or []] if use_tools else None
+    try:
+        prompt = tok.apply_chat_template(chat_messages(req.messages), tools=tools)
+    except ValueError as e:
+        raise APIError(400, str(e), "messages") from None
+    ids = tok.encode(prompt)
+    check_prompt_ids(ids, tok.vocab_size, "messages")
+    requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+    max_tokens = resolve_max_tokens(len(ids), requested, None, engine.max_model_len)
+    params = sampling_params(req, max_tokens)
+    if tools:
+        params.constraint = await asyncio.to_thread(tool_constraint, tok, tools, req)
+    cid = new_id("chatcmpl")
+    gen = Generation(engine, metrics, cid, ids, params, stop_list(req.stop), client_alive(request),
+                     arrival)
+    base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
+            "model": engine.model_name}
+    if req.stream:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        base["object"] = "chat.completion.chunk"
+        return await stream_sse(request, _chat_events(base, gen, use_tools, include_usage))
+    async with contextlib.aclosing(gen.deltas()) as deltas:
+        text = "".join([t async for t in deltas])
+    content, calls = parse_tool_calls(text) if use_tools else (text, [])
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [c.to_openai() for c in calls]
+    finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
+    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
+    return json_response({**base, "choices": [choice], "usage": gen.usage()})
+
+
+def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:
+    if parser is None:
+        return [{"content": text}] if text else []
+    content, calls = parser.finish() if end else parser.feed(text)
+    return ([{"content": content}] if content else []) + ([{"tool_calls": calls}] if calls else [])
+
+
+async def _chat_events(base: dict[str, Any], gen: Generation, parse: bool,
+                       include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    extra = {"usage": None} if include_usage else {}
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return {**base, "choices": [choice], **extra}
+
+    parser = StreamingToolParser() if parse else None
+    yielded_role = False
+    async with contextlib.aclosing(gen.deltas()) as deltas:
+        async for text in deltas:
+            if not yielded_role:  # sent with the first text so early errors stay plain JSON
+                yielded_role = True
+                yield chunk({"role": "assistant", "content": ""})
+            for delta in _chat_deltas(parser, text):
+                yield chunk(delta)
+    if not yielded_role:
+        yield chunk({"role": "assistant", "content": ""})
+    for delta in _chat_deltas(parser, "", end=True):
+        yield chunk(delta)
+    calls = parser is not None and parser.calls
+    yield chunk({}, "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason)
+    if include_usage:
+        yield {**base, "choices": [], "usage": gen.usage()}

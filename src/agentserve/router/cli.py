@@ -1,0 +1,52 @@
+"""`agentserve route`: the KV-cache-aware router in front of engines (ours or vLLM)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import typer
+
+
+def route(
+    config: Optional[str] = typer.Option(None, help="Router YAML (policy, endpoints, scorers)."),
+    host: str = typer.Option("127.0.0.1", help="Bind address."),
+    port: int = typer.Option(8080, help="Port."),
+    endpoint: list[str] = typer.Option([], "--endpoint", help="Extra backend URL (repeatable; "
+                                       "no KV events: approximate prefix tracking)."),
+    tokenizer: Optional[str] = typer.Option(None, help="Model folder with tokenizer.json "
+                                            "(for text and chat prompts)."),
+    api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' "
+                                          "(also enables /admin)."),
+    policy: Optional[str] = typer.Option(None, help="Override the config's policy."),
+    log_level: str = typer.Option("info", help="Logging level."),
+) -> None:
+    """Route OpenAI requests to the endpoint that holds their prefix (KV events), by load."""
+    from agentserve.router.config import build_config, load_config
+    from agentserve.router.gateway import config_with_overrides, run
+
+    logging.basicConfig(level=log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if policy:
+            import yaml
+            raw = yaml.safe_load(open(config).read()) if config else {}
+            raw = {**(raw or {}), "policy": policy}
+            cfg = build_config(raw)
+        else:
+            cfg = load_config(config)
+        extra = config_with_overrides(None, endpoint, api_key, tokenizer)
+        cfg.endpoints += extra.endpoints
+        cfg.api_key = api_key or cfg.api_key
+        cfg.tokenizer = tokenizer or cfg.tokenizer
+        if not cfg.endpoints:
+            raise ValueError("no endpoints: give --config with endpoints: or --endpoint URL")
+        run(cfg, host, port, config)
+    except (ValueError, OSError) as e:
+        typer.echo(f"agentserve route: {e}", err=True)
+        raise typer.Exit(2) from e
+
+
+def register(app: typer.Typer) -> None:
+    """Add `route` to the `agentserve` command."""
+    app.command("route")(route)

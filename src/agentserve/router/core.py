@@ -1,0 +1,245 @@
+"""The routing decision, without HTTP: prompt -> block keys -> candidates -> scores -> pick.
+
+`Router.decide` is what the gateway calls per request and what the simulator can drive
+on its own clock. It
+
+1. hashes the prompt's full blocks once per hasher (algo, block size, seed) in use,
+   reusing the hashes of the prompt's cached prefix (`prefix.HashCache`);
+2. looks the keys up in the index in one pass (`PrefixIndex.match`);
+3. fills a `Candidate` per available endpoint: prefix run, predicted cached tokens,
+   scraped load (if fresh) and router-known load;
+4. filters, scores (weighted sum of plugins), picks;
+5. books the decision: in-flight counts, session affinity, speculative index entries
+   (precise mode) or LRU entries (approximate mode).
+
+Predicted cached tokens model the engine exactly: matched full blocks, capped so the
+last prompt token is always computed: `min(run, (prompt_len - 1) // block_size) * bs`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+from agentserve.kv.hashing import BlockHasher
+from agentserve.router.approx import ApproxTracker
+from agentserve.router.config import EndpointConfig, RouterConfig
+from agentserve.router.endpoints import Endpoint
+from agentserve.router.index import Match, PrefixIndex
+from agentserve.router.picker import build_picker
+from agentserve.router.prefix import HashCache, PromptHashes
+from agentserve.router.scorers import (Candidate, ModelFilter, RoleFilter, build_scorers,
+                                       weighted_scores)
+from agentserve.router.tokenize import Tokenized
+
+HasherId = tuple[str, int, "str | None"]
+_MAX_OUTPUT_CHARGE = 4096
+
+
+class NoEndpoint(Exception):
+    """No endpoint can take the request; the message says why (503 or 404)."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(slots=True)
+class RouteInput:
+    """What the router needs to know about one request."""
+
+    token_ids: list[int]
+    model: str | None = None
+    session: str | None = None
+    max_tokens: int = 256
+    tokenized: Tokenized | None = None  # chat/text prompts: the tokenizer's cache entry
+
+
+@dataclass(slots=True)
+class Decision:
+    """The chosen endpoint and what the router booked for it."""
+
+    url: str
+    rank: int
+    reason: str
+    prompt_len: int
+    predicted_cached: int
+    charged_tokens: int
+    uncached: int
+    seconds: float
+    scores: dict[str, float] = field(default_factory=dict)
+    keys: list[int] = field(default_factory=list)
+    started: bool = False
+
+
+class Router:
+    """Owns endpoints, the index and the pipeline; `decide` and `finish` per request."""
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.opts = cfg.options
+        self.index = PrefixIndex(self.opts.tier_weights)
+        self.endpoints: dict[str, Endpoint] = {}
+        self.approx: dict[str, ApproxTracker] = {}
+        self.caches: dict[HasherId, HashCache] = {}
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        self.scorers = build_scorers(cfg.scorers)
+        self.picker = build_picker(cfg.picker)
+        self.filters = [ModelFilter()]
+        self.role_filter = RoleFilter()
+        for e in cfg.endpoints:
+            self.add_endpoint(e)
+
+    # ---- endpoints ------------------------------------------------------------------
+    def add_endpoint(self, e: EndpointConfig) -> Endpoint:
+        ep = self.endpoints.get(e.url)
+        if ep is None:
+            ep = self.endpoints[e.url] = Endpoint(e)
+        if self.cfg.index == "approx" or (self.cfg.index == "precise" and not e.kv_events):
+            cap = e.capacity_blocks or 1 << 16
+            self.approx[e.url] = ApproxTracker(self.index, (e.url, 0), cap)
+        return ep
+
+    def remove_endpoint(self, url: str) -> None:
+        url = url.rstrip("/")
+        self.endpoints.pop(url, None)
+        self.approx.pop(url, None)
+        self.index.drop_endpoint(url)
+        for s in [s for s, u in self.sessions.items() if u == url]:
+            del self.sessions[s]
+
+    def hasher_id(self, ep: Endpoint) -> HasherId:
+        return (ep.cfg.hash_algo, ep.block_size or self.opts.block_size, ep.cfg.hash_seed)
+
+    def cache_for(self, hid: HasherId) -> HashCache:
+        c = self.caches.get(hid)
+        if c is None:
+            hasher = BlockHasher(hid[0], hid[1], hid[2])
+            c = self.caches[hid] = HashCache(hasher, max_chunks=self.opts.hash_cache_chunks)
+        return c
+
+    # ---- hashing ----------------------------------------------------------------------
+    def keys_for(self, hid: HasherId, req: RouteInput) -> list[int]:
+        """The prompt's block keys for one hasher, hashing only blocks not seen before."""
+        cache = self.cache_for(hid)
+        tk = req.tokenized
+        if tk is None:
+            return cache.keys_for_tokens(req.token_ids).keys
+        ph = tk.entry.hashes.get(hid)
+        if ph is None:
+            base = tk.base.hashes.get(hid) if tk.base is not None else None
+            ph = cache.extend(base, tk.shared, tk.ids) if base is not None \
+                else cache.keys_for_tokens(tk.ids)
+            tk.entry.hashes[hid] = ph
+        return ph.keys
+
+    # ---- candidates -------------------------------------------------------------------
+    def _candidate(self, ep: Endpoint, req: RouteInput, m: Match, bs: int,
+                   now: float) -> Candidate:
+        plen = len(req.token_ids)
+        cacheable = max(0, (plen - 1) // bs)
+        rank, run, weighted = 0, 0, 0.0
+        for r in range(ep.cfg.dp_ranks):
+            w = m.weighted((ep.url, r), self.opts.tier_weights)
+            if w > weighted:
+                rank, weighted, run = r, w, m.best_run((ep.url, r))
+        cached = min(run, cacheable) * bs
+        fresh = ep.fresh(self.opts.metrics_stale_s, now)
+        sc = ep.scrape
+        uncached = plen - cached
+        return Candidate(
+            url=ep.url, rank=rank, matched_blocks=min(run, cacheable),
+            weighted_blocks=min(weighted, float(cacheable)), total_blocks=cacheable,
+            predicted_cached=cached, uncached_tokens=uncached,
+            waiting=sc.waiting if fresh else 0, running=sc.running if fresh else 0,
+            kv_usage=sc.kv_usage if fresh else 0.0, inflight=ep.inflight,
+            inflight_tokens=ep.inflight_tokens, pending_prefill=ep.pending_prefill,
+            est_wait_s=(ep.pending_prefill + uncached) / self.opts.prefill_tok_per_s,
+            session_match=req.session is not None
+            and self.sessions.get(req.session) == ep.url,
+            role=ep.cfg.role, model_ok=ep.serves(req.model))
+
+    def candidates(self, req: RouteInput, now: float) -> tuple[list[Candidate], dict]:
+        live = [ep for ep in self.endpoints.values() if ep.available(now)]
+        if not live:
+            raise NoEndpoint("no healthy endpoint: all backends are down or ejected; "
+                             "check the router's /health and the engines' logs")
+        by_hid: dict[HasherId, list[Endpoint]] = {}
+        for ep in live:
+            by_hid.setdefault(self.hasher_id(ep), []).append(ep)
+        cands, keys = [], {}
+        for hid, eps in by_hid.items():
+            k = keys[hid] = self.keys_for(hid, req) if self.cfg.index != "none" else []
+            m = self.index.match(k, now) if k else Match(0, [], {})
+            cands += [self._candidate(ep, req, m, hid[1], now) for ep in eps]
+        return cands, keys
+
+    def _filter(self, cands: list[Candidate], model: str | None) -> list[Candidate]:
+        for f in self.filters:
+            cands = [c for c in cands if f.keep(c)]
+        if not cands:
+            raise NoEndpoint(f"model {model!r} is not served by any endpoint", 404)
+        whole = [c for c in cands if self.role_filter.keep(c)]
+        return whole or cands
+
+    # ---- decide -------------------------------------------------------------------
+    def decide(self, req: RouteInput, exclude: set[str] | None = None) -> Decision:
+        """Pick an endpoint for `req` and book it (call `finish` when it completes)."""
+        t0 = time.perf_counter()
+        now = time.monotonic()
+        cands, keys = self.candidates(req, now)
+        cands = self._filter(cands, req.model)
+        if exclude:
+            cands = [c for c in cands if c.url not in exclude] or cands
+        scores = weighted_scores(self.scorers, cands) if self.scorers else [0.0] * len(cands)
+        i, reason = self.picker.pick(cands, scores)
+        c = cands[i]
+        ep = self.endpoints[c.url]
+        d = Decision(url=c.url, rank=c.rank, reason=reason, prompt_len=len(req.token_ids),
+                     predicted_cached=c.predicted_cached,
+                     charged_tokens=c.uncached_tokens + min(req.max_tokens, _MAX_OUTPUT_CHARGE),
+                     uncached=c.uncached_tokens, seconds=0.0,
+                     scores={x.url: s for x, s in zip(cands, scores)},
+                     keys=keys.get(self.hasher_id(ep), []))
+        self._book(ep, d, c, req, now)
+        d.seconds = time.perf_counter() - t0
+        return d
+
+    def _book(self, ep: Endpoint, d: Decision, c: Candidate, req: RouteInput,
+              now: float) -> None:
+        ep.inflight += 1
+        ep.inflight_tokens += d.charged_tokens
+        ep.pending_prefill += d.uncached
+        if req.session is not None and self.opts.session_affinity:
+            self.sessions[req.session] = ep.url
+            self.sessions.move_to_end(req.session)
+            if len(self.sessions) > self.opts.session_entries:
+                self.sessions.popitem(last=False)
+        tracker = self.approx.get(ep.url)
+        if tracker is not None:
+            tracker.touch(d.keys)
+        elif self.opts.speculative_ttl_s > 0 and d.keys:
+            self.index.speculate((ep.url, c.rank), d.keys[c.matched_blocks:],
+                                 self.opts.speculative_ttl_s, now)
+
+    def first_byte(self, d: Decision) -> None:
+        """The endpoint started answering: its prefill of this request is done."""
+        if not d.started:
+            d.started = True
+            ep = self.endpoints.get(d.url)
+            if ep is not None:
+                ep.pending_prefill = max(0, ep.pending_prefill - d.uncached)
+
+    def finish(self, d: Decision) -> None:
+        """The request ended (success or not): release what `decide` booked."""
+        self.first_byte(d)
+        ep = self.endpoints.get(d.url)
+        if ep is not None:
+            ep.inflight = max(0, ep.inflight - 1)
+            ep.inflight_tokens = max(0, ep.inflight_tokens - d.charged_tokens)
+
+    def stats(self) -> dict[str, Any]:
+        return {"index_blocks": len(self.index), "endpoints": len(self.endpoints),
+                "hash_chunks": sum(len(c) for c in self.caches.values())}

@@ -1,0 +1,176 @@
+"""Backend endpoints: what the router knows about each, and the loops that keep it fresh.
+
+Three sources, each with its own clock:
+- *router-known* load (`inflight`, `inflight_tokens`, `pending_prefill`): updated at
+  decision time and when a response starts/ends, so it is never stale;
+- *scraped* vLLM metrics (`/metrics` every `scrape_interval_s`, default 50 ms):
+  `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
+  `vllm:cache_config_info{block_size,num_gpu_blocks}`; ignored once older than
+  `metrics_stale_s`;
+- *health*: active `/health` checks plus passive failures from proxied requests.
+  `eject_after_failures` consecutive failures eject the endpoint for `eject_for_s`;
+  afterwards the next successful health check re-admits it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from agentserve.router.config import EndpointConfig, Options
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="([^"]*)"')
+_WANTED = ("vllm:num_requests_waiting", "vllm:num_requests_running",
+           "vllm:kv_cache_usage_perc", "vllm:cache_config_info")
+
+
+@dataclass(slots=True)
+class Scrape:
+    waiting: int = 0
+    running: int = 0
+    kv_usage: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+
+
+def parse_metrics(text: str) -> Scrape:
+    """The few vLLM gauges the router uses, summed (counts) or averaged (usage) over ranks."""
+    s, usage = Scrape(), []
+    for line in text.splitlines():
+        if not line.startswith(_WANTED):
+            continue
+        m = _SAMPLE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
+        if name == "vllm:num_requests_waiting":
+            s.waiting += int(value)
+        elif name == "vllm:num_requests_running":
+            s.running += int(value)
+        elif name == "vllm:kv_cache_usage_perc":
+            usage.append(value)
+        elif name == "vllm:cache_config_info":
+            lab = dict(_LABEL.findall(labels))
+            if lab.get("block_size", "").isdigit():
+                s.block_size = int(lab["block_size"])
+            if lab.get("num_gpu_blocks", "").isdigit():
+                s.num_gpu_blocks = int(lab["num_gpu_blocks"])
+    s.kv_usage = sum(usage) / len(usage) if usage else 0.0
+    return s
+
+
+@dataclass(slots=True)
+class Endpoint:
+    """One backend and everything the router believes about it."""
+
+    cfg: EndpointConfig
+    healthy: bool = True
+    fails: int = 0
+    ejected_until: float = 0.0
+    ejections: int = 0
+    scrape: Scrape = field(default_factory=Scrape)
+    scraped_at: float = 0.0
+    models: list[str] = field(default_factory=list)
+    inflight: int = 0
+    inflight_tokens: int = 0
+    pending_prefill: int = 0
+    events_seen: int = 0
+    last_event_ts: float = 0.0
+
+    @property
+    def url(self) -> str:
+        return self.cfg.url
+
+    @property
+    def block_size(self) -> int | None:
+        return self.cfg.block_size or self.scrape.block_size
+
+    def available(self, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return self.healthy and now >= self.ejected_until
+
+    def fresh(self, stale_s: float, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        return now - self.scraped_at <= stale_s
+
+    def record_success(self) -> None:
+        self.fails = 0
+
+    def record_failure(self, opts: Options, now: float | None = None) -> bool:
+        """Count a failure; True when it ejected the endpoint."""
+        self.fails += 1
+        if self.fails >= opts.eject_after_failures and self.healthy:
+            now = time.monotonic() if now is None else now
+            self.healthy = False
+            self.ejected_until = now + opts.eject_for_s
+            self.ejections += 1
+            return True
+        return False
+
+    def serves(self, model: str | None) -> bool:
+        if model is None or (not self.models and self.cfg.model is None):
+            return True
+        return model == self.cfg.model or model in self.models
+
+
+async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Options) -> bool:
+    """One active check: /health, and /v1/models the first time (or while unknown)."""
+    try:
+        timeout = aiohttp.ClientTimeout(total=opts.connect_timeout_s)
+        async with session.get(ep.url + "/health", timeout=timeout) as r:
+            ok = r.status == 200
+        if ok and not ep.models:
+            async with session.get(ep.url + "/v1/models", timeout=timeout) as r:
+                if r.status == 200:
+                    ep.models = [m["id"] for m in (await r.json()).get("data", [])]
+    except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
+        ok = False
+    now = time.monotonic()
+    if ok:
+        ep.fails = 0
+        if not ep.healthy and now >= ep.ejected_until:
+            ep.healthy = True
+    else:
+        ep.record_failure(opts, now)
+    return ok
+
+
+async def scrape_once(ep: Endpoint, session: aiohttp.ClientSession, opts: Options) -> bool:
+    try:
+        timeout = aiohttp.ClientTimeout(total=max(opts.scrape_interval_s * 10, 0.5))
+        async with session.get(ep.url + "/metrics", timeout=timeout) as r:
+            if r.status != 200:
+                return False
+            text = await r.text()
+    except (aiohttp.ClientError, asyncio.TimeoutError):
+        return False
+    ep.scrape = parse_metrics(text)
+    ep.scraped_at = time.monotonic()
+    return True
+
+
+async def poll_loop(ep: Endpoint, session: aiohttp.ClientSession, opts: Options) -> None:
+    """Scrape metrics every `scrape_interval_s` and check health every `health_interval_s`."""
+    next_health = 0.0
+    while True:
+        now = time.monotonic()
+        if now >= next_health:
+            await check_health(ep, session, opts)
+            next_health = now + opts.health_interval_s
+        if ep.available():
+            await scrape_once(ep, session, opts)
+        await asyncio.sleep(opts.scrape_interval_s)
+
+
+async def cancel(task: asyncio.Task | None) -> None:
+    if task is None:
+        return
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task

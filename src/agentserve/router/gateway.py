@@ -1,0 +1,330 @@
+"""The router's HTTP front (aiohttp): OpenAI API in, one endpoint per request out.
+
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streamed chunk by chunk),
+`GET /v1/models` (union of endpoints), `GET /health`, `GET /metrics`, and, behind the
+API key, `POST /admin/endpoints` (add: an endpoint config mapping), `DELETE
+/admin/endpoints?url=...` and `POST /admin/reload` (re-read the config file, also on
+SIGHUP).
+
+Per request: authenticate, parse (400 without touching a backend), tokenize
+incrementally, admit (at most `max_inflight` in flight, `max_queue` waiting up to
+`queue_timeout_s`, else 503 + Retry-After), decide, forward; an endpoint that fails
+before the first byte is charged a failure and the request is retried once on the
+next-best endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from agentserve.router.config import EndpointConfig, RouterConfig, load_config
+from agentserve.router.core import NoEndpoint, RouteInput, Router
+from agentserve.router.endpoints import cancel, poll_loop
+from agentserve.router.events import EventApplier, subscribe
+from agentserve.router.metrics import RouterMetrics
+from agentserve.router.proxy import Upstream, forward
+from agentserve.router.requests import BadRequest, parse_request
+
+logger = logging.getLogger(__name__)
+
+
+def error(status: int, message: str, kind: str = "invalid_request_error",
+          headers: dict[str, str] | None = None) -> web.Response:
+    """An OpenAI error object."""
+    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+    return web.json_response(body, status=status, headers=headers)
+
+
+class Gateway:
+    """Router + background loops + HTTP handlers."""
+
+    def __init__(self, cfg: RouterConfig, config_path: str | None = None,
+                 tokenizer: Any = None) -> None:
+        self.cfg = cfg
+        self.opts = cfg.options
+        self.config_path = config_path
+        self.router = Router(cfg)
+        self.metrics = RouterMetrics()
+        self.tokenizer = tokenizer  # IncrementalTokenizer or None (token-id prompts only)
+        self.session: aiohttp.ClientSession | None = None
+        self.zctx: Any = None
+        self.tasks: dict[str, list[asyncio.Task]] = {}
+        self.appliers: dict[str, EventApplier] = {}
+        self.active = 0
+        self.waiting = 0
+        self._slot = asyncio.Condition()
+
+    # ---- lifecycle --------------------------------------------------------------------
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=int(self.opts.max_body_mb * 2**20))
+        app.router.add_post("/v1/completions", self.handle_generate)
+        app.router.add_post("/v1/chat/completions", self.handle_generate)
+        app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_get("/health", self.handle_health)
+        app.router.add_get("/metrics", self.handle_metrics)
+        app.router.add_post("/admin/endpoints", self.handle_add)
+        app.router.add_delete("/admin/endpoints", self.handle_remove)
+        app.router.add_post("/admin/reload", self.handle_reload)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    async def _start(self, app: web.Application) -> None:
+        import zmq.asyncio
+
+        self.zctx = zmq.asyncio.Context()
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
+        for ep in list(self.router.endpoints.values()):
+            self._spawn(ep.cfg)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+
+    async def _stop(self, app: web.Application) -> None:
+        for url in list(self.tasks):
+            await self._kill(url)
+        if self.session is not None:
+            await self.session.close()
+        if self.zctx is not None:
+            self.zctx.destroy(linger=0)
+
+    def _spawn(self, e: EndpointConfig) -> None:
+        """Start the poll loop and (precise mode) the KV event subscribers of an endpoint."""
+        assert self.session is not None
+        ep = self.router.endpoints[e.url]
+        tasks = [asyncio.create_task(poll_loop(ep, self.session, self.opts))]
+        if e.kv_events and self.cfg.index == "precise":
+            def learn(bs: int, ep=ep) -> None:
+                if ep.cfg.block_size is None and ep.scrape.block_size is None:
+                    ep.scrape.block_size = bs
+            applier = self.appliers[e.url] = EventApplier(self.router.index, e.url, learn)
+            tasks += [asyncio.create_task(subscribe(self.zctx, applier, e.kv_events,
+                                                    e.replay, r))
+                      for r in range(e.dp_ranks)]
+        self.tasks[e.url] = tasks
+
+    async def _kill(self, url: str) -> None:
+        for t in self.tasks.pop(url, []):
+            await cancel(t)
+        self.appliers.pop(url, None)
+
+    async def add_endpoint(self, e: EndpointConfig) -> None:
+        await self._kill(e.url)
+        self.router.add_endpoint(e)
+        if self.session is not None:
+            self._spawn(e)
+
+    async def remove_endpoint(self, url: str) -> bool:
+        url = url.rstrip("/")
+        known = url in self.router.endpoints
+        await self._kill(url)
+        self.router.remove_endpoint(url)
+        return known
+
+    async def reload(self) -> dict[str, list[str]]:
+        """Re-read the config file: add new endpoints, drop vanished ones."""
+        if not self.config_path:
+            return {"added": [], "removed": []}
+        new = load_config(self.config_path)
+        want = {e.url: e for e in new.endpoints}
+        removed = [u for u in list(self.router.endpoints) if u not in want]
+        for u in removed:
+            await self.remove_endpoint(u)
+        added = [u for u in want if u not in self.router.endpoints]
+        for u in added:
+            await self.add_endpoint(want[u])
+        return {"added": added, "removed": removed}
+
+    def _on_sighup(self) -> None:
+        asyncio.get_running_loop().create_task(self.reload())
+
+    # ---- admission ------------------------------------------------------------------
+    async def _admit(self) -> bool:
+        async with self._slot:
+            if self.active < self.opts.max_inflight:
+                self.active += 1
+                return True
+            if self.waiting >= self.opts.max_queue:
+                return False
+            self.waiting += 1
+            try:
+                await asyncio.wait_for(self._slot.wait_for(
+                    lambda: self.active < self.opts.max_inflight), self.opts.queue_timeout_s)
+            except asyncio.TimeoutError:
+                return False
+            finally:
+                self.waiting -= 1
+            self.active += 1
+            return True
+
+    async def _release(self) -> None:
+        async with self._slot:
+            self.active -= 1
+            self._slot.notify()
+
+    def _authorized(self, request: web.Request) -> bool:
+        key = self.cfg.api_key
+        return not key or request.headers.get("Authorization", "") == f"Bearer {key}"
+
+    # ---- handlers -------------------------------------------------------------------
+    async def handle_generate(self, request: web.Request) -> web.StreamResponse:
+        if not self._authorized(request):
+            return self._count(error(401, "invalid or missing API key", "authentication_error"))
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(error(413, f"body larger than {self.opts.max_body_mb} MB"))
+        try:
+            route = parse_request(request.path, body, request.headers, self.tokenizer)
+        except BadRequest as e:
+            return self._count(error(400, str(e)))
+        if not await self._admit():
+            self.metrics.rejected.inc()
+            return self._count(error(503, "router saturated: too many requests in flight; "
+                                     "retry later", "service_unavailable",
+                                     {"Retry-After": str(self.opts.retry_after_s)}))
+        try:
+            return self._count(await self._route(request, body, route))
+        finally:
+            await self._release()
+
+    async def _route(self, request: web.Request, body: bytes,
+                     route: RouteInput) -> web.StreamResponse:
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.opts.request_timeout_s,
+                                        sock_connect=self.opts.connect_timeout_s)
+        tried: set[str] = set()
+        last: Upstream | None = None
+        for attempt in range(2):
+            try:
+                d = self.router.decide(route, exclude=tried)
+            except NoEndpoint as e:
+                if last is not None:
+                    break
+                return error(e.status, str(e), "service_unavailable" if e.status == 503
+                             else "NotFoundError")
+            if d.url in tried:
+                break
+            tried.add(d.url)
+            self._observe_decision(d, route, attempt)
+            ep = self.router.endpoints[d.url]
+            try:
+                resp, cached = await forward(
+                    request, self.session, d.url + request.path, body, timeout,
+                    lambda d=d: self.router.first_byte(d),
+                    {"x-agentserve-endpoint": d.url, "x-agentserve-reason": d.reason,
+                     "x-agentserve-predicted-cached": str(d.predicted_cached)})
+            except Upstream as e:
+                last = e
+                if ep.record_failure(self.opts):
+                    self.metrics.ejections.labels(d.url).inc()
+                continue
+            finally:
+                self.router.finish(d)
+            ep.record_success()
+            if cached is not None:
+                self.metrics.observe_cached(d.predicted_cached, cached)
+            return resp
+        return self._upstream_error(last)
+
+    def _observe_decision(self, d: Any, route: RouteInput, attempt: int) -> None:
+        self.metrics.decisions.labels(d.url, d.reason).inc()
+        self.metrics.decision_seconds.observe(d.seconds)
+        self.metrics.prompt_tokens.inc(d.prompt_len)
+        if attempt:
+            self.metrics.retries.inc()
+
+    def _upstream_error(self, last: Upstream | None) -> web.Response:
+        if last is not None and last.status is not None:
+            return web.Response(status=last.status, body=last.body, headers=last.headers)
+        return error(502, f"all endpoints tried failed; last: {last}", "bad_gateway")
+
+    def _count(self, resp: web.StreamResponse) -> web.StreamResponse:
+        self.metrics.requests.labels(str(resp.status)).inc()
+        return resp
+
+    async def handle_models(self, request: web.Request) -> web.Response:
+        ids: dict[str, str] = {}
+        for ep in self.router.endpoints.values():
+            for m in ep.models or ([ep.cfg.model] if ep.cfg.model else []):
+                ids.setdefault(m, ep.url)
+        data = [{"id": m, "object": "model", "owned_by": "agentserve", "created": 0}
+                for m in ids]
+        return web.json_response({"object": "list", "data": data})
+
+    async def handle_health(self, request: web.Request) -> web.Response:
+        eps = self.router.endpoints.values()
+        up = [ep.url for ep in eps if ep.available()]
+        body = {"status": "ok" if up else "unavailable", "healthy": up,
+                "unhealthy": [ep.url for ep in eps if not ep.available()]}
+        return web.json_response(body, status=200 if up else 503)
+
+    async def handle_metrics(self, request: web.Request) -> web.Response:
+        m = self.metrics
+        m.index_blocks.set(len(self.router.index))
+        m.queue.set(self.waiting)
+        for url, ep in self.router.endpoints.items():
+            m.inflight.labels(url).set(ep.inflight)
+            m.healthy.labels(url).set(1 if ep.available() else 0)
+        for url, a in self.appliers.items():
+            m.event_lag.labels(url).set(max((s.lag_s for s in a.streams.values()), default=0))
+            m.event_gaps.labels(url).set(sum(s.gaps for s in a.streams.values()))
+        return web.Response(body=m.render(), content_type="text/plain", charset="utf-8")
+
+    async def handle_add(self, request: web.Request) -> web.Response:
+        if not self.cfg.api_key or not self._authorized(request):
+            return error(401, "admin needs the router's API key (start with --api-key)",
+                         "authentication_error")
+        try:
+            e = EndpointConfig(**msgspec.json.decode(await request.read()))
+        except (msgspec.DecodeError, TypeError, ValueError) as ex:
+            return error(400, f"bad endpoint config: {ex}")
+        await self.add_endpoint(e)
+        return web.json_response({"added": e.url})
+
+    async def handle_remove(self, request: web.Request) -> web.Response:
+        if not self.cfg.api_key or not self._authorized(request):
+            return error(401, "admin needs the router's API key (start with --api-key)",
+                         "authentication_error")
+        url = request.query.get("url", "")
+        if not await self.remove_endpoint(url):
+            return error(404, f"no endpoint {url!r}")
+        return web.json_response({"removed": url.rstrip("/")})
+
+    async def handle_reload(self, request: web.Request) -> web.Response:
+        if not self.cfg.api_key or not self._authorized(request):
+            return error(401, "admin needs the router's API key", "authentication_error")
+        try:
+            return web.json_response(await self.reload())
+        except (OSError, ValueError) as e:
+            return error(400, f"reload failed: {e}")
+
+
+def config_with_overrides(path: str | None, endpoints: list[str], api_key: str | None,
+                          tokenizer: str | None) -> RouterConfig:
+    cfg = load_config(path)
+    for url in endpoints:
+        cfg.endpoints.append(EndpointConfig(url=url))
+    cfg.api_key = api_key or cfg.api_key
+    cfg.tokenizer = tokenizer or cfg.tokenizer
+    return cfg
+
+
+def run(cfg: RouterConfig, host: str, port: int, config_path: str | None = None) -> None:
+    """Serve until interrupted."""
+    from agentserve.router.requests import load_tokenizer
+
+    gw = Gateway(cfg, config_path, load_tokenizer(cfg))
+    if config_path:
+        Path(config_path)  # kept for SIGHUP reloads
+    web.run_app(gw.app(), host=host, port=port, handler_cancellation=True,
+                access_log=None, print=lambda *a: logger.info(*a))

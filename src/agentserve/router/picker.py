@@ -1,0 +1,97 @@
+"""Pickers: turn scored candidates into one endpoint and a reason (for /metrics).
+
+Configured by `picker: {type: ..., ...}` in the router YAML.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from agentserve.router.scorers import Candidate
+
+PICKERS: dict[str, type] = {}
+
+
+class Picker(Protocol):
+    def pick(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]: ...
+
+
+def picker(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        PICKERS[name] = cls
+        return cls
+    return deco
+
+
+def _reason(c: Candidate) -> str:
+    if c.session_match and c.matched_blocks:
+        return "session"
+    return "prefix" if c.matched_blocks else "load"
+
+
+@picker("max")
+class MaxScorePicker:
+    """Highest weighted score; ties (within `eps`) broken at random."""
+
+    def __init__(self, eps: float = 1e-9, seed: int | None = None) -> None:
+        self.eps = eps
+        self.rng = random.Random(seed)
+
+    def pick(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
+        top = max(scores)
+        best = [i for i, s in enumerate(scores) if s >= top - self.eps]
+        i = best[0] if len(best) == 1 else self.rng.choice(best)
+        return i, _reason(cands[i])
+
+
+@picker("round-robin")
+class RoundRobinPicker:
+    """Each candidate in turn, ignoring scores (the baseline every router must beat)."""
+
+    def __init__(self) -> None:
+        self.next = 0
+
+    def pick(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
+        i = self.next % len(cands)
+        self.next += 1
+        return i, "round-robin"
+
+
+@picker("sticky")
+class StickyPicker:
+    """Sticky until saturated: stay with the prefix holder unless its wait is too long.
+
+    The holder is the candidate with the longest (tier-weighted) prefix, ties broken by
+    score. It is kept unless its estimated time to first token (queued prefill plus
+    this request's uncached prefill, `Candidate.est_wait_s`) exceeds the best other
+    candidate's by more than `penalty_s`; then the highest-scoring other candidate
+    wins ("saturated"). With no prefix anywhere it is the max-score picker.
+    """
+
+    def __init__(self, penalty_s: float = 1.0, eps: float = 1e-9,
+                 seed: int | None = None) -> None:
+        self.penalty_s = penalty_s
+        self.fallback = MaxScorePicker(eps, seed)
+
+    def pick(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
+        order = sorted(range(len(cands)),
+                       key=lambda i: (cands[i].weighted_blocks, scores[i]), reverse=True)
+        h = order[0]
+        if cands[h].weighted_blocks <= 0 or len(cands) == 1:
+            return self.fallback.pick(cands, scores)
+        others = order[1:]
+        cold = min(others, key=lambda i: cands[i].est_wait_s)
+        if cands[h].est_wait_s <= cands[cold].est_wait_s + self.penalty_s:
+            return h, _reason(cands[h])
+        j, _ = self.fallback.pick([cands[i] for i in others], [scores[i] for i in others])
+        return others[j], "saturated"
+
+
+def build_picker(spec: dict[str, Any]) -> Any:
+    spec = dict(spec or {"type": "max"})
+    kind = spec.pop("type", "max")
+    if kind not in PICKERS:
+        raise ValueError(f"unknown picker {kind!r}; known: {sorted(PICKERS)}")
+    return PICKERS[kind](**spec)

@@ -1,0 +1,119 @@
+"""OpenAI request bodies -> `RouteInput` (validation, session key, tokenization).
+
+Malformed requests are rejected here with a message (HTTP 400) before any backend is
+touched. Prompts given as token ids are used as they are; text and chat prompts are
+tokenized with the model's tokenizer (incrementally, see `tokenize.py`). Without a
+tokenizer, text prompts are routed by load only (no prefix information).
+
+The session key is the `x-session-id` header, else the body's `user` field.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from agentserve.router.config import RouterConfig
+from agentserve.router.core import RouteInput
+from agentserve.router.tokenize import IncrementalTokenizer
+
+logger = logging.getLogger(__name__)
+_DECODER = msgspec.json.Decoder()
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as sent; the message says what to fix."""
+
+
+def _max_tokens(req: dict[str, Any]) -> int:
+    v = req.get("max_completion_tokens", req.get("max_tokens"))
+    if v is None:
+        return 256
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+        raise BadRequest("max_tokens must be a non-negative integer")
+    return v
+
+
+def _prompt_input(req: dict[str, Any], tok: IncrementalTokenizer | None,
+                  session: str | None) -> RouteInput:
+    prompt = req.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        if tok is None:
+            return RouteInput([])
+        t = tok.text(prompt, add_special_tokens=req.get("add_special_tokens", True),
+                     session=session)
+        return RouteInput(t.ids, tokenized=t)
+    if isinstance(prompt, list):
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in prompt):
+            if not prompt:
+                raise BadRequest("prompt must not be empty")
+            return RouteInput(prompt)
+        if all(isinstance(x, (str, list)) for x in prompt):
+            return RouteInput([])  # a batch: no single prefix to route by
+    raise BadRequest("prompt must be a string, a list of token ids, or a list of those")
+
+
+def _chat_input(req: dict[str, Any], tok: IncrementalTokenizer | None) -> RouteInput:
+    messages = req.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest("each message must be an object with a string 'role'")
+    tools = req.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("tools must be a list")
+    if tok is None:
+        return RouteInput([])
+    try:
+        t = tok.chat(messages, tools=tools,
+                     add_generation_prompt=req.get("add_generation_prompt", True))
+    except ValueError as e:  # template rejected the conversation
+        raise BadRequest(str(e)) from e
+    except Exception as e:  # a template may raise anything on odd input
+        raise BadRequest(f"chat template failed on these messages: {e}") from e
+    return RouteInput(t.ids, tokenized=t)
+
+
+def parse_request(path: str, body: bytes, headers: Any,
+                  tok: IncrementalTokenizer | None) -> RouteInput:
+    """Validate an OpenAI completions/chat body and build the routing input."""
+    try:
+        req = _DECODER.decode(body)
+    except msgspec.DecodeError as e:
+        raise BadRequest(f"body is not valid JSON: {e}") from e
+    if not isinstance(req, dict):
+        raise BadRequest("body must be a JSON object")
+    model = req.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest("model must be a string")
+    if "stream" in req and not isinstance(req["stream"], bool):
+        raise BadRequest("stream must be a boolean")
+    user = req.get("user")
+    session = headers.get("x-session-id") or (user if isinstance(user, str) else None)
+    if path.endswith("/chat/completions"):
+        route = _chat_input(req, tok)
+    else:
+        route = _prompt_input(req, tok, session)
+    route.model, route.session, route.max_tokens = model, session, _max_tokens(req)
+    return route
+
+
+def load_tokenizer(cfg: RouterConfig) -> IncrementalTokenizer | None:
+    """The tokenizer from `tokenizer:` / `--tokenizer`, else from an endpoint's `model` if
+    that is a local model folder, else None (then only token-id prompts are prefix-routed)."""
+    src = cfg.tokenizer or next((e.model for e in cfg.endpoints if e.model
+                                 and (Path(e.model) / "tokenizer.json").exists()), None)
+    if not src:
+        return None
+    from agentserve.engine.tokenizer import Tokenizer
+
+    d = Path(src)
+    if not (d / "tokenizer.json").exists():
+        raise ValueError(f"--tokenizer {d}: no tokenizer.json there; pass the model folder")
+    return IncrementalTokenizer(Tokenizer.from_dir(d), cfg.options.tokenizer_cache_entries)

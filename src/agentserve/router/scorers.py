@@ -1,0 +1,163 @@
+"""Filters and scorers: the plugins of the routing pipeline (as llm-d's EPP).
+
+A decision is filters -> scorers -> weighted sum -> picker. Every scorer returns one
+value in [0, 1] per candidate; the YAML `scorers:` mapping names them with weights.
+Adding a policy is adding a class with `@scorer("name")`, never an `if` elsewhere.
+
+Every scorer sees `Candidate`s, which the router fills in before scoring (prefix match,
+predicted cached tokens, scraped and router-known load), so scorers need no network.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+SCORERS: dict[str, type] = {}
+FILTERS: dict[str, type] = {}
+
+
+@dataclass(slots=True)
+class Candidate:
+    """One endpoint as seen by one decision."""
+
+    url: str
+    rank: int = 0  # data-parallel rank holding the longest prefix
+    matched_blocks: int = 0  # leading blocks held in GPU (incl. speculative)
+    weighted_blocks: float = 0.0  # leading blocks weighted by tier (GPU 1.0, CPU 0.8 ...)
+    total_blocks: int = 0  # cacheable blocks of the prompt: (prompt_len - 1) // block_size
+    predicted_cached: int = 0  # tokens the engine will report as cached
+    uncached_tokens: int = 0  # prompt tokens to prefill there
+    waiting: int = 0  # vllm:num_requests_waiting (0 when stale)
+    running: int = 0
+    kv_usage: float = 0.0  # vllm:kv_cache_usage_perc in [0, 1]
+    inflight: int = 0  # requests the router has sent and not seen finish
+    inflight_tokens: int = 0  # their prompt + max output tokens
+    pending_prefill: int = 0  # uncached prompt tokens routed there, before first byte
+    est_wait_s: float = 0.0  # estimated time to first token if routed there
+    session_match: bool = False
+    role: str = "both"
+    model_ok: bool = True
+
+
+class Scorer(Protocol):
+    def score(self, cands: list[Candidate]) -> list[float]: ...
+
+
+class Filter(Protocol):
+    def keep(self, c: Candidate) -> bool: ...
+
+
+def scorer(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        SCORERS[name] = cls
+        return cls
+    return deco
+
+
+def filter_(name: str) -> Callable[[type], type]:
+    def deco(cls: type) -> type:
+        FILTERS[name] = cls
+        return cls
+    return deco
+
+
+@scorer("prefix")
+class PrefixScorer:
+    """Share of the prompt's cacheable blocks the endpoint already holds, tier-weighted.
+
+    A block in GPU memory counts 1.0, one in the CPU tier 0.8, disk 0.5 (options.
+    tier_weights). Only the leading run counts: a hole ends the reusable prefix.
+    """
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        return [min(1.0, c.weighted_blocks / c.total_blocks) if c.total_blocks else 0.0
+                for c in cands]
+
+
+@scorer("kv_util")
+class KVUtilScorer:
+    """Free KV cache: 1 - vllm:kv_cache_usage_perc (a full cache evicts someone's prefix)."""
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        return [max(0.0, 1.0 - c.kv_usage) for c in cands]
+
+
+@scorer("queue")
+class QueueScorer:
+    """Short queues: 1 / (1 + vllm:num_requests_waiting)."""
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        return [1.0 / (1.0 + c.waiting) for c in cands]
+
+
+@scorer("inflight")
+class InflightScorer:
+    """Router-known load: 1 - tokens in flight / the most any candidate has.
+
+    Updated at decision time, so concurrent decisions (a burst of sub-agents) see
+    each other before any metrics scrape could.
+    """
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        top = max((c.inflight_tokens for c in cands), default=0)
+        return [1.0 - c.inflight_tokens / top if top else 1.0 for c in cands]
+
+
+@scorer("wait")
+class WaitScorer:
+    """Estimated time to first token (queue + uncached prefill): 1 / (1 + wait_s)."""
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        return [1.0 / (1.0 + c.est_wait_s) for c in cands]
+
+
+@scorer("session")
+class SessionScorer:
+    """Session affinity: 1 for the endpoint that served this session's last turn.
+
+    The session is the `x-session-id` header or the request's `user` field.
+    """
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        return [1.0 if c.session_match else 0.0 for c in cands]
+
+
+@filter_("model")
+class ModelFilter:
+    """Drop endpoints that do not serve the requested model."""
+
+    def keep(self, c: Candidate) -> bool:
+        return c.model_ok
+
+
+@filter_("role")
+class RoleFilter:
+    """Keep endpoints that can serve a whole request (role both, or decode when no P/D)."""
+
+    def __init__(self, roles: tuple[str, ...] = ("both",)) -> None:
+        self.roles = roles
+
+    def keep(self, c: Candidate) -> bool:
+        return c.role in self.roles
+
+
+def build_scorers(weights: dict[str, float]) -> list[tuple[float, Any]]:
+    """Instantiate the configured scorers; unknown names are an error that lists the known."""
+    out = []
+    for name, w in weights.items():
+        if name not in SCORERS:
+            raise ValueError(f"unknown scorer {name!r}; known: {sorted(SCORERS)}")
+        if w:
+            out.append((float(w), SCORERS[name]()))
+    return out
+
+
+def weighted_scores(scorers: list[tuple[float, Any]], cands: list[Candidate]) -> list[float]:
+    """Sum of weight * score per candidate."""
+    total = [0.0] * len(cands)
+    for w, s in scorers:
+        for i, v in enumerate(s.score(cands)):
+            total[i] += w * v
+    return total

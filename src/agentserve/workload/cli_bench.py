@@ -1,0 +1,79 @@
+"""`agentserve bench`: the command-line face of workload.replay (flags as in WORKLOAD-1)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"expected comma-separated integers like 16,32,64, got {text!r}")
+    if not vals or min(vals) < 1:
+        raise typer.BadParameter("concurrency levels must be positive integers")
+    return vals
+
+
+def bench(
+    url: str = typer.Option(..., "--url", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000"),
+    trace: str = typer.Option(..., "--trace", help="Weka sessions JSONL or mooncake JSONL (.gz ok)"),
+    mode: str = typer.Option("sessions", "--mode", help="sessions | concurrency | schedule"),
+    sessions: int = typer.Option(16, "--sessions", help="sessions mode: sessions at once (closed loop)"),
+    session_rate: Optional[float] = typer.Option(None, "--session-rate", help="open loop: sessions/s"),
+    concurrency: str = typer.Option("16", "--concurrency", help="concurrency mode: levels, e.g. 16,32,64"),
+    stage_duration: float = typer.Option(60.0, "--stage-duration", help="seconds per concurrency stage"),
+    token_scale: Optional[int] = typer.Option(None, "--token-scale", help="tokens sent per trace block"),
+    gap_cap: Optional[float] = typer.Option(None, "--gap-cap", help="cap on each idle gap, seconds"),
+    gap_scale: float = typer.Option(1.0, "--gap-scale", help="multiply recorded idle gaps"),
+    duration: Optional[float] = typer.Option(None, "--duration", help="sessions/schedule: stop after S s"),
+    max_turns: Optional[int] = typer.Option(None, "--max-turns", help="main-agent turns per session"),
+    max_input: Optional[int] = typer.Option(None, "--max-input", help="skip requests with more (scaled) input"),
+    max_output: Optional[int] = typer.Option(None, "--max-output", help="cap on max_tokens"),
+    output_scale: float = typer.Option(1.0, "--output-scale", help="multiply the trace's output lengths"),
+    api: str = typer.Option("completions", "--api", help="completions (token ids, exact) | chat (text)"),
+    model: Optional[str] = typer.Option(None, "--model", help="default: first id at /v1/models"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
+    vocab_size: int = typer.Option(4000, "--vocab-size", help="target vocabulary size"),
+    request_timeout: float = typer.Option(600.0, "--request-timeout", help="seconds per request"),
+    gpus: int = typer.Option(1, "--gpus", help="GPUs behind the URL (for tok/s per GPU)"),
+    seed: int = typer.Option(0, "--seed"),
+    out: str = typer.Option("bench-out", "--out", help="output directory"),
+) -> None:
+    """Replay agent traces against an OpenAI endpoint; write summary.json, records, plots, report.html."""
+    from agentserve.workload.replay import MODES, BenchConfig, run_bench
+
+    if mode not in MODES:
+        raise typer.BadParameter(f"--mode must be one of {', '.join(MODES)}")
+    if api not in ("completions", "chat"):
+        raise typer.BadParameter("--api must be completions or chat")
+    cfg = BenchConfig(url=url, trace=trace, mode=mode, sessions=sessions, session_rate=session_rate,
+                      concurrency=_ints(concurrency), stage_duration=stage_duration, token_scale=token_scale,
+                      gap_scale=gap_scale, gap_cap=gap_cap, duration=duration, max_turns=max_turns,
+                      max_input=max_input, max_output=max_output, output_scale=output_scale, api=api,
+                      model=model, api_key=api_key, vocab_size=vocab_size, request_timeout=request_timeout,
+                      gpus=gpus, seed=seed, out=out)
+    stages = run_bench(cfg)
+    _print(stages, out)
+
+
+def _print(stages: list[dict], out: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"agentserve bench → {out}")
+    for col in ("stage", "ok", "failed", "TTFT p50 s", "ITL p50 ms", "out tok/s", "in tok/s", "cached/in"):
+        t.add_column(col, justify="right")
+    for s in stages:
+        f = (lambda v, p=3: "-" if v is None else f"{v:.{p}f}")
+        t.add_row(str(s.get("concurrency") or s.get("sessions") or s.get("stage")), str(s["requests_ok"]),
+                  str(s["requests_failed"]), f(s["ttft_s"]["p50"]), f(s["itl_ms"]["p50"], 2),
+                  f(s["output_tok_s"], 0), f(s["input_tok_s"], 0), f(s["cached_token_ratio"]))
+    Console().print(t)
+
+
+def register_bench(app: typer.Typer) -> None:
+    """Add `bench` to the top-level `agentserve` app."""
+    app.command("bench")(bench)

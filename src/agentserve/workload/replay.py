@@ -1,0 +1,143 @@
+"""`agentserve bench`: replay agent traces against an OpenAI endpoint and report what users see.
+
+`run_bench(config)` loads the trace, resolves the model, runs one stage (sessions,
+schedule) or one per concurrency level, scrapes `/metrics` around each stage, and
+writes DIR/summary.json (a list, one object per stage), requests.jsonl/.csv,
+sessions.jsonl, PNG plots and report.html. Ctrl-C cancels the run; whatever was
+measured so far is still summarized and written.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from agentserve.workload.record import RequestRecord, SessionRecord
+from agentserve.workload.replay_http import Target
+from agentserve.workload.replay_load import load_workload
+from agentserve.workload.replay_modes import Driver, run_concurrency, run_schedule, run_sessions
+from agentserve.workload.replay_plan import Job, RequestFactory
+from agentserve.workload.replay_progress import LiveProgress
+from agentserve.workload.report import metric_deltas, summarize, write_outputs
+from agentserve.workload.schema import Session
+
+MODES = ("sessions", "concurrency", "schedule")
+
+
+@dataclass
+class BenchConfig:
+    """Every knob of a run; the CLI flags map one to one (see cli_bench.py)."""
+
+    url: str
+    trace: str | None = None
+    mode: str = "sessions"
+    sessions: int = 16  # closed loop: sessions at once
+    session_rate: float | None = None  # open loop: sessions started per second (Poisson)
+    concurrency: list[int] = field(default_factory=lambda: [16])
+    stage_duration: float | None = 60.0  # concurrency mode; None: one pass over the trace
+    token_scale: int | None = None  # tokens sent per trace block (None: block_size)
+    gap_scale: float = 1.0
+    gap_cap: float | None = None
+    duration: float | None = None  # sessions / schedule bound
+    max_turns: int | None = None
+    max_input: int | None = None
+    max_output: int | None = None
+    output_scale: float = 1.0
+    api: str = "completions"
+    model: str | None = None
+    api_key: str | None = None
+    vocab_size: int = 4000
+    request_timeout: float = 600.0
+    gpus: int = 1
+    seed: int = 0
+    out: str = "bench-out"
+    progress: bool = True
+    plots: bool = True
+    # Preloaded workload (tests, the simulator, scripts); overrides `trace`.
+    trace_sessions: list[Session] | None = None
+    trace_jobs: list[Job] | None = None  # schedule mode: jobs with `at` already set
+    trace_configs: list | None = None  # aiohttp TraceConfigs (client diagnostics, benchmarks)
+
+
+class BenchRun:
+    """One bench run; `stages`, `records` and `sessions` fill in as it goes."""
+
+    def __init__(self, config: BenchConfig) -> None:
+        if config.mode not in MODES:
+            raise ValueError(f"--mode must be one of {', '.join(MODES)}, not {config.mode!r}")
+        self.config = config
+        self.stages: list[dict] = []
+        self.records: list[RequestRecord] = []
+        self.sessions: list[SessionRecord] = []
+        self.t0 = time.perf_counter()
+
+    def _labels(self) -> list[dict]:
+        c = self.config
+        if c.mode == "concurrency":
+            return [{"mode": "concurrency", "stage": i, "concurrency": k} for i, k in enumerate(c.concurrency)]
+        if c.mode == "sessions":
+            return [{"mode": "sessions", "stage": 0, "sessions": None if c.session_rate else c.sessions,
+                     "session_rate": c.session_rate}]
+        return [{"mode": "schedule", "stage": 0}]
+
+    def _connector_limit(self) -> int:
+        # Concurrency mode knows its peak; sessions (sub-agent bursts) and schedules do not,
+        # and a limit there would queue requests inside the client and inflate TTFT.
+        return max(self.config.concurrency) if self.config.mode == "concurrency" else 0
+
+    async def run(self) -> list[dict]:
+        c = self.config
+        sessions, jobs = load_workload(c)
+        progress = LiveProgress(enabled=c.progress)
+        try:
+            async with Target(c.url, c.api, c.api_key, c.model, c.request_timeout,
+                              self._connector_limit(), c.trace_configs) as target:
+                model = await target.resolve_model()
+                factory = RequestFactory(model, c.api, c.vocab_size, c.seed, c.token_scale, c.max_input,
+                                         c.max_output, c.output_scale)
+                async with progress:
+                    for label in self._labels():
+                        await self._stage(target, factory, label, sessions, jobs, progress)
+                        write_outputs(c.out, self.stages, self.records, self.sessions, plots=False)
+        finally:
+            write_outputs(c.out, self.stages, self.records, self.sessions, plots=c.plots)
+        return self.stages
+
+    async def _stage(self, target: Target, factory: RequestFactory, label: dict,
+                     sessions: list[Session], jobs: list[Job], progress: LiveProgress) -> None:
+        """Run one stage; its summary is appended even when cancelled."""
+        c = self.config
+        before = await target.scrape_metrics()
+        duration = c.stage_duration if c.mode == "concurrency" else c.duration
+        d = Driver(target, factory, self.t0, label["stage"], duration, c.gap_scale, c.gap_cap,
+                   c.max_turns, progress.add)
+        skipped0 = factory.skipped
+        progress.stage(label)
+        try:
+            if c.mode == "sessions":
+                await run_sessions(d, sessions, c.sessions, c.session_rate, c.seed)
+            elif c.mode == "concurrency":
+                await run_concurrency(d, sessions, label["concurrency"], cycle=duration is not None)
+            else:
+                await run_schedule(d, jobs)
+        finally:
+            wall = time.perf_counter() - d.begin
+            try:
+                after = await asyncio.wait_for(target.scrape_metrics(), 3.0)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                after = {}
+            self.records += d.records
+            self.sessions += d.sessions
+            self.stages.append(summarize(d.records, wall, label, d.sessions if c.mode == "sessions" else None,
+                                         c.gpus, factory.skipped - skipped0, metric_deltas(before, after)))
+
+
+def run_bench(config: BenchConfig) -> list[dict]:
+    """Run a bench to completion (or Ctrl-C) and return the per-stage summaries."""
+    run = BenchRun(config)
+    try:
+        asyncio.run(run.run())
+    except KeyboardInterrupt:
+        pass  # asyncio.run cancelled the run; its finally blocks wrote the partial results
+    return run.stages

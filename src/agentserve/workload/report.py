@@ -1,0 +1,175 @@
+"""Stage summaries and the files of a run: summary.json, requests.jsonl/.csv, PNGs, report.html.
+
+The same functions serve the replay client and the simulator: both hand over
+`RequestRecord`s (and, for agent sessions, `SessionRecord`s).
+
+Definitions (per stage, over successful requests unless noted):
+- `itl_ms` is AIPerf's per-request ITL, `(e2e - ttft) / (output - 1)`; `itl_token_ms` the
+  token-weighted chunk gaps (see record.py).
+- `output_tok_s_per_user`: output tokens over E2E, per request (mean and p50).
+- `cached_token_ratio` = cached / input; `reusable_ceiling_ratio` = reusable / input, where
+  reusable is what an infinite cache could have served given the order requests were sent;
+  `captured_reuse` = cached / reusable (the reference reports 96-97%).
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import json
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from agentserve.workload.record import RequestRecord, SessionRecord
+
+CSV_FIELDS = ("request_id", "session_id", "stage", "turn", "agent", "sub_index", "start", "ttft", "e2e",
+              "input_tokens", "output_tokens", "cached_tokens", "reusable_tokens", "max_tokens",
+              "status", "error")
+
+
+def stats(values: list[float] | np.ndarray, scale: float = 1.0,
+          pcts: tuple[int, ...] = (50, 90, 99)) -> dict[str, float | None]:
+    """p50/p90/p99/mean of `values * scale`; None entries when there is no sample."""
+    a = np.asarray(values, dtype=float) * scale
+    out: dict[str, float | None] = {f"p{p}": (float(np.percentile(a, p)) if a.size else None) for p in pcts}
+    out["mean"] = float(a.mean()) if a.size else None
+    return out
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den > 0 else None
+
+
+def metric_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Counter deltas over the stage; the KV usage gauge before and after."""
+    out: dict[str, float | None] = {}
+    for name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries", "vllm:num_preemptions"):
+        if name in after:
+            out[name.split(":", 1)[1]] = after[name] - before.get(name, 0.0)
+    if "vllm:kv_cache_usage_perc" in after:
+        out["kv_cache_usage_perc_before"] = before.get("vllm:kv_cache_usage_perc")
+        out["kv_cache_usage_perc_after"] = after["vllm:kv_cache_usage_perc"]
+    if out.get("prefix_cache_queries"):
+        out["prefix_cache_hit_rate"] = (out.get("prefix_cache_hits") or 0.0) / out["prefix_cache_queries"]
+    return out
+
+
+def _session_stats(sessions: list[SessionRecord]) -> dict:
+    done = [s for s in sessions if s.complete]
+    slow = [s.slowdown for s in done if s.slowdown is not None]
+    return {"sessions_started": len(sessions), "sessions_complete": len(done),
+            "session_makespan_s": stats([s.makespan for s in done], pcts=(50, 90)),
+            "session_slowdown": stats(slow, pcts=(50, 90))}
+
+
+def summarize(records: list[RequestRecord], duration: float, label: dict | None = None,
+              sessions: list[SessionRecord] | None = None, gpus: int = 1, skipped: int = 0,
+              metrics: dict | None = None) -> dict:
+    """One summary object for a stage (the keys of summary.json)."""
+    ok = [r for r in records if r.ok]
+    # Streams cut by Ctrl-C are recorded but are not the server's failures.
+    cancelled = [r for r in records if r.error is not None and r.error.startswith("cancelled")]
+    failed = [r for r in records if not r.ok and not r.error.startswith("cancelled")]
+    out_tok = sum(r.output_tokens for r in ok)
+    in_tok = sum(r.input_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    reusable = sum(r.reusable_tokens for r in ok)
+    itl = [x for r in ok if (x := r.itl_mean()) is not None]
+    per_user = [r.output_tokens / r.e2e for r in ok if r.e2e]
+    output_tok_s = out_tok / duration if duration > 0 else 0.0
+    s: dict = dict(label or {})
+    s.update({
+        "duration_s": duration, "requests_ok": len(ok), "requests_failed": len(failed),
+        "requests_cancelled": len(cancelled), "requests_skipped": skipped,
+        "errors": dict(Counter(r.error for r in failed).most_common(5)),
+        "ttft_s": stats([r.ttft for r in ok if r.ttft is not None]),
+        "itl_ms": stats(itl, 1e3),
+        "itl_token_ms": stats([x for r in ok for x in r.itl_samples()], 1e3),
+        "e2e_s": stats([r.e2e for r in ok if r.e2e is not None]),
+        "input_tokens": in_tok, "output_tokens": out_tok, "cached_tokens": cached,
+        "reusable_tokens": reusable,
+        "output_tok_s": output_tok_s, "input_tok_s": in_tok / duration if duration > 0 else 0.0,
+        "output_tok_s_per_user": {"mean": float(np.mean(per_user)) if per_user else None,
+                                  "p50": float(np.median(per_user)) if per_user else None},
+        "gpus": gpus, "output_tok_s_per_gpu": output_tok_s / gpus,
+        "cached_token_ratio": _ratio(cached, in_tok),
+        "reusable_ceiling_ratio": _ratio(reusable, in_tok),
+        "captured_reuse": _ratio(cached, reusable),
+        "server_metrics": metrics or {},
+    })
+    if sessions is not None:
+        s.update(_session_stats(sessions))
+    return s
+
+
+def write_records(out: Path, records: list[RequestRecord], sessions: list[SessionRecord]) -> None:
+    """requests.jsonl (everything, chunk times included), requests.csv (scalars), sessions.jsonl."""
+    with open(out / "requests.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r.to_dict()) + "\n")
+    with open(out / "requests.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(CSV_FIELDS + ("itl_mean",))
+        for r in records:
+            w.writerow([getattr(r, k) for k in CSV_FIELDS] + [r.itl_mean()])
+    with open(out / "sessions.jsonl", "w") as f:
+        for s in sessions:
+            f.write(json.dumps(s.to_dict()) + "\n")
+
+
+def _fmt(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
+    return "-" if v is None else html.escape(str(v))
+
+
+def _table(stages: list[dict]) -> str:
+    rows = [("stage", lambda s: s.get("concurrency", s.get("sessions", s.get("stage")))),
+            ("requests ok / failed", lambda s: f"{s['requests_ok']} / {s['requests_failed']}"),
+            ("duration s", lambda s: s["duration_s"]),
+            ("TTFT p50 / p90 s", lambda s: f"{_fmt(s['ttft_s']['p50'])} / {_fmt(s['ttft_s']['p90'])}"),
+            ("ITL p50 / p90 ms", lambda s: f"{_fmt(s['itl_ms']['p50'])} / {_fmt(s['itl_ms']['p90'])}"),
+            ("E2E p50 s", lambda s: s["e2e_s"]["p50"]),
+            ("output tok/s", lambda s: s["output_tok_s"]), ("input tok/s", lambda s: s["input_tok_s"]),
+            ("output tok/s per user (mean)", lambda s: s["output_tok_s_per_user"]["mean"]),
+            ("cached / input", lambda s: s["cached_token_ratio"]),
+            ("reusable ceiling", lambda s: s["reusable_ceiling_ratio"]),
+            ("captured reuse", lambda s: s["captured_reuse"]),
+            ("session slowdown p50", lambda s: (s.get("session_slowdown") or {}).get("p50"))]
+    body = "".join("<tr><th>" + name + "</th>" + "".join(f"<td>{_fmt(f(s))}</td>" for s in stages)
+                   + "</tr>" for name, f in rows)
+    return f"<table>{body}</table>"
+
+
+def write_html(out: Path, stages: list[dict], pngs: list[Path], title: str = "agentserve bench") -> Path:
+    """One page: the summary table and the plots embedded as base64 PNGs."""
+    imgs = "".join(f'<figure><img src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"'
+                   f' alt="{p.stem}"><figcaption>{p.stem}</figcaption></figure>' for p in pngs)
+    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
+            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{text-align:left}"
+            "figure{display:inline-block;margin:0.5em}img{width:480px}</style></head><body>"
+            f"<h1>{html.escape(title)}</h1>{_table(stages)}{imgs}</body></html>")
+    path = out / "report.html"
+    path.write_text(page)
+    return path
+
+
+def write_outputs(out_dir: str | Path, stages: list[dict], records: list[RequestRecord],
+                  sessions: list[SessionRecord] | None = None, plots: bool = True,
+                  title: str = "agentserve bench") -> Path:
+    """Every file of a run into `out_dir`; safe to call again as stages complete."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(stages, indent=2))
+    write_records(out, records, sessions or [])
+    pngs: list[Path] = []
+    if plots:
+        from agentserve.workload.plots import write_plots  # matplotlib is slow to import
+
+        pngs = write_plots(out, stages, records)
+    write_html(out, stages, pngs, title)
+    return out

@@ -1,0 +1,144 @@
+"""Every bad request gets an OpenAI error object with a 4xx status; the server keeps serving."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any
+
+import pytest
+
+from tests.conftest import API_KEY, MAX_MODEL_LEN, ServerThread, post
+
+OK_CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BAD_SCHEMA = {"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}
+NOT_OBJECT = {"type": "function", "function": {"name": "f", "parameters": "a string"}}
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+# (case id, path, body, status, param or None, substring of the message)
+CASES: list[tuple[str, str, Any, int, str | None, str]] = [
+    ("wrong-type", "/v1/completions", {"prompt": "hi", "max_tokens": "5"}, 400, "max_tokens",
+     "Expected `int | null`"),
+    ("wrong-type-nested", "/v1/chat/completions", {"messages": [{"role": 5}]}, 400,
+     "messages[0].role", "Expected `str`"),
+    ("missing-prompt", "/v1/completions", {"max_tokens": 2}, 400, None, "prompt"),
+    ("empty-prompt", "/v1/completions", {"prompt": ""}, 400, "prompt", "empty"),
+    ("empty-list-prompt", "/v1/completions", {"prompt": []}, 400, "prompt", "non-empty"),
+    ("mixed-prompt", "/v1/completions", {"prompt": [1, "a"]}, 400, "prompt", "token ids"),
+    ("token-out-of-range", "/v1/completions", {"prompt": [1, 10**9]}, 400, "prompt",
+     "out of range"),
+    ("prompt-too-long", "/v1/completions", {"prompt": [5] * (MAX_MODEL_LEN + 10)}, 400, "prompt",
+     f"{MAX_MODEL_LEN} tokens. However, your prompt has {MAX_MODEL_LEN + 10} tokens"),
+    ("max-tokens-zero", "/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens",
+     ">= 1"),
+    ("max-tokens-negative", "/v1/chat/completions", {**OK_CHAT, "max_tokens": -3}, 400,
+     "max_tokens", ">= 1"),
+    ("max-completion-tokens-zero", "/v1/chat/completions", {**OK_CHAT, "max_completion_tokens": 0},
+     400, "max_completion_tokens", ">= 1"),
+    ("over-context", "/v1/completions", {"prompt": [5] * 1000, "max_tokens": 100}, 400,
+     "max_tokens", f"{MAX_MODEL_LEN} tokens. However, you requested 1100 tokens (1000 in the"),
+    ("unknown-model", "/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model",
+     "`gpt-9` does not exist"),
+    ("n", "/v1/completions", {"prompt": "hi", "n": 2}, 400, "n", "n must be 1"),
+    ("temperature", "/v1/chat/completions", {**OK_CHAT, "temperature": -0.5}, 400, "temperature",
+     ">= 0"),
+    ("top-p-zero", "/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", "(0, 1]"),
+    ("top-p-big", "/v1/chat/completions", {**OK_CHAT, "top_p": 1.5}, 400, "top_p", "(0, 1]"),
+    ("top-k", "/v1/completions", {"prompt": "hi", "top_k": -5}, 400, "top_k", "top_k"),
+    ("echo", "/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo", "echo"),
+    ("logprobs", "/v1/completions", {"prompt": "hi", "logprobs": 2}, 400, "logprobs", "logprobs"),
+    ("chat-logprobs", "/v1/chat/completions", {**OK_CHAT, "logprobs": True}, 400, "logprobs",
+     "logprobs"),
+    ("no-messages", "/v1/chat/completions", {"messages": []}, 400, "messages", "empty"),
+    ("bad-role", "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400,
+     "messages[0].role", "robot"),
+    ("image-part", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, 400,
+     "messages[0].content", "text content parts"),
+    ("tool-schema-invalid", "/v1/chat/completions",
+     {**OK_CHAT, "tools": [BAD_SCHEMA], "tool_choice": "required"}, 400, "tools", "invalid tool"),
+    ("tool-schema-invalid-auto", "/v1/chat/completions", {**OK_CHAT, "tools": [BAD_SCHEMA]}, 400,
+     "tools", "invalid tool"),
+    ("tool-schema-not-object", "/v1/chat/completions",
+     {**OK_CHAT, "tools": [NOT_OBJECT], "tool_choice": "required"}, 400, "tools",
+     "must be a JSON Schema object"),
+    ("tool-choice-bad", "/v1/chat/completions", {**OK_CHAT, "tools": [TOOL], "tool_choice": "any"},
+     400, "tool_choice", "tool_choice must be"),
+    ("tool-choice-unknown", "/v1/chat/completions",
+     {**OK_CHAT, "tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     400, "tool_choice", "'g'"),
+    ("tool-choice-without-tools", "/v1/chat/completions", {**OK_CHAT, "tool_choice": "required"},
+     400, "tool_choice", "requires tools"),
+    ("stream-options-type", "/v1/completions", {"prompt": "hi", "stream_options": 3}, 400,
+     "stream_options", "Expected"),
+]
+
+
+def check_error(status: int, body: Any, want_status: int) -> dict[str, Any]:
+    assert status == want_status, body
+    err = body["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    return err
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_bad_request(served: ServerThread, case: tuple) -> None:
+    _, path, body, status, param, text = case
+    err = check_error(*post(served, path, body), status)
+    assert err["param"] == param
+    assert text in err["message"]
+
+
+def test_context_error_code(served: ServerThread) -> None:
+    err = check_error(*post(served, "/v1/completions", {"prompt": [5] * 2000}), 400)
+    assert err["code"] == "context_length_exceeded"
+    err = check_error(*post(served, "/v1/completions", {"prompt": "x", "model": "m"}), 404)
+    assert err["code"] == "model_not_found" and err["type"] == "invalid_request_error"
+
+
+def test_malformed_json(served: ServerThread) -> None:
+    err = check_error(*post(served, "/v1/completions", raw=b'{"prompt": "hi",'), 400)
+    assert "not valid JSON" in err["message"]
+    check_error(*post(served, "/v1/chat/completions", raw=b"[1, 2]"), 400)
+    check_error(*post(served, "/v1/chat/completions", raw=b""), 400)
+
+
+def test_body_too_large(served: ServerThread) -> None:
+    big = json.dumps({"prompt": "x" * (2 << 20)}).encode()
+    err = check_error(*post(served, "/v1/completions", raw=big), 413)
+    assert "too large" in err["message"]
+
+
+def test_unknown_fields_are_ignored(served: ServerThread) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": [1]}, "logit_bias": "nope"}
+    status, resp = post(served, "/v1/completions", body)
+    assert status == 200 and resp["object"] == "text_completion"
+
+
+def test_model_dir_path_is_accepted(served: ServerThread) -> None:
+    body = {"prompt": "hi", "max_tokens": 1, "model": str(served.engine.model_dir)}
+    assert post(served, "/v1/completions", body)[0] == 200
+
+
+def test_unknown_route_and_method(served: ServerThread) -> None:
+    check_error(*post(served, "/v1/embeddings", {"input": "x"}), 404)
+    req = urllib.request.Request(served.url + "/v1/completions",
+                                 headers={"Authorization": f"Bearer {API_KEY}"})
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=10)
+    check_error(exc.value.code, json.loads(exc.value.read()), 405)
+
+
+def test_streaming_errors_are_plain_json(served: ServerThread) -> None:
+    err = check_error(*post(served, "/v1/completions", {"prompt": "", "stream": True}), 400)
+    assert err["param"] == "prompt"
+
+
+def test_still_serving_after_bad_input(served: ServerThread) -> None:
+    for case in CASES[:5]:
+        post(served, case[1], case[2])
+    status, body = post(served, "/v1/chat/completions", OK_CHAT)
+    assert status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+    assert served.engine.stats().num_running == 0

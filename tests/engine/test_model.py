@@ -1,0 +1,165 @@
+"""Paged forward == dense reference on the tiny preset (fp32), block sizes 16 and 7."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from agentserve.engine.checkpoint import load_model
+from agentserve.engine.model import KVCache, SeqChunk, prepare_batch, rope_cos_sin
+from safetensors.torch import load_file, save_file
+
+from agentserve.engine.tiny import make_tiny
+from tests.engine.reference import DenseLlama
+
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = make_tiny(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
+    model, cfg = load_model(d, torch.float32, "cpu")
+    return model, cfg, DenseLlama(d)
+
+
+class Seq:
+    """A sequence's tokens and block table, as the runner would keep them."""
+
+    def __init__(self, tokens: list[int], blocks: list[int]) -> None:
+        self.tokens, self.blocks, self.done = tokens, blocks, 0
+
+    def chunk(self, n: int, need_logits: bool = True) -> SeqChunk:
+        c = SeqChunk(self.tokens[self.done:self.done + n], self.done, self.blocks, need_logits)
+        self.done += n
+        return c
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(5, 4096, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _blocks(first: int, n_tokens: int, bs: int) -> list[int]:
+    return list(range(first, first + -(-n_tokens // bs)))
+
+
+def _step(model, kv, chunks, bs):
+    return model(prepare_batch(chunks, bs, "cpu"), kv)
+
+
+def _cache(cfg, bs, num_blocks=200):
+    return KVCache.allocate(cfg, num_blocks, bs, torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("bs", [16, 7])
+def test_single_prefill(tiny, bs):
+    model, cfg, ref = tiny
+    toks = _tokens(45, 1)
+    seq = Seq(toks, _blocks(3, 45, bs))
+    out = _step(model, _cache(cfg, bs), [seq.chunk(45)], bs)
+    assert out.shape == (1, cfg.vocab_size) and out.dtype == torch.float32
+    torch.testing.assert_close(out[0], ref.logits(toks)[-1], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bs", [16, 7])
+def test_chunked_prefill_odd_sizes(tiny, bs):
+    model, cfg, ref = tiny
+    toks = _tokens(60, 2)
+    dense = ref.logits(toks)
+    seq, kv = Seq(toks, _blocks(10, 60, bs)[::-1]), _cache(cfg, bs)  # non-contiguous blocks
+    for n in (5, 11, 1, 17, 3, 23):
+        out = _step(model, kv, [seq.chunk(n)], bs)
+        torch.testing.assert_close(out[0], dense[seq.done - 1], atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bs", [16, 7])
+def test_mixed_batch_prefill_and_decode(tiny, bs):
+    model, cfg, ref = tiny
+    lens = [30, 9, 52, 17]
+    seqs = [Seq(_tokens(n + 6, 10 + i), _blocks(1 + 20 * i, n + 6, bs)) for i, n in enumerate(lens)]
+    dense = [ref.logits(s.tokens) for s in seqs]
+    kv = _cache(cfg, bs)
+    _step(model, kv, [seqs[0].chunk(30), seqs[1].chunk(9)], bs)  # two prefills
+    plan = [  # per step: chunk size per sequence (0 = not scheduled)
+        [1, 1, 20, 0],
+        [1, 1, 13, 8],
+        [1, 1, 1, 9],  # three decodes and one last prefill chunk
+        [1, 0, 18, 1],
+        [1, 1, 1, 1],  # all decodes
+    ]
+    for sizes in plan:
+        chunks, owners = [], []
+        for s, n in zip(seqs, sizes):
+            if n:
+                chunks.append(s.chunk(n, need_logits=(s is not seqs[2] or n == 1)))
+                owners.append(s)
+        out = _step(model, kv, chunks, bs)
+        want = [dense[seqs.index(s)][s.done - 1] for s, c in zip(owners, chunks) if c.need_logits]
+        assert out.shape[0] == len(want)
+        torch.testing.assert_close(out, torch.stack(want), atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bs", [16, 7])
+def test_prefix_hit_then_greedy(tiny, bs):
+    model, cfg, ref = tiny
+    prompt = _tokens(50, 3)
+    kv = _cache(cfg, bs)
+    first = Seq(prompt[:40], _blocks(0, 40, bs))
+    _step(model, kv, [first.chunk(40, need_logits=False)], bs)
+    # the second request shares the first's full blocks, then owns fresh ones
+    shared = 40 // bs
+    blocks = first.blocks[:shared] + _blocks(100, 50 + 8 - shared * bs, bs)
+    seq = Seq(list(prompt), blocks)
+    seq.done = shared * bs
+    out = _step(model, kv, [seq.chunk(50 - shared * bs)], bs)
+    torch.testing.assert_close(out[0], ref.logits(prompt)[-1], atol=ATOL, rtol=1e-4)
+    gen = []
+    for _ in range(8):
+        gen.append(int(out[0].argmax()))
+        seq.tokens.append(gen[-1])
+        out = _step(model, kv, [seq.chunk(1)], bs)
+    assert gen == ref.greedy(prompt, 8)
+
+
+def test_no_logits_and_bytes_per_token(tiny):
+    model, cfg, _ = tiny
+    seq = Seq(_tokens(8, 4), [0])
+    out = _step(model, _cache(cfg, 16, 4), [seq.chunk(8, need_logits=False)], 16)
+    assert out.shape == (0, cfg.vocab_size)
+    assert KVCache.bytes_per_token(cfg, torch.bfloat16) == 2 * 4 * 2 * 64 * 2
+
+
+def test_qwen2_bias_and_tied_embeddings(tmp_path):
+    d = make_tiny(tmp_path / "q", "tiny", seed=1)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    w = load_file(str(d / "model.safetensors"))
+    del w["lm_head.weight"]
+    g = torch.Generator().manual_seed(7)
+    for i in range(cfg["num_hidden_layers"]):
+        for p in "qkv":
+            out = w[f"model.layers.{i}.self_attn.{p}_proj.weight"].shape[0]
+            w[f"model.layers.{i}.self_attn.{p}_proj.bias"] = torch.randn(out, generator=g) * 0.1
+    save_file(w, str(d / "model.safetensors"))
+    model, mcfg = load_model(d, torch.float32, "cpu")
+    assert mcfg.qkv_bias and not mcfg.o_bias and model.lm_head is None
+    toks = _tokens(33, 5)
+    seq, kv = Seq(toks, _blocks(0, 33, 16)), _cache(mcfg, 16, 8)
+    out = _step(model, kv, [seq.chunk(20)], 16)
+    out = _step(model, kv, [seq.chunk(13)], 16)
+    torch.testing.assert_close(out[0], DenseLlama(d).logits(toks)[-1], atol=ATOL, rtol=1e-4)
+
+
+def test_rope_long_positions():
+    import math
+
+    pos = torch.tensor([0, 1, 4097, 131071, 131072, 1_000_003])
+    cos, sin = rope_cos_sin(pos, 64, 500000.0, torch.float32)
+    assert cos.shape == (6, 1, 32) and cos.dtype == torch.float32
+    for r, p in enumerate(pos.tolist()):
+        for j in (0, 1, 17, 31):
+            ang = p * (1.0 / 500000.0 ** (2 * j / 64))
+            assert abs(cos[r, 0, j].item() - math.cos(ang)) < 1e-6
+            assert abs(sin[r, 0, j].item() - math.sin(ang)) < 1e-6

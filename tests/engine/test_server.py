@@ -1,0 +1,242 @@
+"""The real server with the real engine on the tiny model, driven by the official client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from tests.conftest import API_KEY, MAX_MODEL_LEN, ServerThread, post, wait_idle
+
+
+@pytest.fixture(scope="module")
+def client(served: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+# ---- completions ------------------------------------------------------------------------
+
+def test_completion_text(client: openai.OpenAI, served: ServerThread) -> None:
+    r = client.completions.create(model=served.engine.model_name, prompt="hello world",
+                                  max_tokens=5, temperature=0)
+    assert r.id.startswith("cmpl-") and r.object == "text_completion"
+    assert r.choices[0].finish_reason in ("stop", "length") and r.choices[0].logprobs is None
+    assert r.usage.completion_tokens <= 5 and r.usage.prompt_tokens > 0
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_completion_token_ids_and_batch(client: openai.OpenAI, served: ServerThread) -> None:
+    tok = served.engine.tokenizer
+    ids = tok.encode("the quick brown fox")
+    r = client.completions.create(model=served.engine.model_name, prompt=ids, max_tokens=4,
+                                  temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 4
+    assert r.choices[0].finish_reason == "length"
+    r2 = client.completions.create(model=served.engine.model_name, prompt=["a b", "c d e"],
+                                   max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r2.choices) == [0, 1]
+    assert r2.usage.completion_tokens == 6
+
+
+def test_greedy_is_deterministic_and_stream_matches(client: openai.OpenAI,
+                                                    served: ServerThread) -> None:
+    kw = dict(model=served.engine.model_name, prompt="once upon a time", max_tokens=12,
+              temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    assert client.completions.create(**kw).choices[0].text == full
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
+                                            **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI, served: ServerThread) -> None:
+    prompt = " ".join(f"word{i}" for i in range(120))
+    kw = dict(model=served.engine.model_name, prompt=prompt, max_tokens=1, temperature=0)
+    client.completions.create(**kw)
+    r = client.completions.create(**kw)
+    assert r.usage.prompt_tokens_details.cached_tokens >= 16
+
+
+def test_raw_sse_framing(served: ServerThread) -> None:
+    import urllib.request
+
+    body = {"prompt": "hi", "max_tokens": 3, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    req = urllib.request.Request(served.url + "/v1/completions", json.dumps(body).encode(),
+                                 {"Authorization": f"Bearer {API_KEY}",
+                                  "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        text = resp.read().decode()
+    events = text.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert json.loads(events[-3][6:])["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0
+
+
+# ---- chat -------------------------------------------------------------------------------
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather for a city",
+    "parameters": {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+                   "properties": {"city": {"type": "string", "maxLength": 8},
+                                  "unit": {"enum": ["c", "f"]},
+                                  "days": {"type": "integer", "minimum": 0, "maximum": 30}}}}}
+CLOCK = {"type": "function", "function": {"name": "now", "parameters": {
+    "type": "object", "properties": {"tz": {"enum": ["utc", "local"]}}, "required": ["tz"],
+    "additionalProperties": False}}}
+MSGS = [{"role": "system", "content": "be brief"},
+        {"role": "user", "content": [{"type": "text", "text": "weather in Paris?"}]}]
+
+
+def test_chat_basic_and_stream(client: openai.OpenAI, served: ServerThread) -> None:
+    kw = dict(model=served.engine.model_name, messages=MSGS, max_tokens=8, temperature=0)
+    r = client.chat.completions.create(**kw)
+    assert r.id.startswith("chatcmpl-") and r.object == "chat.completion"
+    assert r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens_details.cached_tokens >= 0
+    chunks = list(client.chat.completions.create(stream=True,
+                                                 stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[0].object == "chat.completion.chunk"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == (r.choices[0].message.content or "")
+    assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def check_weather_call(call: Any) -> None:
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert set(args) >= {"city", "unit"} and args["unit"] in ("c", "f")
+        assert isinstance(args["city"], str) and len(args["city"]) <= 8
+        assert set(args) <= {"city", "unit", "days"} and 0 <= args.get("days", 0) <= 30
+    else:
+        assert call.function.name == "now" and args["tz"] in ("utc", "local")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tool_choice_required(client: openai.OpenAI, served: ServerThread, seed: int) -> None:
+    r = client.chat.completions.create(model=served.engine.model_name, messages=MSGS,
+                                       tools=[WEATHER, CLOCK], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=200, seed=seed)
+    assert r.choices[0].finish_reason == "tool_calls"
+    calls = r.choices[0].message.tool_calls
+    assert len(calls) == 1
+    check_weather_call(calls[0])
+
+
+def test_tool_choice_named_streaming(client: openai.OpenAI, served: ServerThread) -> None:
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    kw = dict(model=served.engine.model_name, messages=MSGS, tools=[WEATHER, CLOCK],
+              tool_choice=choice, max_tokens=200, seed=3)
+    r = client.chat.completions.create(**kw)
+    [call] = r.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    check_weather_call(call)
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    deltas = [tc for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == "get_weather" and deltas[0].id.startswith("call_")
+    assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_tool_choice_auto_and_none(client: openai.OpenAI, served: ServerThread) -> None:
+    for choice in ("auto", "none"):
+        kw = dict(model=served.engine.model_name, messages=MSGS, tools=[WEATHER],
+                  tool_choice=choice, max_tokens=6, temperature=0)
+        r = client.chat.completions.create(**kw)
+        assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert text == (r.choices[0].message.content or "")
+
+
+def test_tool_history_roundtrip(client: openai.OpenAI, served: ServerThread) -> None:
+    msgs = MSGS + [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "c"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21C"}]
+    r = client.chat.completions.create(model=served.engine.model_name, messages=msgs,
+                                       tools=[WEATHER], max_tokens=4)
+    assert r.usage.prompt_tokens > 20
+
+
+# ---- other routes -----------------------------------------------------------------------
+
+def test_models_health_metrics(client: openai.OpenAI, served: ServerThread) -> None:
+    import urllib.request
+
+    [m] = client.models.list().data
+    assert m.id == served.engine.model_name and m.owned_by == "agentserve"
+    assert m.model_extra["max_model_len"] == MAX_MODEL_LEN
+    with urllib.request.urlopen(served.url + "/health", timeout=10) as resp:
+        assert resp.status == 200
+    with urllib.request.urlopen(served.url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    names = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+             "vllm:num_preemptions_total", "vllm:prompt_tokens_total",
+             "vllm:generation_tokens_total", "vllm:spec_decode_num_drafts_total",
+             "vllm:spec_decode_num_draft_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_total",
+             "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+             "vllm:e2e_request_latency_seconds_bucket", "vllm:cache_config_info"]
+    for name in names:
+        assert f"\n{name}{{" in text, name
+    assert f'model_name="{served.engine.model_name}"' in text
+    assert f'block_size="16"' in text and "num_gpu_blocks=" in text
+
+
+def test_draining(served: ServerThread) -> None:
+    import urllib.error
+    import urllib.request
+
+    served.engine.draining = True
+    try:
+        with pytest.raises(urllib.error.HTTPError) as exc:
+            urllib.request.urlopen(served.url + "/health", timeout=10)
+        assert exc.value.code == 503
+        status, body = post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+        assert status == 503 and "shutting down" in body["error"]["message"]
+    finally:
+        served.engine.draining = False
+    assert post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 1})[0] == 200
+
+
+def test_api_key_required(served: ServerThread) -> None:
+    status, body = post(served, "/v1/completions", {"prompt": "hi"}, key=None)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    status, _ = post(served, "/v1/completions", {"prompt": "hi"}, key="wrong")
+    assert status == 401
+
+
+# ---- disconnect ---------------------------------------------------------------------------
+
+async def test_disconnect_aborts_and_frees_blocks(served: ServerThread) -> None:
+    body = {"prompt": "tell me a long story " * 20, "max_tokens": 600, "stream": True,
+            "ignore_eos": True, "temperature": 0}
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    before = served.engine.stats().generation_tokens
+    async with aiohttp.ClientSession() as session:
+        resp = await session.post(served.url + "/v1/completions", json=body, headers=headers,
+                                  timeout=aiohttp.ClientTimeout(total=30))
+        seen = 0
+        async for line in resp.content:
+            seen += line.startswith(b"data: ")
+            if seen >= 2:
+                break
+        resp.close()  # drop the connection mid-stream
+    assert seen >= 2
+    await asyncio.to_thread(wait_idle, served)
+    stats = served.engine.stats()
+    assert stats.num_running == 0 and stats.kv_usage == 0
+    assert stats.generation_tokens - before < 600  # aborted, not run to max_tokens
+    served.engine.core.kv.pool.check_invariants()

@@ -1,0 +1,43 @@
+"""Config loading: presets, overrides, validation."""
+
+import pytest
+
+from agentserve.router.config import PRESETS, build_config, load_config
+from agentserve.router.picker import build_picker
+from agentserve.router.scorers import build_scorers
+
+
+def test_yaml_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("policy: precise-prefix\nendpoints:\n  - url: http://a:1/\n"
+                 "    kv_events: tcp://a:5557\n    role: both\n    hash_seed: 0\n"
+                 "scorers: {queue: 3}\noptions: {speculative_ttl_s: 0.5}\n")
+    c = load_config(p)
+    assert c.endpoints[0].url == "http://a:1" and c.endpoints[0].hash_seed == "0"
+    assert c.scorers["queue"] == 3 and c.scorers["prefix"] == 2.0
+    assert c.options.speculative_ttl_s == 0.5 and c.index == "precise"
+
+
+@pytest.mark.parametrize("policy", sorted(PRESETS))
+def test_every_preset_builds(policy):
+    c = build_config({"policy": policy})
+    build_scorers(c.scorers)
+    build_picker(c.picker)
+
+
+@pytest.mark.parametrize("raw,msg", [
+    ({"policy": "nope"}, "unknown policy"),
+    ({"bogus": 1}, "unknown router config keys"),
+    ({"options": {"nope": 1}}, "unknown router options"),
+    ({"endpoints": [{"url": "http://a", "role": "x"}]}, "role must be"),
+])
+def test_errors_say_what_is_wrong(raw, msg):
+    with pytest.raises(ValueError, match=msg):
+        build_config(raw)
+
+
+def test_unknown_scorer_and_picker():
+    with pytest.raises(ValueError, match="unknown scorer"):
+        build_scorers({"nope": 1})
+    with pytest.raises(ValueError, match="unknown picker"):
+        build_picker({"type": "nope"})

@@ -1,0 +1,113 @@
+"""EventApplier ordering/gap logic, and live ZMQ streams from our publisher."""
+
+import asyncio
+import time
+
+import pytest
+import zmq.asyncio
+
+from agentserve.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+                                  KVEventPublisher, decode_event_batch, encode_event_batch)
+from agentserve.router.events import EventApplier, subscribe
+from agentserve.router.index import PrefixIndex
+
+URL = "http://e"
+
+
+def local(address):
+    return address.replace("0.0.0.0", "127.0.0.1")
+
+
+def stored(hashes, medium="GPU"):
+    return BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=[],
+                       block_size=16, lora_id=None, medium=medium, lora_name=None)
+
+
+def batch(*events, rank=0):
+    return KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=rank)
+
+
+def run(index):
+    return index.match([1, 2, 3]).best_run((URL, 0))
+
+
+def test_in_order_apply_and_remove():
+    idx = PrefixIndex()
+    a = EventApplier(idx, URL)
+    assert a.on_batch(0, 0, batch(stored([1, 2, 3]))) == "first"
+    assert run(idx) == 3
+    assert a.on_batch(0, 1, batch(BlockRemoved(block_hashes=[3], medium="GPU"))) == "ok"
+    assert run(idx) == 2
+    assert a.on_batch(0, 1, batch(stored([9]))) == "dup"
+    assert a.on_batch(0, 2, batch(AllBlocksCleared())) == "ok"
+    assert run(idx) == 0
+
+
+def test_gap_without_replay_clears():
+    idx = PrefixIndex()
+    a = EventApplier(idx, URL)
+    a.on_batch(0, 0, batch(stored([1, 2])))
+    assert a.on_batch(0, 5, batch(stored([7]))) == "gap"
+    assert run(idx) == 0 and idx.match([7]).best_run((URL, 0)) == 1
+    assert a.streams[0].gaps == 1 and a.streams[0].clears == 1
+
+
+def test_gap_filled_by_replay():
+    idx = PrefixIndex()
+    a = EventApplier(idx, URL)
+    a.on_batch(0, 0, batch(stored([1])))
+    replayed = [(1, batch(stored([2]))), (2, batch(stored([3])))]
+    assert a.on_batch(0, 3, batch(stored([4])), replayed) == "gap"
+    assert idx.match([1, 2, 3, 4]).best_run((URL, 0)) == 4
+    assert a.streams[0].clears == 0
+
+
+def test_restart_clears():
+    idx = PrefixIndex()
+    a = EventApplier(idx, URL)
+    a.on_batch(0, 0, batch(stored([1, 2, 3])))
+    a.on_batch(0, 1, batch(stored([5])))
+    assert a.on_batch(0, 0, batch(stored([1]))) == "restart"
+    assert run(idx) == 1
+
+
+def test_rank_and_medium_from_batch():
+    idx = PrefixIndex()
+    a = EventApplier(idx, URL)
+    a.on_batch(0, 0, batch(stored([1, 2], "CPU"), rank=1))
+    m = idx.match([1, 2])
+    assert m.best_run((URL, 1)) == 2 and m.tiers == ["GPU", "CPU"] and m.runs[(URL, 1)][0] == 0
+
+
+def test_vllm_map_encoding_roundtrip():
+    payload = encode_event_batch(batch(stored([2**63 + 5, b"\x01" * 32])))
+    idx = PrefixIndex()
+    EventApplier(idx, URL).on_batch(0, 0, decode_event_batch(payload))
+    assert len(idx) == 2
+
+
+async def _wait(pred, timeout=5.0):
+    t0 = time.monotonic()
+    while not pred():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_live_zmq_with_replay_catches_up():
+    pub = KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0")
+    try:
+        pub.publish([stored([1])])  # sent before we subscribe: only replay can deliver it
+        await asyncio.sleep(0.1)
+        ctx = zmq.asyncio.Context()
+        idx = PrefixIndex()
+        a = EventApplier(idx, URL)
+        task = asyncio.create_task(subscribe(ctx, a, local(pub.endpoint), local(pub.replay_endpoint)))
+        await asyncio.sleep(0.3)  # slow joiner
+        pub.publish([stored([2])])
+        pub.publish([stored([3])])
+        await _wait(lambda: idx.match([1, 2, 3]).best_run((URL, 0)) == 3)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        ctx.destroy(linger=0)
+    finally:
+        pub.close()

@@ -1,0 +1,192 @@
+"""The HTTP gateway against fake engines: pass-through, errors, retries, limits, admin."""
+
+import asyncio
+import json
+import time
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestServer
+
+from agentserve.router.config import build_config
+from agentserve.router.gateway import Gateway
+
+from .fakes import FakeEngine
+
+KEY = "sekret"
+
+
+@pytest.fixture
+async def stack():
+    engines = [FakeEngine("a"), FakeEngine("b")]
+    urls = [await e.start() for e in engines]
+    made = []
+
+    async def make(policy="least-loaded", **over):
+        cfg = build_config({"policy": policy, "endpoints": [{"url": u} for u in urls],
+                            "options": {"health_interval_s": 0.2, "scrape_interval_s": 0.05,
+                                        **over.pop("options", {})}, **over})
+        cfg.api_key = over.get("api_key")
+        gw = Gateway(cfg)
+        srv = TestServer(gw.app(), handler_cancellation=True)
+        await srv.start_server()
+        s = aiohttp.ClientSession(str(srv.make_url("")))
+        made.append((srv, s))
+        await asyncio.sleep(0.3)  # first health check + model discovery
+        return gw, s
+
+    yield engines, urls, make
+    for srv, s in made:
+        await s.close()
+        await srv.close()
+    for e in engines:
+        await e.close()
+
+
+def prompt(n=40, **kw):
+    return {"model": "tiny", "prompt": list(range(1, n + 1)), "max_tokens": 4, **kw}
+
+
+async def test_non_streaming_pass_through_and_metrics(stack):
+    engines, urls, make = stack
+    gw, s = await make()
+    async with s.post("/v1/completions", json=prompt()) as r:
+        assert r.status == 200
+        body = await r.json()
+    assert body["choices"][0]["text"] in ("a", "b")
+    async with s.get("/metrics") as r:
+        text = await r.text()
+    assert "agentserve_router_decisions_total" in text
+    assert "agentserve_router_prediction_checked_total 1.0" in text
+
+
+async def test_streaming_chunk_by_chunk(stack):
+    engines, urls, make = stack
+    for e in engines:
+        e.chunk_gap_s, e.chunks = 0.15, 4
+    gw, s = await make()
+    arrivals = []
+    t0 = time.monotonic()
+    async with s.post("/v1/completions", json=prompt(stream=True)) as r:
+        assert r.headers["Content-Type"].startswith("text/event-stream")
+        async for chunk in r.content.iter_any():
+            arrivals.append((time.monotonic() - t0, chunk))
+    data = b"".join(c for _, c in arrivals)
+    assert data.endswith(b"data: [DONE]\n\n")
+    first_text = next(t for t, c in arrivals if b"text" in c)
+    assert first_text < 0.3 and arrivals[-1][0] > 0.5  # not buffered until the end
+
+
+async def test_bad_requests_never_reach_engines(stack):
+    engines, urls, make = stack
+    gw, s = await make()
+    for body in (b"not json", b"[1,2]", json.dumps({"prompt": 5}).encode(),
+                 json.dumps({"messages": "hi"}).encode()):
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        async with s.post(path, data=body) as r:
+            assert r.status == 400
+            assert "message" in (await r.json())["error"]
+    assert not engines[0].calls and not engines[1].calls
+
+
+async def test_unknown_model_404(stack):
+    engines, urls, make = stack
+    gw, s = await make()
+    async with s.post("/v1/completions", json=prompt(model="other")) as r:
+        assert r.status == 404
+
+
+async def test_models_union_and_health(stack):
+    engines, urls, make = stack
+    engines[1].model = "tiny2"
+    gw, s = await make()
+    async with s.get("/v1/models") as r:
+        assert {m["id"] for m in (await r.json())["data"]} == {"tiny", "tiny2"}
+    async with s.get("/health") as r:
+        assert r.status == 200
+
+
+async def test_retry_once_on_next_endpoint_and_eject(stack):
+    engines, urls, make = stack
+    engines[0].status = 500
+    gw, s = await make(policy="round-robin", options={"eject_after_failures": 2,
+                                                      "health_interval_s": 30})
+    for _ in range(4):
+        async with s.post("/v1/completions", json=prompt()) as r:
+            assert r.status == 200
+            assert (await r.json())["choices"][0]["text"] == "b"
+    assert not gw.router.endpoints[urls[0]].available()
+    async with s.get("/metrics") as r:
+        text = await r.text()
+    assert "agentserve_router_retries_total 2.0" in text
+
+
+async def test_no_healthy_endpoint_503(stack):
+    engines, urls, make = stack
+    gw, s = await make()
+    for e in engines:
+        await e.close()
+    await asyncio.sleep(0.5)
+    async with s.post("/v1/completions", json=prompt()) as r:
+        assert r.status in (502, 503)
+        assert "endpoint" in (await r.json())["error"]["message"]
+
+
+async def test_client_disconnect_cancels_upstream(stack):
+    engines, urls, make = stack
+    for e in engines:
+        e.chunks, e.chunk_gap_s = 50, 0.05
+    gw, s = await make()
+    async with s.post("/v1/completions", json=prompt(stream=True)) as r:
+        await r.content.readany()
+    await asyncio.sleep(0.5)
+    assert sum(e.cancelled for e in engines) == 1
+    assert all(ep.inflight == 0 for ep in gw.router.endpoints.values())
+
+
+async def test_request_timeout(stack):
+    engines, urls, make = stack
+    for e in engines:
+        e.delay_s = 5
+    gw, s = await make(options={"request_timeout_s": 0.3})
+    t0 = time.monotonic()
+    async with s.post("/v1/completions", json=prompt()) as r:
+        assert r.status == 502
+    assert time.monotonic() - t0 < 2
+
+
+async def test_admission_queue_full_503_retry_after(stack):
+    engines, urls, make = stack
+    for e in engines:
+        e.delay_s = 0.5
+    gw, s = await make(options={"max_inflight": 1, "max_queue": 1, "queue_timeout_s": 5})
+    rs = await asyncio.gather(*[s.post("/v1/completions", json=prompt()) for _ in range(3)])
+    codes = sorted(r.status for r in rs)
+    assert codes == [200, 200, 503]
+    bad = next(r for r in rs if r.status == 503)
+    assert bad.headers["Retry-After"] == "1"
+    for r in rs:
+        r.release()
+
+
+async def test_api_key_and_admin(stack):
+    engines, urls, make = stack
+    gw, s = await make(api_key=KEY)
+    async with s.post("/v1/completions", json=prompt()) as r:
+        assert r.status == 401
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with s.delete("/admin/endpoints", params={"url": urls[0]}, headers=auth) as r:
+        assert r.status == 200
+    for _ in range(3):
+        async with s.post("/v1/completions", json=prompt(), headers=auth) as r:
+            assert (await r.json())["choices"][0]["text"] == "b"
+    async with s.post("/admin/endpoints", json={"url": urls[0]}, headers=auth) as r:
+        assert r.status == 200
+    assert urls[0] in gw.router.endpoints
+
+
+async def test_body_limit_413(stack):
+    engines, urls, make = stack
+    gw, s = await make(options={"max_body_mb": 0.001})
+    async with s.post("/v1/completions", json=prompt(n=2000)) as r:
+        assert r.status == 413
