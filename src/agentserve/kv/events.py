@@ -220,10 +220,11 @@ def _is_bind(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
-def _open(ctx: zmq.Context, kind: int, endpoint: str) -> tuple[zmq.Socket, str]:
+def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool | None = None
+          ) -> tuple[zmq.Socket, str]:
     sock = ctx.socket(kind)
     try:
-        if _is_bind(endpoint):
+        if _is_bind(endpoint) if bind is None else bind:
             sock.bind(endpoint)
             endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)  # resolves a :0 port
         else:
@@ -266,13 +267,16 @@ class KVEventPublisher:
         self.dropped = 0
         self.published = 0
         endpoint = offset_endpoint_port(endpoint, data_parallel_rank) or endpoint
-        self._pub, self.endpoint = _open(self._ctx, zmq.PUB, endpoint)
+        # Unlike vLLM (which connects unless the address is a wildcard), the engine always
+        # binds: `--kv-events-endpoint tcp://127.0.0.1:5557` publishes on loopback only,
+        # and routers connect to it.
+        self._pub, self.endpoint = _open(self._ctx, zmq.PUB, endpoint, bind=True)
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
         if replay_endpoint:
             ep = offset_endpoint_port(replay_endpoint, data_parallel_rank) or replay_endpoint
-            self._replay, self.replay_endpoint = _open(self._ctx, zmq.ROUTER, ep)
+            self._replay, self.replay_endpoint = _open(self._ctx, zmq.ROUTER, ep, bind=True)
         self._thread = threading.Thread(target=self._run, name="kv-event-pub", daemon=True)
         self._thread.start()
 

@@ -55,8 +55,14 @@ def bench(
                       max_input=max_input, max_output=max_output, output_scale=output_scale, api=api,
                       model=model, api_key=api_key, vocab_size=vocab_size, request_timeout=request_timeout,
                       gpus=gpus, seed=seed, out=out)
-    stages = run_bench(cfg)
+    try:
+        stages = run_bench(cfg)
+    except (RuntimeError, ValueError, OSError) as e:  # bad trace, unreachable model list, ...
+        typer.echo(f"bench: {e}", err=True)
+        raise typer.Exit(2)
     _print(stages, out)
+    if any(s.get("interrupted") for s in stages):
+        raise typer.Exit(130)  # partial results are written; say so to scripts
 
 
 def _print(stages: list[dict], out: str) -> None:

@@ -114,6 +114,7 @@ class BenchRun:
                    c.max_turns, progress.add)
         skipped0 = factory.skipped
         progress.stage(label)
+        interrupted = False
         try:
             if c.mode == "sessions":
                 await run_sessions(d, sessions, c.sessions, c.session_rate, c.seed)
@@ -121,6 +122,9 @@ class BenchRun:
                 await run_concurrency(d, sessions, label["concurrency"], cycle=duration is not None)
             else:
                 await run_schedule(d, jobs)
+        except asyncio.CancelledError:
+            interrupted = True  # Ctrl-C: summarize what was measured, then let it propagate
+            raise
         finally:
             wall = time.perf_counter() - d.begin
             try:
@@ -129,8 +133,9 @@ class BenchRun:
                 after = {}
             self.records += d.records
             self.sessions += d.sessions
-            self.stages.append(summarize(d.records, wall, label, d.sessions if c.mode == "sessions" else None,
-                                         c.gpus, factory.skipped - skipped0, metric_deltas(before, after)))
+            self.stages.append(summarize(d.records, wall, dict(label, interrupted=interrupted),
+                                         d.sessions if c.mode == "sessions" else None, c.gpus,
+                                         factory.skipped - skipped0, metric_deltas(before, after)))
 
 
 def run_bench(config: BenchConfig) -> list[dict]:

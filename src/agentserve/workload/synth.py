@@ -51,14 +51,14 @@ it fills. Same seed, same bytes: all randomness comes from one numpy SeedSequenc
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 import numpy as np
 
 from agentserve.workload.schema import Session
 from agentserve.workload.synth_dist import Spliced, cdf, normal_scores, stratified, z
-from agentserve.workload.synth_session import SessionBuilder
+from agentserve.workload.synth_session import SessionBuilder, group_plan
 
 # SPEC.md "The workload": the production study (219 sessions, 78,099 requests).
 SPEC = {"input": (195_000, 521_000, 849_000), "output": (317, 1705, 7551),
@@ -76,7 +76,8 @@ class Profile:
     gap: Spliced
     group_size: Spliced
     side_share: float
-    rewrite_share: float
+    trim_share: float
+    trim_keep: float
     group_prob: float
     block_size: int = 64
     sys_tokens: tuple[int, int] = (15_000, 20_001)
@@ -94,60 +95,169 @@ class Profile:
     max_group: int = 1000
 
 
+_STUDY = 219  # sessions in the study: model quantiles are evaluated on that many strata
+_QZ = normal_scores((np.arange(20_000) + 0.5) / 20_000)  # fixed quadrature in u
+
+
+def _growth(side: float, trim: float, tail: float) -> Spliced:
+    """Content growth: lognormal through the table's p50 / p90 at the levels left after
+    side calls (one drop, one return each), trims and compactions (drops), spliced at
+    p90 onto an upper tail of slope `tail` (large tool results)."""
+    g50, g90, _ = SPEC["growth"]
+    rest = 1 - 2 * side - trim
+    u50, u90 = (0.5 - side - trim) / rest, (0.9 - side - trim) / rest
+    body = Spliced.fit([(u50, g50), (u90, g90)])
+    return Spliced(body.mu, body.sigma, z(u90), tail)
+
+
+def _tail_for_mean(side: float, trim: float, mean: float, hi_cap: int) -> float:
+    """Tail slope whose clipped mean content growth is `mean` (bisection on quadrature)."""
+    lo, hi = _growth(side, trim, 0.0).sigma * 0.5, 6.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        m = float(np.clip(_growth(side, trim, mid).ppf_z(_QZ), 1, hi_cap).mean())
+        lo, hi = (mid, hi) if m < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _context_sim(p: Profile, turns: np.ndarray, seed: int = 0) -> dict:
+    """Main-agent input tokens of sessions with `turns` turns, without hash ids: the
+    builder's context rules (side calls, trims, compaction, growth) vectorised over
+    sessions. Fixed seed: a property of the model, not of a run."""
+    rng = np.random.default_rng(seed)
+    n, n_turns = len(turns), int(turns.max())
+    sys_t = rng.integers(*p.sys_tokens, size=n).astype(float)
+    ctx = sys_t + np.floor(p.first_message.sample(rng, n))
+    compact = p.window * rng.uniform(*p.compact_at, size=n)
+    prev, was_side = ctx.copy(), np.zeros(n, bool)
+    ins, grs, ret = [ctx.copy()], [], []
+    for i in range(1, n_turns):
+        u = rng.random(n)
+        g = np.rint(p.growth.sample(rng, n)).clip(1, p.max_growth)
+        side = ~was_side & (u < p.side_share)
+        trim = ~side & (u < p.side_share + p.trim_share)
+        k = np.clip(rng.uniform(p.trim_keep - 0.15, p.trim_keep + 0.15, n), 0.05, 1.0)
+        hi = np.minimum(0.25, 0.45 * k / (0.55 + 0.45 * k)) * ctx
+        cut = sys_t + np.floor(rng.random(n) * np.maximum(hi - sys_t, 0.0))
+        c2 = np.where(trim, cut + np.floor(k * (ctx - cut)), ctx)
+        summary = np.clip(p.summary.sample(rng, n), 1000, 28_000 - sys_t).astype(int)
+        c2 = np.where(c2 + g > compact, sys_t + summary, c2 + g)
+        c2 = np.where(side, ctx, c2)
+        inp = np.where(side, np.maximum(200, np.floor(ctx * rng.uniform(*p.side_fraction, n))), c2)
+        live = turns > i
+        ins.append(inp[live])
+        grs.append((inp - prev)[live])
+        ret.append((inp - prev)[live & was_side])
+        ctx, prev, was_side = c2, inp, side
+    ins_a, grs_a, ret_a = np.concatenate(ins), np.concatenate(grs), np.concatenate(ret)
+    big = SPEC["growth"][2]
+    return {"input": np.percentile(ins_a, [50, 90, 99]), "prefix": float(np.mean(sys_t)),
+            "above": float(np.mean(grs_a > big)), "ret_above": float(np.mean(ret_a > big))}
+
+
+def _study_turns(turns: Spliced, reps: int = 2) -> np.ndarray:
+    u = (np.arange(_STUDY) + 0.5) / _STUDY
+    return np.tile(np.maximum(1, np.rint(turns.ppf(u))).astype(int), reps)
+
+
+def _fit_context(base: Profile) -> Profile:
+    """Solve side share s, growth tail slope and trim keep fraction from the table:
+    input p50 and p90, growth p99 (side returns are the growths above it) and the reset
+    share (trims: 2.8% - s). A fixed-seed context simulation on the study's 219 turn
+    strata (x2); for a keep fraction, the mean growth follows input p50 and s follows
+    P(growth > 148K) = 1% (fixed point, warm-started); the keep fraction follows the
+    input p90/p50 ratio (secant)."""
+    i50, i90, _ = SPEC["input"]
+    turns = _study_turns(base.turns)
+    state = {"s": base.side_share, "m": base.growth.mean(1, base.max_growth)}
+
+    def inner(keep: float) -> tuple[Profile, float]:
+        for it in range(6):
+            s, m = state["s"], state["m"]
+            r = SPEC["reset"] - s
+            tail = _tail_for_mean(s, r, m, base.max_growth)
+            p = replace(base, growth=_growth(s, r, tail), side_share=s, trim_share=r,
+                        trim_keep=keep)
+            res = _context_sim(p, turns)
+            q50, q90, _ = res["input"]
+            pre = res["prefix"]
+            err = (q90 - pre) / (q50 - pre) - (i90 - pre) / (i50 - pre)
+            if abs(q50 / i50 - 1) < 0.01 and abs(res["above"] - 0.01) < 0.001:
+                break
+            state["m"] = m * (i50 - pre) / (q50 - pre)
+            content = res["above"] - s * res["ret_above"]
+            state["s"] = float(np.clip((0.01 - content) / max(res["ret_above"], 1e-3),
+                                       0.002, SPEC["reset"] - 0.002))
+        return p, err
+
+    # Warm start (a previous solution; the solve converges to the table from anywhere in
+    # 0.3-1.0, only slower): keep 0.65, s 1.65%, mean content growth 2.55K.
+    state.update(s=0.0165, m=2550.0)
+    lo, hi = (0.2, -1.0), (1.0, 1.0)  # (keep, err sign) bracket: err rises with keep
+    keep = 0.65
+    for _ in range(8):
+        p, err = inner(keep)
+        if abs(err) < 0.06:
+            break
+        lo, hi = ((keep, err), hi) if err < 0 else (lo, (keep, err))
+        (k0, e0), (k1, e1) = lo, hi
+        keep = (k0 + k1) / 2 if abs(e0) == 1.0 or abs(e1) == 1.0 else k0 - e0 * (k1 - k0) / (e1 - e0)
+    return p
+
+
+def _gap(base: Profile, n: int = 2000) -> Spliced:
+    """Idle gap whose mixture with post-group gaps hits the table's 2 s / 24 s / 11.4 min.
+
+    A turn after a sub-agent group (share p_g) is measured as the group's span (launch to
+    last sub-agent end, from the builder's own `group_plan` on a fixed quadrature of group
+    sizes) plus the idle gap. With G(x) = P(span + idle <= x), the idle distribution's
+    levels are u' = (u - p_g G(x)) / (1 - p_g), iterated since G depends on idle."""
+    rng = np.random.default_rng(0)
+    sizes = np.clip(np.rint(base.group_size.ppf((np.arange(n) + 0.5) / n)), 1, base.max_group)
+    span = np.array([max(off + plan.duration for off, plan in
+                         group_plan(base, rng, int(g), int(rng.integers(*base.sub_sys_tokens))))
+                     for g in sizes])
+    idle_z = rng.standard_normal(n)
+    pg, pts = base.group_prob, list(zip((0.5, 0.9, 0.99), SPEC["gap"]))
+    gap = Spliced.fit([(u / (1 - pg) if u / (1 - pg) < 1 else 0.999, x) for u, x in pts])
+    for _ in range(4):
+        tot = span + gap.ppf_z(idle_z)
+        levels = [((u - pg * float(np.mean(tot <= x))) / (1 - pg), x) for u, x in pts]
+        gap = Spliced.fit([(min(max(u, 1e-4), 1 - 1e-4), x) for u, x in levels])
+    return gap
+
+
 def _derive(name: str, turns: Spliced) -> Profile:
     """Every parameter below follows from SPEC's table (see the module docstring)."""
     i50, i90, _ = SPEC["input"]
     s_in = math.log(i90 / i50) / z(0.9)
     keep = 1 - (np.arange(100) + 0.5) / 100 * 0.35 - 0.05  # 1 - f, f ~ U(0.05, 0.4)
     side = 0.01 / np.mean([1 - cdf(math.log(SPEC["growth"][2] / (k * i50)) / s_in) for k in keep])
-    g50, g90, _ = SPEC["growth"]
-    growth = Spliced.fit([((0.5 - side) / (1 - 2 * side), g50), ((0.9 - side) / (1 - 2 * side), g90)])
     group = Spliced.fit([(0.5, SPEC["group"][0]), (0.9, SPEC["group"][1])])
     ratio = SPEC["sub_requests"] / (SPEC["requests"] - SPEC["sub_requests"])
     e_t = Spliced.fit([(0.5, SPEC["turns"][0]), (0.9, SPEC["turns"][1]),
                        (0.99, SPEC["turns"][2])]).mean(1)
     p_g = ratio * e_t / ((e_t - 1) * group.mean(1, 1000))
     out = Spliced.fit(list(zip((0.5, 0.9, 0.99), SPEC["output"])))
-    p50, p90, p99 = SPEC["gap"]
-    first = Spliced.fit([(0.5 / (1 - p_g), p50), (0.9 / (1 - p_g), p90)])  # if G(24) were 0
-    below = 1 - _share_above(group, p90, out, first)  # share of post-group gaps <= p90
-    gap = Spliced.fit([(0.5 / (1 - p_g), p50), ((0.9 - p_g * below) / (1 - p_g), p90),
-                       ((0.99 - p_g) / (1 - p_g), p99)])
-    return Profile(name=name, turns=turns, output=out, growth=growth, gap=gap, group_size=group,
-                   side_share=side, rewrite_share=max(0.0, SPEC["reset"] - side), group_prob=p_g)
+    trim = SPEC["reset"] - side
+    base = Profile(name=name, turns=turns, output=out, growth=_growth(side, trim, 0.0),
+                   gap=Spliced(0.0, 1.0), group_size=group, side_share=side, trim_share=trim,
+                   trim_keep=1.0, group_prob=p_g)
+    base = replace(base, growth=_growth(side, trim, base_tail := base.growth.sigma))
+    del base_tail
+    p = _fit_context(base)
+    return replace(p, gap=_gap(p))
 
 
-def _share_above(group: Spliced, seconds: float, out: Spliced, idle: Spliced,
-                 n: int = 4000) -> float:
-    """P(a post-group gap exceeds `seconds`), from the group model itself: size G on a
-    fixed quadrature, agents 1 + Binomial(4, 0.35), the busiest agent's requests each a
-    sampled call (15K-token context, sampled reply) plus a sampled tool gap, then the
-    main agent's own idle gap. Fixed seed: a property of the model, not of the run."""
-    rng = np.random.default_rng(0)
-    g = np.clip(np.rint(group.ppf((np.arange(n) + 0.5) / n)), 1, 1000)
-    k = np.ceil(g / np.minimum(g, 1 + rng.binomial(4, 0.35, n))).astype(int)
-    calls = 1.0 + 15_000 * 5e-6 + out.sample(rng, k.sum()) / 60 + Profile.sub_gap.sample(rng, k.sum())
-    starts = np.concatenate([[0], np.cumsum(k)[:-1]])
-    busy = np.add.reduceat(calls, starts) + idle.sample(rng, n)
-    return float(np.mean(busy > seconds))
-
-
-def _spec_turns() -> Spliced:
-    return Spliced.fit(list(zip((0.5, 0.9, 0.99), SPEC["turns"])))
-
-
-def _sweep_turns(base: Profile) -> Spliced:
-    """Lognormal T whose pooled input quantiles hit SWEEP_INPUT.
-
-    Pooled over requests, a turn index is U * T_sb (U uniform, T_sb the size-biased T,
-    lognormal(mu + sigma^2, sigma)), so input_q ~ prefix + g_mean * exp(mu) * h_q(sigma).
-    The p99/p50 ratio fixes sigma (bisection); p50 then fixes mu.
-    """
+def _sweep_turns(cc: Profile) -> Spliced:
+    """Lognormal T whose pooled input quantiles hit SWEEP_INPUT under the claude-code
+    context model: sigma_T from the linear-growth approximation (input ~ prefix + mean
+    growth x pooled turn index; the p99/p50 ratio fixes sigma), then mu by bisection on
+    the context simulation's input p50 (trims and compaction included)."""
     n = 4001
     zs = normal_scores((np.arange(n) + 0.5) / n)
     log_u = np.log((np.arange(n) + 0.5) / n)
-    prefix = np.mean(base.sys_tokens) + base.first_message.mean()
-    g_mean = base.growth.mean(1, base.max_growth)
+    prefix = np.mean(cc.sys_tokens) + cc.first_message.mean()
     target = (SWEEP_INPUT[1] - prefix) / (SWEEP_INPUT[0] - prefix)
 
     def h(sig: float) -> tuple[float, float]:
@@ -159,8 +269,14 @@ def _sweep_turns(base: Profile) -> Spliced:
         mid = (lo + hi) / 2
         h50, h99 = h(mid)
         lo, hi = (mid, hi) if h99 / h50 < target else (lo, mid)
-    h50, _ = h(lo)
-    return Spliced(mu=math.log((SWEEP_INPUT[0] - prefix) / (g_mean * h50)), sigma=lo)
+    sigma = lo
+    mlo, mhi = 0.0, math.log(SPEC["turns"][0])
+    for _ in range(12):
+        mid = (mlo + mhi) / 2
+        t = Spliced(mu=mid, sigma=sigma)
+        q50 = _context_sim(replace(cc, turns=t), _study_turns(t))["input"][0]
+        mlo, mhi = (mid, mhi) if q50 < SWEEP_INPUT[0] else (mlo, mid)
+    return Spliced(mu=(mlo + mhi) / 2, sigma=sigma)
 
 
 @cache
@@ -169,8 +285,13 @@ def profile(name: str) -> Profile:
     if name == "claude-code":
         return _derive(name, _spec_turns())
     if name == "sweep":
-        return _derive(name, _sweep_turns(_derive(name, _spec_turns())))
+        cc = profile("claude-code")
+        return replace(cc, name=name, turns=_sweep_turns(cc))
     raise ValueError(f"unknown profile {name!r}; choose one of: claude-code, sweep")
+
+
+def _spec_turns() -> Spliced:
+    return Spliced.fit(list(zip((0.5, 0.9, 0.99), SPEC["turns"])))
 
 
 PROFILES = ("claude-code", "sweep")

@@ -8,7 +8,7 @@ their int objects and a corpus of ~10^8 ids costs 8 bytes per id.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
@@ -88,7 +88,7 @@ class SessionBuilder:
             if i:
                 side = not was_side and kind_u[i] < p.side_share
                 if not side:
-                    self._advance(ctx, int(growth[i]), kind_u[i] < p.side_share + p.rewrite_share,
+                    self._advance(ctx, int(growth[i]), kind_u[i] < p.side_share + p.trim_share,
                                   compact_at)
                 t = round(free + gaps[i], 3)
             n_in, ids = (self._side_call(ctx.tokens) if side else (ctx.tokens, ctx.ids))
@@ -105,16 +105,17 @@ class SessionBuilder:
         return Session(id=self.sid, block_size=self.bs, items=items, hash_id_scope="local",
                        extra={"system_tokens": self.sys_tokens, "synthetic": p.name})
 
-    def _advance(self, ctx: _Ctx, g: int, rewrite: bool, compact_at: float) -> None:
-        """Next main context: grow by g; or first rewrite an early point (prefix reset);
-        or compact to system prompt + summary when the window would overflow."""
+    def _advance(self, ctx: _Ctx, g: int, trim: bool, compact_at: float) -> None:
+        """Next main context: grow by g; or first trim it (old tool results cleared: a
+        prefix reset that shrinks the context); or compact to system prompt + summary
+        when the window would overflow."""
+        if trim:
+            cut, tokens = trim_tokens(self.p, self.rng, ctx.tokens, self.sys_tokens)
+            ctx.replace_from(cut // self.bs, tokens)
         if ctx.tokens + g > compact_at:
             summary = int(np.clip(self.p.summary.sample(self.rng), 1000, 28_000 - self.sys_tokens))
             ctx.replace_from(len(self.sys_ids), self.sys_tokens + summary)
             return
-        if rewrite:
-            hi = max(len(self.sys_ids) + 1, int(0.5 * ctx.tokens / self.bs))
-            ctx.replace_from(int(self.rng.integers(len(self.sys_ids), hi)), ctx.tokens)
         ctx.grow(g)
 
     def _side_call(self, context: int) -> tuple[int, list[int]]:
@@ -126,40 +127,89 @@ class SessionBuilder:
     def _group(self, items: list, launch: float, size: int) -> float:
         """Append a group of concurrent sub-agents making `size` requests; returns when the
         last one finishes (the main agent waits for all of them)."""
-        rng, p = self.rng, self.p
-        n_agents = int(min(size, 1 + rng.binomial(*p.agents_per_group)))
-        counts = 1 + rng.multinomial(size - n_agents, np.full(n_agents, 1.0 / n_agents))
+        if self.sub_sys is None:  # one sub-agent system+tool prompt per session, shared
+            n = int(self.rng.integers(*self.p.sub_sys_tokens))
+            self.sub_sys = (self.alloc.fresh(n // self.bs), n)
         end = launch
-        for n_req in counts:
-            start = round(launch + rng.uniform(0.05, 0.5), 3)
-            sub = self._subagent(start, int(n_req))
+        for offset, plan in group_plan(self.p, self.rng, size, self.sub_sys[1]):
+            start = round(launch + offset, 3)
+            sub = self._subagent(start, plan)
             if sub.requests:
                 items.append(sub)
                 end = max(end, start + (sub.duration_ms or 0) / 1000.0)
         return end
 
-    def _subagent(self, start: float, n_req: int) -> Subagent:
-        rng, p = self.rng, self.p
-        if self.sub_sys is None:  # one sub-agent system+tool prompt per session, shared
-            n = int(rng.integers(*p.sub_sys_tokens))
-            self.sub_sys = (self.alloc.fresh(n // self.bs), n)
-        prefix, n_sys = self.sub_sys
-        ctx = _Ctx(self.alloc, self.bs, prefix, n_sys, n_sys + int(p.sub_task.sample(rng)))
-        out = np.rint(p.output.sample(rng, n_req)).astype(int).clip(1, p.max_output)
-        growth = np.rint(p.growth.sample(rng, n_req)).astype(int).clip(1, p.max_growth)
-        gaps = p.sub_gap.sample(rng, n_req).tolist()
-        reqs, t = [], 0.0
-        for k in range(n_req):
+    def _subagent(self, start: float, plan: SubPlan) -> Subagent:
+        prefix, n_sys = self.sub_sys  # type: ignore[misc]
+        ctx = _Ctx(self.alloc, self.bs, prefix, n_sys, int(plan.tokens[0]))
+        reqs: list[TraceRequest] = []
+        for k in range(len(plan.tokens)):
+            n_in = int(plan.tokens[k])
             if k:
-                ctx.grow(int(growth[k]))
-                t = round(t + reqs[-1].api_time + gaps[k], 3)
-            if self._too_big(ctx.tokens):
+                ctx.grow(n_in - ctx.tokens)
+            if self._too_big(n_in):
                 break
-            reqs.append(TraceRequest(t=t, input_tokens=ctx.tokens, output_tokens=int(out[k]),
-                                     hash_ids=ctx.ids, api_time=api_time(ctx.tokens, int(out[k])),
-                                     think_time=round(float(gaps[k]), 3) if k else 0.0,
-                                     stop="end_turn" if k == n_req - 1 else "tool_use"))
+            reqs.append(TraceRequest(t=plan.t[k], input_tokens=n_in, output_tokens=int(plan.out[k]),
+                                     hash_ids=ctx.ids, api_time=plan.api[k],
+                                     think_time=plan.think[k],
+                                     stop="end_turn" if k == len(plan.tokens) - 1 else "tool_use"))
         self.n_agents += 1
-        dur = round((t + reqs[-1].api_time) * 1000) if reqs else 0
+        dur = round((reqs[-1].t + reqs[-1].api_time) * 1000) if reqs else 0
         return Subagent(t=start, requests=reqs, agent_id=f"agent_{self.n_agents:03d}",
                         subagent_type="general-purpose", duration_ms=dur, status="completed")
+
+
+class SubPlan(NamedTuple):
+    """One sub-agent's requests, without ids: input tokens, outputs, start times
+    (relative to the sub-agent start), call times and tool gaps."""
+
+    tokens: list[int]
+    out: list[int]
+    t: list[float]
+    api: list[float]
+    think: list[float]
+
+    @property
+    def duration(self) -> float:
+        return self.t[-1] + self.api[-1]
+
+
+def trim_tokens(p: Profile, rng: np.random.Generator, tokens: int, sys_tokens: int
+                ) -> tuple[int, int]:
+    """Context editing (old tool results cleared): content from a cut point early in the
+    conversation is rewritten to a fraction k ~ U(keep +- 0.15) of its length. The cut is
+    uniform between the system prompt and min(1/4, 0.45 k / (0.55 + 0.45 k)) of the context,
+    so the kept prefix is under half the new context: every trim is a prefix reset.
+    Returns (cut, new tokens)."""
+    k = float(np.clip(rng.uniform(p.trim_keep - 0.15, p.trim_keep + 0.15), 0.05, 1.0))
+    hi = min(0.25, 0.45 * k / (0.55 + 0.45 * k)) * tokens
+    cut = sys_tokens + int(rng.random() * max(hi - sys_tokens, 0.0))
+    return cut, cut + int(k * (tokens - cut))
+
+
+def group_plan(p: Profile, rng: np.random.Generator, size: int, n_sys: int
+               ) -> list[tuple[float, SubPlan]]:
+    """A group of `size` requests: 1 + Binomial(4, 0.35) concurrent sub-agents (at most
+    `size`), requests split multinomially (each at least one), each sub-agent starting
+    U(0.05, 0.5) s after launch. Used by the builder and by the gap calibration."""
+    n_agents = int(min(size, 1 + rng.binomial(*p.agents_per_group)))
+    counts = 1 + rng.multinomial(size - n_agents, np.full(n_agents, 1.0 / n_agents))
+    return [(float(rng.uniform(0.05, 0.5)), sub_plan(p, rng, n_sys, int(n))) for n in counts]
+
+
+def sub_plan(p: Profile, rng: np.random.Generator, n_sys: int, n_req: int) -> SubPlan:
+    """A sub-agent context: shared sub-agent prompt + its task, growing like the main
+    context (content growth only); tool gaps between its calls."""
+    first = n_sys + int(p.sub_task.sample(rng))
+    out = np.rint(p.output.sample(rng, n_req)).astype(int).clip(1, p.max_output).tolist()
+    growth = np.rint(p.growth.sample(rng, n_req)).astype(int).clip(1, p.max_growth)
+    gaps = p.sub_gap.sample(rng, n_req).tolist()
+    tokens = (first + np.concatenate([[0], np.cumsum(growth[1:])])).tolist()
+    ts, apis, think, t = [], [], [], 0.0
+    for k in range(n_req):
+        if k:
+            t = round(t + apis[-1] + gaps[k], 3)
+        ts.append(t)
+        apis.append(api_time(tokens[k], out[k]))
+        think.append(round(float(gaps[k]), 3) if k else 0.0)
+    return SubPlan(tokens, out, ts, apis, think)
