@@ -75,10 +75,15 @@ class SessionBuilder:
         """`group_sizes[i]`: requests of the sub-agent group launched after main turn i."""
         p, rng = self.p, self.rng
         out = np.rint(p.output.sample(rng, turns)).astype(int).clip(1, p.max_output)
-        growth = np.rint(p.growth.sample(rng, turns)).astype(int).clip(1, p.max_growth)
+        growth = np.rint(p.growth.sample(rng, (turns, p.growth_draws))).astype(int)
+        growth = growth.clip(1, p.max_growth).tolist()
         gaps = p.gap.sample(rng, turns).tolist()  # python floats: they go to JSON
         kind_u = rng.random(turns).tolist()
+        big = (rng.random(turns) < p.big_share).tolist()
         first = self.sys_tokens + int(p.first_message.sample(rng))
+        resumed = int(min(p.resume.sample(rng), p.resume_max))
+        if rng.random() < p.resume_share:  # a resumed conversation comes first
+            first += resumed
         ctx = _Ctx(self.alloc, self.bs, self.sys_ids, self.sys_tokens, first)
         compact_at = p.window * float(rng.uniform(*p.compact_at))
         items: list[TraceRequest | Subagent] = []
@@ -88,7 +93,7 @@ class SessionBuilder:
             if i:
                 side = not was_side and kind_u[i] < p.side_share
                 if not side:
-                    self._advance(ctx, int(growth[i]), kind_u[i] < p.side_share + p.trim_share,
+                    self._advance(ctx, growth[i], big[i], kind_u[i] < p.side_share + p.trim_share,
                                   compact_at)
                 t = round(free + gaps[i], 3)
             n_in, ids = (self._side_call(ctx.tokens) if side else (ctx.tokens, ctx.ids))
@@ -105,13 +110,15 @@ class SessionBuilder:
         return Session(id=self.sid, block_size=self.bs, items=items, hash_id_scope="local",
                        extra={"system_tokens": self.sys_tokens, "synthetic": p.name})
 
-    def _advance(self, ctx: _Ctx, g: int, trim: bool, compact_at: float) -> None:
-        """Next main context: grow by g; or first trim it (old tool results cleared: a
-        prefix reset that shrinks the context); or compact to system prompt + summary
-        when the window would overflow."""
+    def _advance(self, ctx: _Ctx, draws: list[int], big: bool, trim: bool,
+                 compact_at: float) -> None:
+        """Next main context: grow by a content growth (`pick_growth` of the draws); or
+        first trim it (old tool results cleared: a prefix reset that shrinks the context);
+        or compact to system prompt + summary when the window would overflow."""
         if trim:
             cut, tokens = trim_tokens(self.p, self.rng, ctx.tokens, self.sys_tokens)
             ctx.replace_from(cut // self.bs, tokens)
+        g = pick_growth(draws, self.p.growth_bound * ctx.tokens, big)
         if ctx.tokens + g > compact_at:
             summary = int(np.clip(self.p.summary.sample(self.rng), 1000, 28_000 - self.sys_tokens))
             ctx.replace_from(len(self.sys_ids), self.sys_tokens + summary)
@@ -172,6 +179,19 @@ class SubPlan(NamedTuple):
     @property
     def duration(self) -> float:
         return self.t[-1] + self.api[-1]
+
+
+def pick_growth(draws: list[int], bound: float, big: bool) -> int:
+    """A turn's content growth, sized to its context: the first draw, unless it exceeds
+    `bound` (growth_bound x context: the turn would reuse < 90%) on a turn that is not
+    `big`; then the first later draw within the bound (rejection sampling, i.e. the growth
+    distribution conditioned on fitting), or the bound if none does."""
+    if big or draws[0] <= bound:
+        return draws[0]
+    for g in draws[1:]:
+        if g <= bound:
+            return g
+    return max(1, int(bound))
 
 
 def trim_tokens(p: Profile, rng: np.random.Generator, tokens: int, sys_tokens: int
