@@ -12,10 +12,14 @@ def _register() -> None:
     # Each part contributes its commands; heavy imports (torch) stay inside the
     # commands themselves so `agentserve --help` is fast.
     from agentserve.engine import cli as engine_cli
+    from agentserve.router import cli as router_cli
+    from agentserve.sim import cli as sim_cli
     from agentserve.workload import cli as workload_cli
 
     engine_cli.register(app)
     workload_cli.register(app)
+    router_cli.register(app)
+    sim_cli.register(app)
 
 
 _register()

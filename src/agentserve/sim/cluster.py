@@ -1,0 +1,156 @@
+"""Discrete-event cluster: xPyD pools of DEPn instances over the real `kv.pool.BlockPool`.
+
+Each data-parallel rank owns a GPU `BlockPool` (64-token blocks, LRU eviction, prefix map)
+and, with offload on, a CPU `BlockPool` written through on every computed block (as vLLM's
+CPU offloading connector stores). Only step times come from `perf.PerfModel`; which blocks
+hit, which are evicted and which must be restored is decided by the kv code itself.
+
+Flow of a request: router (our scorers) -> prefill rank queue -> chunked prefill steps
+(instance-synchronous, all ranks step together) -> KV pull by the decode rank (only blocks
+it lacks) -> decode steps with MTP -> finish, client sends its next request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from agentserve.kv.pool import Block, BlockPool
+from agentserve.router.picker import MaxScorePicker
+from agentserve.router.scorers import Candidate, build_scorers, weighted_scores
+from agentserve.sim.perf import MTP_ACCEPT
+from agentserve.workload.record import RequestRecord
+
+PREFILL_SCORERS = {"prefix": 2.0, "queue": 0.5, "inflight": 0.5, "kv_util": 0.25}  # router preset
+DECODE_SCORERS = {"prefix": 1.0, "inflight": 1.0, "kv_util": 0.25}  # locality vs active requests
+CPU_TIER_WEIGHT = 0.8  # router's tier weight for CPU-resident blocks
+
+
+@dataclass(slots=True, eq=False)
+class SimRequest:
+    """One request in flight; `hashes` are global block keys of its input."""
+
+    rec: RequestRecord
+    hashes: list[int]
+    n_in: int
+    n_out: int
+    on_done: Callable[[SimRequest], None]
+    blocks: list[Block] = field(default_factory=list)
+    computed: int = 0  # prompt tokens with KV on the current rank
+    cached: int = 0  # prompt tokens served from cache (GPU + CPU) at prefill
+    restored: int = 0  # of them, tokens restored from CPU
+    out_done: int = 0
+    ready_at: float = 0.0
+    rank: Rank | None = None
+
+
+class Rank:
+    """One data-parallel rank: its KV pools and queues."""
+
+    def __init__(self, idx: int, blocks: int, cpu_blocks: int, block_size: int) -> None:
+        self.idx = idx
+        self.pool = BlockPool(blocks, block_size)
+        self.cpu = BlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self.inflight_tokens = 0
+
+    def prefix_blocks(self, hashes: list[int], n: int) -> tuple[int, int]:
+        """(GPU, CPU-continuation) leading blocks held, by bisection over the prefix map."""
+        g = _bisect_prefix(self.pool.cached, hashes, 0, n)
+        c = _bisect_prefix(self.cpu.cached, hashes, g, n) - g if self.cpu else 0
+        return g, c
+
+
+def _bisect_prefix(cached: dict, hashes: list[int], lo: int, hi: int) -> int:
+    """Length of the held prefix, assuming held blocks form a prefix (LRU frees tails first)."""
+    if lo >= hi or hashes[lo] not in cached:
+        return lo
+    lo += 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if hashes[mid] in cached:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+class Clock:
+    """Heap of (time, seq, callback): the simulated clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+
+    def at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._heap, (t, next(self._seq), fn))
+
+    def run(self, until: float) -> None:
+        while self._heap and self._heap[0][0] <= until:
+            self.now, _, fn = heapq.heappop(self._heap)
+            fn()
+        self.now = until
+
+
+def _cands(ranks: list[Rank], hashes: list[int], n: int) -> list[Candidate]:
+    out = []
+    for r in ranks:
+        g, c = r.prefix_blocks(hashes, n)
+        out.append(Candidate(url=str(r.idx), matched_blocks=g, total_blocks=n,
+                             weighted_blocks=g + CPU_TIER_WEIGHT * c, waiting=len(r.waiting),
+                             running=len(r.running), kv_usage=r.pool.usage,
+                             inflight_tokens=r.inflight_tokens))
+    return out
+
+
+class Router:
+    """Per-rank endpoints scored by the router's own scorers and max-score picker."""
+
+    def __init__(self, seed: int) -> None:
+        self.prefill = build_scorers(PREFILL_SCORERS)
+        self.decode = build_scorers(DECODE_SCORERS)
+        self.picker = MaxScorePicker(seed=seed)
+
+    def pick(self, ranks: list[Rank], req: SimRequest, decode: bool) -> Rank:
+        n = max(0, (req.n_in - 1) // ranks[0].pool.block_size)
+        cands = _cands(ranks, req.hashes, n)
+        i, _ = self.picker.pick(cands, weighted_scores(self.decode if decode else self.prefill,
+                                                       cands))
+        return ranks[i]
+
+
+def cache_computed(pool: BlockPool, req: SimRequest, done: int, full: int) -> None:
+    """Register blocks `done..full` of the request in `pool`'s prefix map."""
+    if full > done:
+        parent = req.hashes[done - 1] if done else None
+        pool.cache_blocks(req.blocks[done:full], req.hashes[done:full], range(req.n_in), done, parent)
+
+
+def store_cpu(cpu: BlockPool | None, hashes: list[int], n_in: int) -> int:
+    """Write-through of full blocks to the CPU pool (LRU refresh for ones it holds); blocks stored."""
+    if cpu is None or not hashes:
+        return 0
+    new = [h for h in hashes if h not in cpu.cached]
+    old = [cpu.cached[h] for h in hashes if h in cpu.cached]
+    cpu.touch(old)
+    cpu.free(old)  # to the LRU tail
+    new = new[: cpu.num_free_blocks]
+    if new:
+        blocks = cpu.allocate(len(new))
+        bs = cpu.block_size
+        cpu.cache_blocks(blocks, new, range(len(new) * bs), 0, None)
+        cpu.free(blocks)
+    return len(new)
+
+
+def mtp_accepted(rng: np.random.Generator, k: int, accept: tuple[float, ...] = MTP_ACCEPT) -> int:
+    """Drafts accepted this step: position i is accepted with (unconditional) prob accept[i]."""
+    u = rng.random()
+    return sum(1 for a in accept[:k] if a > u)

@@ -1,0 +1,197 @@
+"""Step-time model: how long one engine step takes on one DEPn/TPn instance.
+
+A roofline per step with a few global efficiency factors (`Efficiency`), not a lookup:
+
+    step = max(FLOPs / (peak * eff_flops), bytes / (HBM_bw * eff_bw))   # per rank, slowest rank
+         + all-to-all: per MoE layer 2 x (latency + bytes / link_bw)      # dispatch + combine
+         + MTP drafts (k sequential one-layer passes) + scheduling overhead
+
+FLOPs per token (x2 for multiply-add):
+- linear layers: replicated params (attention, dense FFN, shared expert) on the token's own
+  rank; routed experts `top_k x 3 x h x I` spread over the instance's n ranks (EP).
+- sparse MLA attention (absorbed, as FlashMLA sparse): `2 H k (kv_lora+rope + kv_lora)` per
+  layer with k = min(context, index_topk); dense models attend to the whole context.
+- lightning indexer: `2 x idx_heads x idx_dim x context` per layer at FP8.
+Bytes per decode step: the rank's replicated weights, the local experts touched by any token
+of the instance (`1 - (1 - top_k/E)^T` of them), each request's top-k KV rows and its full
+indexer-key column, and the LM head of each MTP draft pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from agentserve.sim.memory import Topology
+from agentserve.sim.specs import HardwareSpec, ModelSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Efficiency:
+    """Global efficiency factors and overheads; sources in the comments."""
+
+    flops: float = 0.55  # GEMM MFU: DeepGEMM FP8 grouped ~1,100 of 1,980 TFLOP/s on H800/H200
+    attn_flops: float = 0.55  # FlashMLA sparse ~550-640 of 990 bf16 TFLOP/s (its README)
+    hbm: float = 0.80  # achieved / peak HBM bandwidth for weight and KV streaming
+    link: float = 0.80  # achieved / peak NVLink or InfiniBand bandwidth in all-to-all
+    a2a_latency_s: float = 60e-6  # one DeepEP low-latency dispatch or combine across nodes, small batch
+    a2a_latency_intra_s: float = 25e-6  # same within one NVLink node
+    step_overhead_s: float = 2.0e-3  # scheduler + sampler + launch per step (vLLM V1, CUDA graphs)
+    per_request_s: float = 0.30e-3  # per running request per step (input prep, rejection sampling)
+    prefill_overlap: float = 1.0  # prefill all-to-all hidden under compute (two-batch overlap)
+
+
+MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (unconditional)
+
+
+def mtp_tokens_per_step(accept: tuple[float, ...] = MTP_ACCEPT) -> float:
+    """Expected tokens per verify step: the bonus token plus each accepted draft position."""
+    return 1.0 + sum(accept)
+
+
+@dataclass(slots=True)
+class PerfModel:
+    """Step times for `model` on `hw` with instance topology `topo`."""
+
+    model: ModelSpec
+    hw: HardwareSpec
+    topo: Topology
+    eff: Efficiency = field(default_factory=Efficiency)
+    mtp_draft: int = 3  # draft tokens per step when topo.mtp
+
+    # -- per-token quantities -------------------------------------------------------------
+    def _lin_flops_rank(self) -> float:
+        """FLOPs per token on its own rank: replicated linears (attention, dense, shared)."""
+        m = self.model
+        f = 2.0 * (m.replicated_params() + m.vocab * m.hidden / max(1, m.layers))
+        return f if self.topo.kind == "dep" else f / self.topo.width
+
+    def _routed_flops(self) -> float:
+        """Routed-expert FLOPs per token (to be divided over the instance)."""
+        m = self.model
+        return 2.0 * m.moe_layers * m.top_k * m.expert_params()
+
+    def _attn_flops(self, ctx: float) -> float:
+        """Attention-core + indexer FLOPs for one query token at context `ctx` (all layers)."""
+        m = self.model
+        if m.is_mla:
+            k = min(ctx, m.index_topk) if m.index_topk else ctx
+            core = 2.0 * m.n_heads * k * (2 * m.kv_lora + m.rope_dim)
+        else:
+            core = 2.0 * m.n_heads * ctx * 2 * m.head_dim
+        t = core * m.layers / self.hw.bf16_flops / self.eff.attn_flops
+        if m.indexer_heads and ctx > m.index_topk:
+            idx = 2.0 * m.indexer_heads * m.indexer_dim * ctx * m.layers
+            t += idx / self.hw.fp8_flops / self.eff.attn_flops
+        return t / (self.topo.width if self.topo.kind == "tp" else 1)
+
+    def _lin_rate(self) -> float:
+        """Effective FLOP/s for linear layers (FP8 weights -> FP8 GEMMs)."""
+        peak = self.hw.fp8_flops if self.model.weight_bytes <= 1 else self.hw.bf16_flops
+        return peak * self.eff.flops
+
+    # -- all-to-all --------------------------------------------------------------------------
+    def a2a_time(self, tokens_per_rank: float, layers: int | None = None) -> float:
+        """Dispatch (FP8) + combine (bf16) for each MoE layer; the slowest link bounds it."""
+        m, t, hw = self.model, self.topo, self.hw
+        if not m.is_moe or t.width == 1:
+            return 0.0
+        L = m.moe_layers if layers is None else layers
+        if t.kind == "tp":  # TP: two all-reduces of the hidden state per layer, NVLink
+            b = 2 * 2 * tokens_per_rank * m.hidden * 2.0 * (t.width - 1) / t.width
+            return m.layers * (2 * self.eff.a2a_latency_intra_s + b / (hw.nvlink_bw * self.eff.link))
+        inter = t.width > hw.gpus_per_node
+        remote = (t.width - hw.gpus_per_node) / t.width if inter else (t.width - 1) / t.width
+        bw = (hw.net_bw if inter else hw.nvlink_bw) * self.eff.link
+        lat = self.eff.a2a_latency_s if inter else self.eff.a2a_latency_intra_s
+        byts = tokens_per_rank * m.top_k * m.hidden * (1.0 + 2.0) * remote  # fp8 out, bf16 back
+        return L * (2 * lat + byts / bw)
+
+    # -- prefill -------------------------------------------------------------------------------
+    def prefill_rank_time(self, chunks: list[tuple[int, int]]) -> float:
+        """Rank-local compute for chunks `(new_tokens, prefix_tokens)`: linears + attention."""
+        lin = attn = 0.0
+        for n, p in chunks:
+            lin += n * self._lin_flops_rank()
+            attn += n * self._attn_flops(p + n / 2)  # mean context over the chunk (causal)
+        return lin / self._lin_rate() + attn
+
+    def prefill_step(self, ranks: list[list[tuple[int, int]]]) -> float:
+        """One synchronous prefill step of the instance; `ranks[r]` = chunks on rank r."""
+        n = self.topo.width
+        tok = [sum(c[0] for c in r) for r in ranks]
+        total = sum(tok)
+        if total == 0:
+            return 0.0
+        local = max(self.prefill_rank_time(r) for r in ranks)
+        moe = total * self._routed_flops() / n / self._lin_rate()
+        weights = self.rank_weight_bytes(1.0) / (self.hw.hbm_bw * self.eff.hbm)
+        compute = max(local + moe, weights)
+        comm = self.a2a_time(max(tok))
+        hidden = min(comm, compute) * self.eff.prefill_overlap
+        return compute + comm - hidden + self.eff.step_overhead_s
+
+    # -- decode --------------------------------------------------------------------------------
+    def rank_weight_bytes(self, touched: float) -> float:
+        """Weight bytes one rank streams when a fraction `touched` of its experts is used."""
+        from agentserve.sim.memory import weight_bytes_per_gpu
+
+        m, t = self.model, self.topo
+        routed = m.routed_params() * m.weight_bytes / t.width
+        return weight_bytes_per_gpu(m, t) - routed * (1.0 - touched)
+
+    def _touched(self, tokens_total: float) -> float:
+        m = self.model
+        if not m.is_moe:
+            return 1.0
+        return 1.0 - (1.0 - m.top_k / m.n_routed) ** tokens_total
+
+    def decode_rank_mem(self, ctxs: list[int]) -> float:
+        """KV bytes read by one rank's requests: top-k latent rows + the whole indexer column."""
+        m = self.model
+        kv_tok, idx_tok = m.kv_bytes_per_token(), m.indexer_bytes_per_token()
+        b = 0.0
+        for c in ctxs:
+            k = min(c, m.index_topk) if m.index_topk else c
+            b += k * kv_tok + (c * idx_tok if c > m.index_topk else 0.0)
+        return b / (self.topo.width if self.topo.kind == "tp" else 1)
+
+    def decode_step(self, ranks: list[list[int]], draft: int | None = None) -> float:
+        """One decode (verify) step; `ranks[r]` = context lengths of rank r's requests."""
+        k = (self.mtp_draft if self.topo.mtp else 0) if draft is None else draft
+        q = 1 + k  # query tokens per request
+        n_req = [len(r) for r in ranks]
+        total_tok = q * sum(n_req)
+        if total_tok == 0:
+            return 0.0
+        bw = self.hw.hbm_bw * self.eff.hbm
+        wbytes = self.rank_weight_bytes(self._touched(total_tok))
+        moe_flops = total_tok * self._routed_flops() / self.topo.width
+        worst = 0.0
+        for r, ctxs in zip(ranks, n_req):
+            mem = (wbytes + self.decode_rank_mem(r)) / bw
+            flops = (ctxs * q * self._lin_flops_rank() + moe_flops) / self._lin_rate()
+            attn = sum(q * self._attn_flops(c) for c in r)
+            worst = max(worst, max(mem, flops + attn) + ctxs * self.eff.per_request_s)
+        a2a = self.a2a_time(q * max(n_req))
+        return worst + a2a + self.mtp_time(k, max(n_req)) + self.eff.step_overhead_s
+
+    def mtp_time(self, k: int, reqs_per_rank: int) -> float:
+        """k sequential draft passes: one MoE layer + LM head each (weights streamed)."""
+        m = self.model
+        if k == 0 or not m.mtp_layers:
+            return 0.0
+        layer = self.rank_weight_bytes(1.0) / max(1, m.layers)  # ~one layer's share per rank
+        head = m.vocab * m.hidden * m.embed_bytes
+        per = (layer + head) / (self.hw.hbm_bw * self.eff.hbm)
+        per += self.a2a_time(reqs_per_rank, layers=1) + self.eff.step_overhead_s / 4
+        return k * per
+
+    # -- transfers -------------------------------------------------------------------------------
+    def kv_transfer_time(self, tokens: int, same_node: bool = False) -> float:
+        """P->D KV pull of `tokens` (NIXL over InfiniBand, or NVLink within a node)."""
+        bw = (self.hw.nvlink_bw if same_node else self.hw.net_bw) * self.eff.link
+        return 2 * self.eff.a2a_latency_s + tokens * self.model.kv_bytes_per_token() / bw
+
+    def cpu_restore_time(self, tokens: int) -> float:
+        """CPU -> GPU restore at the measured rate (SPEC.md: ~26 ms per GB)."""
+        return tokens * self.model.kv_bytes_per_token() / 1e9 * self.hw.cpu_restore_s_per_gb

@@ -1,0 +1,209 @@
+"""Build an xPyD deployment, drive it with closed-loop clients, summarize as `agentserve bench`.
+
+Closed loop (AIPerf concurrency C): C clients, each with one request in flight; when it
+finishes the client sends its session's next request at once (sub-agent requests in
+session order), then starts a fresh session. Requests finishing inside the stage count.
+The first C sessions are joined at a random turn (cold cache, full-length context), so the
+input lengths seen are the trace's, not those of session starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from agentserve.sim.cluster import Clock, Rank, Router, SimRequest
+from agentserve.sim.cost import pool_cost
+from agentserve.sim.memory import Topology, plan_memory
+from agentserve.sim.perf import PerfModel
+from agentserve.sim.pools import DecodeInstance, PrefillInstance
+from agentserve.sim.specs import GiB, hardware_spec, model_spec
+from agentserve.workload.record import RequestRecord
+from agentserve.workload.report import summarize
+from agentserve.workload.schema import Session, TraceRequest
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """What `agentserve sim` takes (flags of SIM-1)."""
+
+    model: str = "glm-5.2-fp8"
+    gpu: str = "h200"
+    prefill: int = 3  # prefill instances (xP)
+    decode: int = 1  # decode instances (yD)
+    prefill_width: int = 16
+    decode_width: int = 16
+    concurrency: int = 128
+    mtp: bool = True
+    cpu_offload_gib: float = 100.0  # per prefill rank
+    workload: str = "sweep-full"
+    duration: float = 600.0
+    seed: int = 0
+    chunk: int = 16_384  # prefill max_num_batched_tokens per rank
+    max_seqs: int = 256  # decode max_num_seqs per rank
+    block_size: int = 64
+    join_midway: bool = True  # first sessions start at a random turn (stationary inputs)
+
+
+def parse_topology(s: str) -> tuple[int, int]:
+    """"3P1D" -> (3, 1)."""
+    u = s.upper()
+    if not (u.endswith("D") and "P" in u):
+        raise ValueError(f"topology {s!r}: expected xPyD, e.g. 3P1D")
+    p, d = u[:-1].split("P")
+    return int(p), int(d)
+
+
+def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
+    if name in ("sweep-full", "sweep-limited", "sweep", "claude-code"):
+        from agentserve.workload.synth import synthesize
+
+        limit = 142_000 if name == "sweep-limited" else None
+        return synthesize("claude-code" if name == "claude-code" else "sweep", sessions, seed,
+                          max_input=limit)
+    from agentserve.workload.traces import load_sessions
+
+    return load_sessions(name).sessions
+
+
+def flatten(s: Session) -> list[tuple[int, str, TraceRequest]]:
+    """(main turn, agent, request) in session-time order."""
+    out, turn = [], -1
+    for it in s.items:
+        if isinstance(it, TraceRequest):
+            turn += 1
+            out.append((it.t, turn, "main", it))
+        else:
+            out += [(it.t + r.t, turn, "sub", r) for r in it.requests]
+    out.sort(key=lambda x: x[0])
+    return [(t, a, r) for _, t, a, r in out]
+
+
+class Simulation:
+    """The deployment, its router and the load generator."""
+
+    def __init__(self, cfg: SimConfig, sessions: list[Session]) -> None:
+        self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
+        m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
+        self.router = Router(cfg.seed)
+        pt = Topology("dep", cfg.prefill_width, "prefill")
+        dt = Topology("dep", cfg.decode_width, "decode", mtp=cfg.mtp)
+        pm = plan_memory(m, hw, pt, block_size=cfg.block_size)
+        dm = plan_memory(m, hw, dt, block_size=cfg.block_size)
+        cpu_blocks = int(cfg.cpu_offload_gib * GiB / m.kv_bytes_per_token()) // cfg.block_size
+        self.p_ranks = [Rank(i, pm.kv_blocks, cpu_blocks, cfg.block_size)
+                        for i in range(cfg.prefill * cfg.prefill_width)]
+        self.d_ranks = [Rank(i, dm.kv_blocks, 0, cfg.block_size)
+                        for i in range(cfg.decode * cfg.decode_width)]
+        self.pperf, self.dperf = PerfModel(m, hw, pt), PerfModel(m, hw, dt)
+        w = cfg.prefill_width
+        self.prefills = [PrefillInstance(self.clock, self.pperf, self.p_ranks[i * w:(i + 1) * w],
+                                         cfg.chunk, self._handoff) for i in range(cfg.prefill)]
+        w = cfg.decode_width
+        self.decodes = [DecodeInstance(self.clock, self.dperf, self.d_ranks[i * w:(i + 1) * w],
+                                       cfg.max_seqs, self.rng) for i in range(cfg.decode)]
+        self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
+        self.records: list[RequestRecord] = []
+        self.seen: dict[int, set[int]] = {}
+        self._ids = 0
+
+    def _owner(self, ranks: list[Rank], instances: list, r: Rank):
+        return instances[ranks.index(r) // len(instances[0].ranks)]
+
+    # -- client side -------------------------------------------------------------------------
+    def _client(self, queue: list | None = None, si: int = -1, sid: str = "") -> None:
+        if not queue:
+            nxt = next(self.sessions, None)
+            if nxt is None:
+                return
+            si, s = nxt
+            queue, sid = flatten(s), s.id
+            if self.cfg.join_midway and si < self.cfg.concurrency and len(queue) > 1:  # first sessions join mid-way,
+                del queue[: int(self.rng.integers(len(queue)))]  # so inputs are stationary
+        turn, agent, tr = queue.pop(0)
+        base = si << 32
+        hashes = [base + h for h in tr.hash_ids]
+        seen = self.seen.setdefault(si, set())
+        reuse = 0
+        while reuse < len(hashes) and hashes[reuse] in seen:
+            reuse += 1
+        seen.update(hashes)
+        self._ids += 1
+        rec = RequestRecord(f"sim-{self._ids}", sid, turn, agent, start=self.clock.now,
+                            input_tokens=tr.input_tokens, max_tokens=tr.output_tokens,
+                            reusable_tokens=min(reuse * self.cfg.block_size, tr.input_tokens))
+        req = SimRequest(rec, hashes, tr.input_tokens, max(1, tr.output_tokens),
+                         lambda q: self._finished(q, queue, si, sid))
+        self._route_prefill(req)
+
+    def _finished(self, req: SimRequest, queue: list, si: int, sid: str) -> None:
+        self.records.append(req.rec)
+        self._client(queue, si, sid)
+
+    # -- server side ---------------------------------------------------------------------------
+    def _route_prefill(self, req: SimRequest) -> None:
+        r = self.router.pick(self.p_ranks, req, decode=False)
+        req.rank = r
+        r.inflight_tokens += req.n_in
+        r.waiting.append(req)
+        self._owner(self.p_ranks, self.prefills, r).kick()
+
+    def _handoff(self, req: SimRequest) -> None:
+        """Prefill done: pick a decode rank, pull the KV it lacks, then decode."""
+        req.rec.cached_tokens = req.cached
+        src = req.rank
+        d = self.router.pick(self.d_ranks, req, decode=True)
+        inst = self._owner(self.d_ranks, self.decodes, d)
+        pull = req.n_in - inst.local_prefix(d, req)
+        dt = self.dperf.kv_transfer_time(pull)
+        d.inflight_tokens += req.n_in + req.n_out
+
+        def arrive() -> None:
+            self._owner(self.p_ranks, self.prefills, src).release(req)
+            req.rank, req.blocks = d, []
+            d.waiting.append(req)
+            inst.kick()
+
+        self.clock.at(self.clock.now + dt, arrive)
+
+    def run(self) -> dict:
+        for _ in range(self.cfg.concurrency):
+            self._client()
+        self.clock.run(self.cfg.duration)
+        return self.summary()
+
+    def summary(self) -> dict:
+        cfg = self.cfg
+        done = [r for r in self.records if r.end <= cfg.duration]
+        gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width
+        s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=gpus_p + gpus_d)
+        cost = pool_cost(gpus_p, gpus_d, s["input_tok_s"], s["output_tok_s"],
+                         hardware_spec(cfg.gpu).price_per_hour)
+        prompt = sum(p.prompt_tokens for p in self.prefills)
+        s.update({
+            "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+            "cost_per_m_input": cost.per_m_input, "cost_per_m_output": cost.per_m_output,
+            "cost_per_hour": cost.per_hour,
+            "cpu_restore_gib": sum(p.cpu_restore_bytes for p in self.prefills) / GiB,
+            "prefill_gpu_hit_rate": _share(sum(p.hit_tokens for p in self.prefills), prompt),
+            "prefill_cpu_hit_rate": _share(sum(p.cpu_hit_tokens for p in self.prefills), prompt),
+            "prefill_queue": sum(len(r.waiting) for r in self.p_ranks),
+            "decode_queue": sum(len(r.waiting) for r in self.d_ranks),
+            "decode_preemptions": sum(d.preemptions for d in self.decodes),
+            "prefill_busy_frac": sum(p.busy_s for p in self.prefills) / cfg.duration / cfg.prefill,
+            "decode_busy_frac": sum(d.busy_s for d in self.decodes) / cfg.duration / cfg.decode,
+        })
+        return s
+
+
+def _share(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def simulate(cfg: SimConfig, sessions: list[Session] | None = None) -> dict:
+    """Run one stage and return the summary (bench's keys plus the simulator's)."""
+    if sessions is None:
+        sessions = load_workload(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed)
+    return Simulation(cfg, sessions).run()

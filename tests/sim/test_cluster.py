@@ -1,0 +1,91 @@
+"""Event simulation on the real BlockPool: prefix hits, CPU tier, MTP, closed loop, CLI keys."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import typer
+from typer.testing import CliRunner
+
+from agentserve.kv.pool import BlockPool
+from agentserve.sim import cli as sim_cli
+from agentserve.sim import run as sim_run
+from agentserve.sim.cluster import Clock, mtp_accepted, store_cpu
+from agentserve.sim.run import SimConfig, parse_topology, simulate
+from agentserve.workload.schema import Session, TraceRequest
+
+
+def _session(i: int, turns: int = 4, blocks: int = 40, grow: int = 4) -> Session:
+    items, ids = [], list(range(blocks))
+    for t in range(turns):
+        items.append(TraceRequest(t=float(t), input_tokens=len(ids) * 64, output_tokens=50,
+                                  hash_ids=list(ids)))
+        ids += list(range(len(ids), len(ids) + grow))
+    return Session(id=f"s{i}", block_size=64, items=items)
+
+
+def _cfg(**kw) -> SimConfig:
+    base = dict(model="tiny", gpu="cpu-local", prefill=1, decode=1, prefill_width=2,
+                decode_width=2, concurrency=2, duration=3600.0, mtp=False, cpu_offload_gib=0.01,
+                chunk=2048, join_midway=False)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def test_clock_orders_events() -> None:
+    c, out = Clock(), []
+    c.at(2.0, lambda: out.append(2))
+    c.at(1.0, lambda: out.append(1))
+    c.run(1.5)
+    assert out == [1] and c.now == 1.5
+
+
+def test_mtp_acceptance_mean() -> None:
+    rng = np.random.default_rng(0)
+    mean = np.mean([1 + mtp_accepted(rng, 3) for _ in range(20_000)])
+    assert abs(mean - 2.97) < 0.03
+
+
+def test_cpu_write_through_is_lru() -> None:
+    cpu = BlockPool(4, 64, medium="CPU")
+    assert store_cpu(cpu, [1, 2, 3], 192) == 3
+    assert store_cpu(cpu, [1, 4, 5], 192) == 2  # 1 refreshed, 4 and 5 evict 2 (oldest)
+    assert set(cpu.cached) == {1, 3, 4, 5}
+
+
+def test_closed_loop_reuses_prefixes() -> None:
+    s = simulate(_cfg(), [_session(i) for i in range(4)])
+    assert s["requests_ok"] == 16 and s["requests_failed"] == 0
+    # turns 2..4 of each session find their prefix: 3 of 4 turns, ~all of their input
+    assert 0.6 < s["prefill_gpu_hit_rate"] < 0.8
+    assert s["captured_reuse"] > 0.95
+    assert s["ttft_s"]["p50"] > 0 and s["itl_ms"]["p50"] > 0
+
+
+def test_mtp_raises_tokens_per_step() -> None:
+    a = simulate(_cfg(mtp=False), [_session(i) for i in range(2)])
+    b = simulate(_cfg(mtp=True), [_session(i) for i in range(2)])
+    assert b["output_tokens"] == a["output_tokens"]
+    assert b["e2e_s"]["mean"] < a["e2e_s"]["mean"]
+
+
+def test_parse_topology() -> None:
+    assert parse_topology("3P1D") == (3, 1) and parse_topology("2p2d") == (2, 2)
+
+
+def test_cli_prints_issue_keys(monkeypatch) -> None:
+    monkeypatch.setattr(sim_run, "load_workload", lambda *a: [_session(i) for i in range(3)])
+    app = typer.Typer()
+    sim_cli.register(app)
+    app.command("noop")(lambda: None)  # keep `sim` a sub-command
+    res = CliRunner().invoke(app, ["sim", "--model", "tiny", "--gpu", "cpu-local", "--topology",
+                                   "1P1D", "--prefill-width", "1", "--decode-width", "1",
+                                   "--concurrency", "2", "--no-mtp", "--cpu-offload-gib", "0",
+                                   "--duration", "600", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output)
+    for k in sim_cli.KEYS:
+        assert k in out
+    assert {"p50", "p90"} <= out["ttft_s"].keys() and {"p50", "p90"} <= out["itl_ms"].keys()
+    assert out["gpus"] == 2

@@ -1,0 +1,75 @@
+"""Step-time model: physical monotonicity, MTP, transfers, and the reference's cost method."""
+
+from __future__ import annotations
+
+import pytest
+
+from agentserve.sim.cost import aggregate_cost, pool_cost
+from agentserve.sim.memory import Topology
+from agentserve.sim.perf import PerfModel, mtp_tokens_per_step
+from agentserve.sim.specs import GLM_5_2_FP8, H200
+
+M = GLM_5_2_FP8
+DEC = PerfModel(M, H200, Topology("dep", 16, "decode", mtp=True))
+PRE = PerfModel(M, H200, Topology("dep", 16, "prefill"))
+
+
+def _ranks(per_rank: int, ctx: int = 50_000, width: int = 16) -> list[list[int]]:
+    return [[ctx] * per_rank for _ in range(width)]
+
+
+def test_mtp_tokens_per_step() -> None:
+    assert mtp_tokens_per_step() == pytest.approx(2.97, abs=0.03)
+
+
+def test_decode_step_grows_with_batch_and_context() -> None:
+    t1, t8 = DEC.decode_step(_ranks(1)), DEC.decode_step(_ranks(8))
+    assert t8 > t1
+    assert DEC.decode_step(_ranks(8, 300_000)) > t8
+    # Weight streaming + all-to-all latency dominate at batch 1: tens of ms, not seconds.
+    assert 0.015 < t1 < 0.060
+
+
+def test_decode_itl_order_of_magnitude_of_reference() -> None:
+    """c16 of the calibration run: ~1 request per decode rank, ITL p50 11.7 ms."""
+    itl = DEC.decode_step(_ranks(1)) / mtp_tokens_per_step()
+    assert 0.008 < itl < 0.016
+
+
+def test_no_mtp_is_cheaper_per_step_but_slower_per_token() -> None:
+    off = PerfModel(M, H200, Topology("dep", 16, "decode", mtp=False))
+    t_on, t_off = DEC.decode_step(_ranks(4)), off.decode_step(_ranks(4))
+    assert t_off < t_on
+    assert t_off > t_on / mtp_tokens_per_step()
+
+
+def test_prefill_throughput_and_sparse_attention() -> None:
+    ranks = [[(16_384, 0)] for _ in range(16)]
+    t = PRE.prefill_step(ranks)
+    tok_s_gpu = 16_384 / t
+    assert 2_000 < tok_s_gpu < 20_000
+    # Longer cached prefix costs more (indexer is O(context)); the top-k core does not grow.
+    long = PRE.prefill_step([[(16_384, 200_000)] for _ in range(16)])
+    assert long > t
+
+
+def test_dep8_intranode_all_to_all_is_cheaper() -> None:
+    d8 = PerfModel(M, H200, Topology("dep", 8, "decode"))
+    d16 = PerfModel(M, H200, Topology("dep", 16, "decode"))
+    assert d8.a2a_time(32) < d16.a2a_time(32)
+
+
+def test_transfer_and_restore() -> None:
+    gb = 100_000 * M.kv_bytes_per_token() / 1e9
+    assert DEC.cpu_restore_time(100_000) == pytest.approx(0.026 * gb)
+    assert DEC.kv_transfer_time(100_000) == pytest.approx(gb * 1e9 / (50e9 * 0.8), rel=0.05)
+
+
+def test_reference_cost_method() -> None:
+    """SPEC calibration: 3P1D DEP16, 431K input and 6,281 output tok/s -> $0.08 / $1.92 per M."""
+    c = pool_cost(48, 16, 431_000, 6_281, 2.71)
+    assert c.per_m_input == pytest.approx(0.08, rel=0.10)
+    assert c.per_m_output == pytest.approx(1.92, rel=0.10)
+    assert c.per_hour == pytest.approx(64 * 2.71)
+    a = aggregate_cost(16, 100_000, 1_000, 0.5)
+    assert a.per_m_input == pytest.approx(8 * 2.71 / 360)
