@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +16,12 @@ from agentserve.engine.model import KVCache
 from agentserve.engine.runner import ModelRunner
 from agentserve.engine.scheduler import Scheduler
 from agentserve.engine.tokenizer import Tokenizer
+from agentserve.kv.connector import TierConnector, make_connector
 from agentserve.kv.events import KVEventPublisher, KVEventQueue
 from agentserve.kv.hashing import BlockHasher
 from agentserve.kv.manager import KVCacheManager
 from agentserve.kv.pool import BlockPool
+from agentserve.kv.tiers import TierConfig
 
 log = logging.getLogger("agentserve.engine")
 
@@ -50,6 +53,53 @@ class EngineArgs:
     kv_events_topic: str = "kv-events"
     seed: int = 0
     check_invariants: bool = False
+    # Offload tiers (None / 0: off, exactly the device-only engine).
+    kv_cpu_gib: float | None = None
+    kv_cpu_policy: str = "lru"
+    kv_disk_dir: str | None = None
+    kv_disk_gib: float | None = None
+    kv_offload_block_tokens: int | None = None
+    kv_store_threshold: int = 1
+    kv_max_loads: int = 4
+    kv_session_ttl: float = 600.0
+    kv_restore_mode: str = "auto"
+
+
+def _tier_config(args: EngineArgs) -> TierConfig | None:
+    """The offload-tier settings, validated; None when no CPU tier is asked for."""
+    if not args.kv_cpu_gib:
+        if args.kv_disk_dir:
+            raise EngineConfigError("--kv-disk-dir needs a CPU tier in front of it: add --kv-cpu-gib")
+        return None
+    if args.kv_cpu_gib < 0 or (args.kv_disk_dir and not args.kv_disk_gib):
+        raise EngineConfigError("--kv-cpu-gib must be > 0, and --kv-disk-dir needs --kv-disk-gib > 0")
+    if not args.enable_prefix_caching:
+        raise EngineConfigError("KV offload tiers need prefix caching; drop --no-prefix-caching")
+    if args.kv_cpu_policy not in ("lru", "arc", "session"):
+        raise EngineConfigError(f"--kv-cpu-policy must be lru, arc or session, got {args.kv_cpu_policy!r}")
+    if args.kv_restore_mode not in ("auto", "always", "never"):
+        raise EngineConfigError(f"--kv-restore must be auto, always or never, got {args.kv_restore_mode!r}")
+    if args.kv_store_threshold < 1 or args.kv_max_loads < 1:
+        raise EngineConfigError("--kv-store-threshold and --kv-max-loads must be >= 1")
+    return TierConfig(cpu_bytes=int(args.kv_cpu_gib * 2**30), disk_dir=args.kv_disk_dir,
+                      disk_bytes=int((args.kv_disk_gib or 0) * 2**30),
+                      block_tokens=args.kv_offload_block_tokens, cpu_policy=args.kv_cpu_policy,
+                      store_threshold=args.kv_store_threshold, max_loads=args.kv_max_loads,
+                      session_ttl=args.kv_session_ttl, restore_mode=args.kv_restore_mode)
+
+
+def _build_tiers(args: EngineArgs, kv_cache: KVCache, pool: BlockPool, cfg: object,
+                 model_dir: Path) -> TierConnector | None:
+    tcfg = _tier_config(args)
+    if tcfg is None:
+        return None
+    # Disk blocks are only valid for this model, dtype, block layout and hash chain.
+    ident = f"{model_dir.resolve()}|{cfg}|{args.dtype}|{args.block_size}|{args.hash_algo}|{args.hash_seed}"
+    try:
+        return make_connector(tcfg, kv_cache.k, kv_cache.v, pool,
+                              hashlib.sha256(ident.encode()).digest())
+    except (ValueError, OSError) as e:
+        raise EngineConfigError(str(e)) from e
 
 
 def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
@@ -99,7 +149,8 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
                      events=events)
     hasher = BlockHasher(algo=args.hash_algo, block_size=args.block_size, seed=args.hash_seed)
     kv = KVCacheManager(pool, hasher, enable_caching=args.enable_prefix_caching)
-    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens)
+    tiers = _build_tiers(args, kv_cache, pool, cfg, model_dir)
+    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, tiers)
     runner = ModelRunner(model, kv_cache, args.block_size, device)
     publisher = None
     if args.kv_events_endpoint:

@@ -30,6 +30,16 @@ def serve(
     kv_events_replay_endpoint: Optional[str] = typer.Option(None, help="ZMQ replay endpoint."),
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY'."),
     max_body_mib: int = typer.Option(32, help="Request body size limit (MiB)."),
+    kv_cpu_gib: Optional[float] = typer.Option(None, help="CPU DRAM KV tier size (GiB); off by default."),
+    kv_cpu_policy: str = typer.Option("lru", help="CPU tier retention: lru | arc | session."),
+    kv_disk_dir: Optional[str] = typer.Option(None, help="Disk KV tier folder (persistent prefix cache)."),
+    kv_disk_gib: Optional[float] = typer.Option(None, help="Disk KV tier size (GiB)."),
+    kv_offload_block_tokens: Optional[int] = typer.Option(
+        None, help="Offload unit in tokens (a multiple of --block-size; default: block size)."),
+    kv_store_threshold: int = typer.Option(1, help="Offload a block once seen this many times."),
+    kv_max_loads: int = typer.Option(4, help="Concurrent tier restores (backpressure beyond)."),
+    kv_session_ttl: float = typer.Option(600.0, help="Session policy: idle seconds = finished."),
+    kv_restore: str = typer.Option("auto", help="auto (restore when faster) | always | never."),
     seed: int = typer.Option(0, help="Global seed."),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
@@ -44,7 +54,11 @@ def serve(
                       max_num_batched_tokens=max_num_batched_tokens,
                       enable_prefix_caching=not no_prefix_caching, hash_algo=prefix_caching_hash_algo,
                       kv_events_endpoint=kv_events_endpoint,
-                      kv_events_replay_endpoint=kv_events_replay_endpoint, seed=seed)
+                      kv_events_replay_endpoint=kv_events_replay_endpoint, seed=seed,
+                      kv_cpu_gib=kv_cpu_gib, kv_cpu_policy=kv_cpu_policy, kv_disk_dir=kv_disk_dir,
+                      kv_disk_gib=kv_disk_gib, kv_offload_block_tokens=kv_offload_block_tokens,
+                      kv_store_threshold=kv_store_threshold, kv_max_loads=kv_max_loads,
+                      kv_session_ttl=kv_session_ttl, kv_restore_mode=kv_restore)
     try:
         run_server(args, host=host, port=port, api_key=api_key, max_body_bytes=max_body_mib << 20)
     except EngineConfigError as exc:

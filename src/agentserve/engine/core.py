@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ class EngineCore:
         self.events = events
         self.publisher = publisher
         self.check_invariants = check_invariants
+        self.tiers = scheduler.tiers
         self.seqs: dict[str, Sequence] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -65,6 +67,9 @@ class EngineCore:
         self.inbox.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.tiers is not None:  # release device blocks held by stores in flight
+            self.scheduler._finish_loads(self.tiers.drain(timeout))
+            self.tiers.worker.close(timeout)
         if self.publisher is not None:
             self.publisher.close()
 
@@ -117,8 +122,16 @@ class EngineCore:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         if sched.empty:
+            if self.tiers is not None:  # only restores/stores in flight: wait for one
+                self.scheduler._finish_loads(self.tiers.poll(0.01))
+                self._publish_events()
             return []
+        t0 = time.perf_counter()
         tokens = self.runner.execute(sched, self.kv)
+        if self.tiers is not None:
+            prefill = sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1)
+            if prefill >= self.kv.block_size:  # decode-only steps say little about prefill
+                self.tiers.est.observe_prefill(sched.num_tokens, time.perf_counter() - t0)
         outputs: list[RequestOutput] = []
         it = iter(tokens)
         for s in sched.scheduled:
@@ -126,6 +139,8 @@ class EngineCore:
             done_prompt = s.completes_prompt
             seq.num_computed_tokens += s.num_tokens
             self.kv.cache_blocks(seq)
+            if self.tiers is not None:
+                self.tiers.offer(seq, self.kv.req_blocks.get(seq.request_id, []))
             if not done_prompt:
                 continue
             token = next(it)
@@ -162,11 +177,13 @@ class EngineCore:
                 error: str | None = None) -> RequestOutput:
         seq.emitted += len(new)
         return RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_prompt_tokens,
-                             max(seq.num_cached_tokens, 0), error)
+                             max(seq.num_cached_tokens, 0), error,
+                             seq.cached_by_tier if self.tiers is not None else None)
 
     def _publish_events(self) -> None:
+        tier_events = self.tiers.take_events() if self.tiers is not None else []
         if self.events is None:
             return
-        events = self.events.take()
+        events = self.events.take() + tier_events
         if events and self.publisher is not None:
             self.publisher.publish(events)

@@ -39,6 +39,7 @@ class EngineStats:
     spec_num_drafts: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    tiers: dict | None = None  # offload-tier counters (kv.tiers.TierStats fields); None: off
 
 
 class EngineDraining(RuntimeError):
@@ -85,14 +86,15 @@ class AsyncEngine:
                 q.put_nowait(out)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams,
+                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
         if self.draining:
             raise EngineDraining("server is shutting down; retry on another replica")
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = q
-        seq = Sequence(request_id, list(prompt_token_ids), params)
+        seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id)
         if not params.greedy:
             seq.generator = make_generator(params.seed)
         self.core.submit(seq)
@@ -116,7 +118,23 @@ class AsyncEngine:
             num_running=len(sch.running), num_waiting=len(sch.waiting), kv_usage=self.core.kv.usage,
             prefix_queries_tokens=sch.stats.prefix_queries_tokens,
             prefix_hits_tokens=sch.stats.prefix_hits_tokens, num_preemptions=sch.stats.num_preemptions,
-            prompt_tokens=self.core.prompt_tokens, generation_tokens=self.core.generation_tokens)
+            prompt_tokens=self.core.prompt_tokens, generation_tokens=self.core.generation_tokens,
+            tiers=self._tier_stats())
+
+    def _tier_stats(self) -> dict | None:
+        """A snapshot of the tier counters (scrape thread; plain ints, torn reads harmless)."""
+        t = self.core.tiers
+        if t is None:
+            return None
+        s = t.stats
+        out = {f: getattr(s, f) for f in s.__slots__}
+        out = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
+               for k, v in out.items()}
+        out["hit_tokens"]["gpu"] = self.core.scheduler.stats.prefix_hits_tokens
+        out["usage"] = {"cpu": t.mgr.cpu.usage}
+        out["loads_in_flight"] = len(t.loads)
+        out["prefill_tokens_per_s"] = t.est.prefill_tps or 0.0
+        return out
 
     @property
     def num_inflight(self) -> int:

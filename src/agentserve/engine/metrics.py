@@ -12,7 +12,10 @@ from collections.abc import Iterator
 from typing import Any, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
+                                   Metric)
+
+from agentserve.kv.tiers import RESTORE_BUCKETS
 
 # vLLM v1 bucket boundaries (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -40,6 +43,58 @@ GAUGES = [
 ]
 
 
+# Offload tiers: (stats key, metric name without _total, label, help); only when tiers are on.
+TIER_COUNTERS = [
+    ("hit_tokens", "agentserve:kv_tier_hit_tokens", "tier", "Prompt tokens served from each tier."),
+    ("restore_bytes", "agentserve:kv_restore_bytes", "tier", "Bytes restored to the device."),
+    ("restore_blocks", "agentserve:kv_restore_blocks", "tier", "Offload blocks restored."),
+    ("store_bytes", "agentserve:kv_store_bytes", "tier", "Bytes stored into each tier."),
+    ("store_blocks", "agentserve:kv_store_blocks", "tier", "Offload blocks stored."),
+    ("evictions", "agentserve:kv_tier_evictions", "tier", "Offload blocks evicted per tier."),
+    ("decisions", "agentserve:kv_restore_decisions", "choice", "Restore vs recompute decisions."),
+]
+TIER_SCALARS = [
+    ("restore_failures", "agentserve:kv_restore_failures", True, "Restores that fell back to recompute."),
+    ("disk_corrupt_blocks", "agentserve:kv_disk_corrupt_blocks", True, "Corrupt/truncated disk blocks."),
+    ("stores_skipped", "agentserve:kv_stores_skipped", True, "Blocks not offloaded (tier pinned full)."),
+    ("disk_disabled", "agentserve:kv_disk_tier_disabled", False, "1 once the disk tier disabled itself."),
+    ("last_restore_estimate_s", "agentserve:kv_restore_estimate_seconds", False,
+     "Estimated restore time of the last decision."),
+    ("last_recompute_estimate_s", "agentserve:kv_recompute_estimate_seconds", False,
+     "Estimated recompute time of the last decision."),
+    ("loads_in_flight", "agentserve:kv_restores_in_flight", False, "Restores in flight."),
+    ("prefill_tokens_per_s", "agentserve:kv_prefill_tokens_per_second", False,
+     "Measured prefill speed used by the restore/recompute estimate."),
+]
+
+
+def tier_metrics(t: dict, name: str) -> Iterator[Metric]:
+    """Offload-tier series from ``EngineStats.tiers``."""
+    for key, metric, label, doc in TIER_COUNTERS:
+        c = CounterMetricFamily(metric, doc, labels=["model_name", label])
+        for lv, v in t[key].items():
+            c.add_metric([name, lv], float(v))
+        yield c
+    for key, metric, counter, doc in TIER_SCALARS:
+        fam = CounterMetricFamily if counter else GaugeMetricFamily
+        m = fam(metric, doc, labels=["model_name"])
+        m.add_metric([name], float(t.get(key, 0)))
+        yield m
+    g = GaugeMetricFamily("agentserve:kv_tier_usage_perc", "Offload tier usage.",
+                          labels=["model_name", "tier"])
+    for tier, v in t["usage"].items():
+        g.add_metric([name, tier], float(v))
+    yield g
+    h = HistogramMetricFamily("agentserve:kv_restore_latency_seconds", "Restore latency.",
+                              labels=["model_name"])
+    acc, buckets = 0, []
+    for bound, n in zip([*map(str, RESTORE_BUCKETS), "+Inf"], t["restore_latency_buckets"]):
+        acc += n
+        buckets.append((bound, float(acc)))
+    h.add_metric([name], buckets, float(t["restore_latency_sum"]))
+    yield h
+
+
 class StatsSource(Protocol):
     model_name: str
     block_size: int
@@ -64,6 +119,9 @@ class _EngineCollector:
             c = CounterMetricFamily(metric, doc, labels=["model_name"])
             c.add_metric([name], float(getattr(stats, field, 0)))
             yield c
+        tiers = getattr(stats, "tiers", None)
+        if tiers is not None:
+            yield from tier_metrics(tiers, name)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
                                  labels=["model_name", "block_size", "num_gpu_blocks"])
         info.add_metric([name, str(self.engine.block_size), str(self.engine.num_gpu_blocks)], 1.0)

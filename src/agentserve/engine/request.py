@@ -53,6 +53,7 @@ class SamplingParams:
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_KV = "waiting_for_kv"  # a restore from the CPU/disk tier is in flight
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -81,4 +82,5 @@ class RequestOutput:
     num_prompt_tokens: int
     num_cached_tokens: int
     error: str | None = None
+    cached_by_tier: dict[str, int] | None = None  # gpu/cpu/disk split of num_cached_tokens
     time: float = field(default_factory=time.monotonic)

@@ -7,6 +7,11 @@ Each step (vLLM v1 style, no separate prefill/decode phases):
    the older one fits — never a crash;
 2. then waiting sequences, strictly FCFS (the head blocks the queue, so nothing
    starves): prefix-cache hit first, then a chunk of the rest.
+
+With offload tiers (``tiers``), a waiting head whose prefix continues in CPU/disk and
+for which restoring beats recomputing takes its device blocks, starts an asynchronous
+load and parks in ``loading`` (WAITING_FOR_KV) so the queue moves on; finished loads
+join ``running`` with their restored tokens computed. A failed load recomputes.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from dataclasses import dataclass, field
 
 from agentserve.engine.request import RequestStatus
 from agentserve.engine.sequence import Sequence
+from agentserve.kv.connector import TierConnector
 from agentserve.kv.manager import KVCacheManager
 
 
@@ -46,13 +52,17 @@ class SchedulerStats:
     prefix_queries_tokens: int = 0
     prefix_hits_tokens: int = 0
     num_preemptions: int = 0
+    restored_tokens: int = 0
 
 
 class Scheduler:
     """Decides, per step, which sequences run and how many tokens each computes."""
 
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 tiers: TierConnector | None = None) -> None:
         self.kv = kv
+        self.tiers = tiers
+        self.loading: dict[str, Sequence] = {}  # WAITING_FOR_KV: restores in flight
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -61,12 +71,18 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+        if self.tiers is not None:
+            self.kv.update_hashes(seq)
+            self.tiers.on_add(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading
+                    or (self.tiers is not None and self.tiers.busy))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.tiers is not None:
+            self._finish_loads(self.tiers.poll())
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a full pool admits nobody new this step
@@ -91,11 +107,18 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.loading) < self.max_num_seqs):
             seq = self.waiting[0]
             fresh = seq.num_cached_tokens < 0
             computed = self.kv.get_computed_blocks(seq)
             num_cached = len(computed) * self.kv.block_size
+            if self.tiers is not None and not seq.kv_restore_failed:
+                started = self._try_restore(seq, computed)
+                if started is None:
+                    break  # backpressure or no room: the head waits
+                if started:
+                    continue
             n = min(seq.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(seq, n, computed):
                 break  # FCFS: the head waits for memory; nobody overtakes it
@@ -105,10 +128,56 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
                 self.stats.prefix_queries_tokens += seq.num_prompt_tokens
                 self.stats.prefix_hits_tokens += num_cached
+                seq.cached_by_tier = {"gpu": num_cached}
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _try_restore(self, seq: Sequence, computed: list) -> bool | None:
+        """Start restoring the head's tier hit: True started, False not worth it, None wait."""
+        assert self.tiers is not None
+        plan = self.tiers.plan(seq, len(computed))
+        if plan is None:
+            return False
+        if len(self.tiers.loads) >= self.tiers.cfg.max_loads:
+            return None
+        if not self.kv.allocate_slots(seq, plan.num_blocks * self.kv.block_size, computed):
+            return None
+        self.waiting.popleft()
+        seq.status = RequestStatus.WAITING_FOR_KV
+        seq.device_hit_tokens = len(computed) * self.kv.block_size
+        ids = self.kv.block_ids(seq.request_id)
+        self.tiers.start_load(seq, plan, ids[plan.first_block:plan.first_block + plan.num_blocks])
+        self.loading[seq.request_id] = seq
+        return True
+
+    def _finish_loads(self, done: list) -> None:
+        """Restored requests join ``running``; failed ones recompute from the queue head."""
+        for d in done:
+            seq = self.loading.pop(d.request_id, None)
+            if seq is None:
+                continue
+            if seq.status.finished:  # aborted while loading: its blocks were busy until now
+                self.kv.free(seq)
+                continue
+            if not d.ok:
+                self.kv.free(seq)
+                seq.kv_restore_failed = True
+                seq.status = RequestStatus.WAITING
+                self.waiting.appendleft(seq)
+                continue
+            restored = d.plan.num_blocks * self.kv.block_size
+            seq.num_computed_tokens = seq.device_hit_tokens + restored
+            self.kv.cache_blocks(seq)  # restored blocks are device-cached again
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.cached_by_tier = {"gpu": seq.device_hit_tokens, **d.plan.tokens_by_tier}
+                self.stats.prefix_queries_tokens += seq.num_prompt_tokens
+                self.stats.prefix_hits_tokens += seq.device_hit_tokens
+            self.stats.restored_tokens += restored
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
@@ -122,6 +191,10 @@ class Scheduler:
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""
         seq.status = status
+        if self.tiers is not None:
+            self.tiers.on_finish(seq)
+            if seq.request_id in self.loading:
+                return  # a load is writing its blocks: freed when the load completes
         if seq in self.running:
             self.running.remove(seq)
         else:

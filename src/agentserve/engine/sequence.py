@@ -29,6 +29,10 @@ class Sequence:
     num_preemptions: int = 0
     emitted: int = 0  # output tokens already handed to the front
     generator: object | None = None  # torch.Generator for seeded sampling
+    session_id: str | None = None  # x-session-id / user: lets the tier policy see sessions
+    cached_by_tier: dict[str, int] | None = None  # split of num_cached_tokens by tier
+    device_hit_tokens: int = 0  # device prefix hit when a tier restore started
+    kv_restore_failed: bool = False  # a restore failed once: recompute from now on
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -38,7 +38,8 @@ class EngineClient(Protocol):
     num_gpu_blocks: int
 
     def generate(self, request_id: str, prompt_token_ids: list[int],
-                 params: SamplingParams) -> AsyncIterator[RequestOutput]: ...
+                 params: SamplingParams, session_id: str | None = None
+                 ) -> AsyncIterator[RequestOutput]: ...
 
     def stats(self) -> Any: ...
 
@@ -69,8 +70,8 @@ class Generation:
 
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, request_id: str,
                  prompt_ids: list[int], params: SamplingParams, stop: list[str],
-                 alive: Callable[[], bool], arrival: float) -> None:
-        self.engine, self.request_id = engine, request_id
+                 alive: Callable[[], bool], arrival: float, session_id: str | None = None) -> None:
+        self.engine, self.request_id, self.session_id = engine, request_id, session_id
         self.prompt_ids, self.params = prompt_ids, params
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids, stop,
                                             skip_ids=set(params.stop_token_ids))
@@ -78,12 +79,16 @@ class Generation:
         self.alive = alive
         self.prompt_tokens, self.cached_tokens, self.completion_tokens = len(prompt_ids), 0, 0
         self.finish_reason: str | None = None
+        self.cached_by_tier: dict[str, int] | None = None
 
     def usage(self) -> dict[str, Any]:
-        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens)
+        return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens,
+                     self.cached_by_tier)
 
     async def deltas(self) -> AsyncIterator[str]:
-        stream = self.engine.generate(self.request_id, self.prompt_ids, self.params)
+        # The session id only travels when given, so engine clients without it still work.
+        kw = {"session_id": self.session_id} if self.session_id else {}
+        stream = self.engine.generate(self.request_id, self.prompt_ids, self.params, **kw)
         try:
             async with contextlib.aclosing(stream):
                 async for out in stream:
@@ -104,6 +109,7 @@ class Generation:
     def _take(self, out: RequestOutput) -> str:
         """Fold one engine delta in; returns its text and sets finish_reason when done."""
         self.cached_tokens = out.num_cached_tokens
+        self.cached_by_tier = out.cached_by_tier
         if out.new_token_ids:
             self.timer.on_tokens(out.time)
             self.completion_tokens += len(out.new_token_ids)
@@ -118,15 +124,30 @@ class Generation:
         return text
 
 
-def usage(prompt: int, completion: int, cached: int) -> dict[str, Any]:
+def usage(prompt: int, completion: int, cached: int,
+          by_tier: dict[str, int] | None = None) -> dict[str, Any]:
+    """OpenAI usage; with offload tiers, ``cached_tokens_by_tier`` (gpu/cpu/disk) is added."""
+    details: dict[str, Any] = {"cached_tokens": cached}
+    if by_tier is not None:
+        details["cached_tokens_by_tier"] = by_tier
     return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+            "total_tokens": prompt + completion, "prompt_tokens_details": details}
 
 
 def sum_usage(gens: list[Generation]) -> dict[str, Any]:
+    tiers: dict[str, int] | None = None
+    for g in gens:
+        if g.cached_by_tier is not None:
+            tiers = tiers or {}
+            for t, n in g.cached_by_tier.items():
+                tiers[t] = tiers.get(t, 0) + n
     return usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
-                 sum(g.cached_tokens for g in gens))
+                 sum(g.cached_tokens for g in gens), tiers)
+
+
+def session_of(request: web.Request, user: str | None) -> str | None:
+    """The agent session: ``x-session-id`` header, else the body's ``user`` (as the router)."""
+    return request.headers.get("x-session-id") or user or None
 
 
 async def merge(streams: list[AsyncIterator[str]]) -> AsyncIterator[tuple[int, str | None]]:
@@ -253,7 +274,8 @@ async def create_completion(request: web.Request, engine: EngineClient,
     for i, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len)
         gens.append(Generation(engine, metrics, f"{cid}-{i}", ids, sampling_params(req, max_tokens),
-                               stop_list(req.stop), client_alive(request), arrival))
+                               stop_list(req.stop), client_alive(request), arrival,
+                               session_of(request, req.user)))
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)

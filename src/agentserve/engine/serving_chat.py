@@ -22,7 +22,8 @@ from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice, check_chat,
                                         check_prompt_ids, decode, stop_list)
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
-                                       new_id, resolve_max_tokens, sampling_params, stream_sse)
+                                       new_id, resolve_max_tokens, sampling_params, session_of,
+                                       stream_sse)
 from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
@@ -78,7 +79,7 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
         params.constraint = await asyncio.to_thread(tool_constraint, tok, tools, req)
     cid = new_id("chatcmpl")
     gen = Generation(engine, metrics, cid, ids, params, stop_list(req.stop), client_alive(request),
-                     arrival)
+                     arrival, session_of(request, req.user))
     base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:

@@ -1,0 +1,327 @@
+"""The engine's side of the offload tiers: what to store, what to restore, and when.
+
+Called on the engine-core thread only (scheduler and core):
+
+- ``on_add`` / ``on_finish``: session hints for the retention policy;
+- ``offer(seq, blocks)`` after blocks fill: groups of ``k`` full device blocks whose hash
+  was seen ``store_threshold`` times are reserved in CPU memory and copied there on the
+  ``kv-store`` thread; the device blocks hold an extra reference until the copy ends,
+  so nobody overwrites them meanwhile. The step never waits for a store;
+- ``plan(seq, device_hit)``: the tier hit beyond the device hit, and whether restoring
+  it beats recomputing it (``RestoreEstimator``); ``start_load`` pins the sources and
+  copies into the request's new device blocks on the ``kv-load`` thread;
+- ``poll()``: applies finished stores and disk writes, returns finished loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from agentserve.kv.hashing import to_external
+from agentserve.kv.offload import OffloadManager, Source
+from agentserve.kv.policies import BlockInfo, Key
+from agentserve.kv.pool import Block, BlockPool
+from agentserve.kv.tiers import RestoreEstimator, TierConfig
+from agentserve.kv.transfer import TransferWorker
+
+log = logging.getLogger("agentserve.kv.tiers")
+
+
+class TierSeq(Protocol):
+    request_id: str
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_hashes: list[bytes]
+    session_id: str | None
+
+
+@dataclass(slots=True)
+class RestorePlan:
+    """Restore device blocks [first_block, first_block + num_blocks) from the tiers."""
+
+    first_block: int
+    num_blocks: int
+    keys: list[Key]
+    tiers: list[str]
+    skip: int  # sub-blocks of the first group already on the device
+    sources: list[Source] = field(default_factory=list)
+    started: float = 0.0
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LoadDone:
+    request_id: str
+    ok: bool
+    plan: RestorePlan
+
+
+class TierConnector:
+    """Glue between scheduler/core and ``OffloadManager`` + ``TransferWorker``."""
+
+    def __init__(self, cfg: TierConfig, manager: OffloadManager, worker: TransferWorker,
+                 pool: BlockPool, device_block_size: int,
+                 estimator: RestoreEstimator | None = None) -> None:
+        self.cfg, self.mgr, self.worker, self.pool = cfg, manager, worker, pool
+        self.bs = device_block_size
+        self.k = (cfg.block_tokens or device_block_size) // device_block_size
+        self.est = estimator or RestoreEstimator()
+        self.stats = manager.stats
+        self._offered: dict[str, int] = {}  # request id -> offload groups already offered
+        self._seen: OrderedDict[Key, int] = OrderedDict()  # threshold counts, bounded
+        self.loads: dict[str, RestorePlan] = {}
+
+    # ---- hints ------------------------------------------------------------------------
+    def group_keys(self, hashes: list[bytes], upto_blocks: int | None = None) -> list[Key]:
+        n = len(hashes) if upto_blocks is None else min(upto_blocks, len(hashes))
+        return [hashes[(g + 1) * self.k - 1] for g in range(n // self.k)]
+
+    @staticmethod
+    def session(seq: TierSeq) -> str | None:
+        """The session id, else the chain's first block: one conversation per chain root."""
+        if seq.session_id:
+            return seq.session_id
+        return f"root:{seq.block_hashes[0].hex()[:16]}" if seq.block_hashes else None
+
+    def on_add(self, seq: TierSeq) -> None:
+        self.mgr.cpu.policy.on_request(self.session(seq), self.group_keys(seq.block_hashes))
+
+    def on_finish(self, seq: TierSeq) -> None:
+        self._offered.pop(seq.request_id, None)
+        self.mgr.cpu.policy.on_finish(self.session(seq))
+
+    @property
+    def busy(self) -> bool:
+        return self.worker.pending > 0
+
+    # ---- store ------------------------------------------------------------------------
+    def _passes_threshold(self, key: Key) -> bool:
+        if self.cfg.store_threshold <= 1:
+            return True
+        n = self._seen.pop(key, 0) + 1
+        self._seen[key] = n
+        if len(self._seen) > 1_000_000:
+            self._seen.popitem(last=False)
+        return n >= self.cfg.store_threshold
+
+    def offer(self, seq: TierSeq, blocks: list[Block]) -> None:
+        """Store the request's offload groups that became full since the last offer."""
+        ready = min(seq.num_computed_tokens // self.bs, len(seq.block_hashes)) // self.k
+        start = self._offered.get(seq.request_id, 0)
+        if ready <= start:
+            return
+        self._offered[seq.request_id] = ready
+        keys, infos, ext, groups = [], [], [], []
+        for g in range(start, ready):
+            key = seq.block_hashes[(g + 1) * self.k - 1]
+            if not self._passes_threshold(key):
+                continue
+            keys.append(key)
+            infos.append(BlockInfo(self.session(seq), g))
+            ext.append([to_external(h, self.pool.int_hashes)
+                        for h in seq.block_hashes[g * self.k:(g + 1) * self.k]])
+            groups.append(blocks[g * self.k:(g + 1) * self.k])
+        if not keys:
+            return
+        to_store, _ = self.mgr.prepare_store(keys, infos, ext)
+        if not to_store:
+            return
+        pos = {k: i for i, k in enumerate(keys)}
+        held = [groups[pos[k]] for k, _ in to_store]
+        for g in held:
+            self.pool.touch(g)  # keep the device blocks until the copy is done
+        slots = [s for _, s in to_store]
+        ids = [[b.block_id for b in g] for g in held]
+        ctx = ([k for k, _ in to_store], [infos[pos[k]] for k, _ in to_store], held)
+        self.worker.submit("store", "store", ctx,
+                           lambda: self.worker.device_to_host(self.mgr.cpu.buf, slots, ids))
+
+    def _store_done(self, ctx: Any, result: Any) -> None:
+        keys, infos, held = ctx
+        for g in held:
+            self.pool.free(list(reversed(g)))
+        ok = not isinstance(result, Exception)
+        if not ok:
+            log.warning("KV store to CPU failed: %r", result)
+        for key in self.mgr.complete_store(keys, ok, infos):
+            self._write_through(key)
+
+    def _write_through(self, key: Key) -> None:
+        disk = self.mgr.disk
+        if disk is None or not disk.writable:
+            return
+        loc, dead = self.mgr.prepare_disk_write(key)
+        if dead is not None:
+            self.worker.submit("store", "noop", None, lambda: disk.delete_segment(dead))
+        if loc is None:
+            return
+        arr = self.mgr.cpu.buf[self.mgr.cpu.slots[key]].view(torch.uint8).reshape(-1).numpy()
+        self.worker.submit("store", "disk", key, lambda: disk.write_block(key, loc, arr))
+
+    # ---- restore ----------------------------------------------------------------------
+    def plan(self, seq: TierSeq, device_hit: int) -> RestorePlan | None:
+        """The tier hit beyond ``device_hit`` blocks, if restoring it is worth it."""
+        max_blocks = min((len(seq.token_ids) - 1) // self.bs, len(seq.block_hashes))
+        g0, g_end = device_hit // self.k, max_blocks // self.k
+        if g_end <= g0:
+            return None
+        keys = [seq.block_hashes[(g + 1) * self.k - 1] for g in range(g0, g_end)]
+        keys = keys[:self.mgr.lookup(keys)]
+        if not keys:
+            return None
+        tiers = [self.mgr.where(k) or "cpu" for k in keys]
+        n = self._choose(tiers, device_hit - g0 * self.k)
+        if n == 0:
+            return None
+        skip = device_hit - g0 * self.k
+        plan = RestorePlan(device_hit, n * self.k - skip, keys[:n], tiers[:n], skip)
+        for i, t in enumerate(plan.tiers):
+            toks = (self.k - (skip if i == 0 else 0)) * self.bs
+            plan.tokens_by_tier[t] = plan.tokens_by_tier.get(t, 0) + toks
+        return plan
+
+    def _choose(self, tiers: list[str], skip: int) -> int:
+        """How many leading groups to restore: the option with the largest time saving."""
+        mode = self.cfg.restore_mode
+        n_cpu = next((i for i, t in enumerate(tiers) if t != "cpu"), len(tiers))
+        best, best_gain, full = 0, 0.0, None
+        for n in sorted({n_cpu, len(tiers)} - {0}):
+            nbytes = {"cpu": 0, "disk": 0}
+            for t in tiers[:n]:
+                nbytes[t] += self.mgr.cpu.block_bytes
+            r, c = self.est.restore_s(nbytes), self.est.recompute_s((n * self.k - skip) * self.bs)
+            full = (r, c)
+            if c - r > best_gain or mode == "always":
+                best, best_gain = n, c - r
+        if full is not None:
+            self.stats.last_restore_estimate_s, self.stats.last_recompute_estimate_s = full
+        if mode == "never":
+            best = 0
+        self.stats.decisions["restore" if best else "recompute"] += 1
+        return best
+
+    def start_load(self, seq: TierSeq, plan: RestorePlan, block_ids: list[int]) -> None:
+        """Pin the sources and copy them into ``block_ids`` (the plan's device blocks)."""
+        plan.sources = self.mgr.prepare_load(plan.keys)
+        plan.started = time.monotonic()
+        self.loads[seq.request_id] = plan
+        self.worker.submit("load", "load", seq.request_id,
+                           lambda: self._load_job(plan, block_ids))
+
+    def _load_job(self, plan: RestorePlan, block_ids: list[int]) -> list[Key]:
+        """Worker thread: copy every source; returns the keys found corrupt (stops there)."""
+        cpu, disk = self.mgr.cpu, self.mgr.disk
+        at = 0
+        for i, (key, src) in enumerate(zip(plan.keys, plan.sources)):
+            first = plan.skip if i == 0 else 0
+            n = self.k - first
+            if src.tier == "cpu":
+                host = cpu.buf[src.slot]
+            else:
+                assert disk is not None and src.loc is not None
+                raw = disk.read_block(key, src.loc)
+                if raw is None:
+                    return [key]
+                host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
+                    cpu.buf.dtype).view(cpu.buf.shape[1:])
+            self.worker.host_to_device(host, first, block_ids[at:at + n])
+            at += n
+        return []
+
+    def _load_done(self, rid: str, result: Any) -> LoadDone | None:
+        plan = self.loads.pop(rid, None)
+        if plan is None:
+            return None
+        bad = [] if isinstance(result, Exception) else list(result)
+        ok = not isinstance(result, Exception) and not bad
+        infos = None
+        self.mgr.complete_load(plan.keys, plan.sources, bad, infos)
+        if not ok:
+            self.stats.restore_failures += 1
+            log.warning("KV restore for %s failed (%s); recomputing", rid,
+                        result if isinstance(result, Exception) else "corrupt block on disk")
+            return LoadDone(rid, False, plan)
+        secs = time.monotonic() - plan.started
+        self.stats.observe_restore(secs)
+        nbytes = {"cpu": 0, "disk": 0}
+        for t in plan.tiers:
+            nbytes[t] += self.mgr.cpu.block_bytes
+            self.stats.restore_blocks[t] += 1
+        for t, b in nbytes.items():
+            self.stats.restore_bytes[t] += b
+            self.est.observe_transfer(t, b, secs * b / max(1, sum(nbytes.values())))
+        for t, toks in plan.tokens_by_tier.items():
+            self.stats.hit_tokens[t] += toks
+        return LoadDone(rid, True, plan)
+
+    # ---- completions ------------------------------------------------------------------
+    def poll(self, timeout: float | None = None) -> list[LoadDone]:
+        """Apply finished stores/disk writes; return finished loads."""
+        loads = []
+        for tag, ctx, result in self.worker.poll(timeout):
+            if tag == "store":
+                self._store_done(ctx, result)
+            elif tag == "disk":
+                err = repr(result) if isinstance(result, Exception) else None
+                self.mgr.complete_disk_write(ctx, err is None, err)
+            elif tag == "load":
+                done = self._load_done(ctx, result)
+                if done is not None:
+                    loads.append(done)
+        return loads
+
+    def drain(self, timeout: float = 10.0) -> list[LoadDone]:
+        """Wait for every job in flight (shutdown, tests)."""
+        deadline, out = time.monotonic() + timeout, []
+        while self.worker.pending and time.monotonic() < deadline:
+            out += self.poll(0.05)
+        return out
+
+    def take_events(self) -> list:
+        return self.mgr.take_events()
+
+
+def make_connector(cfg: TierConfig, k: torch.Tensor, v: torch.Tensor, pool: BlockPool,
+                   fingerprint: bytes) -> TierConnector:
+    """CPU tier (+ disk tier, index rebuilt from its segments) over device KV ``k``, ``v``.
+
+    ``k``, ``v``: [num_layers, num_blocks, block_size, Hkv, D]; ``fingerprint`` names the
+    model layout so a disk tier never serves another model's blocks.
+    """
+    from agentserve.kv.disk import DiskTier
+    from agentserve.kv.policies import make_policy
+    from agentserve.kv.tiers import CPUTier
+
+    L, _, bs, H, D = k.shape
+    tokens = cfg.block_tokens or bs
+    if tokens <= 0 or tokens % bs:
+        raise ValueError(f"--kv-offload-block-tokens must be a positive multiple of the block "
+                         f"size {bs}, got {tokens}")
+    shape = (2, L, tokens, H, D)
+    block_bytes = 2 * L * tokens * H * D * k.element_size()
+    slots = cfg.cpu_bytes // block_bytes
+    if slots < 1:
+        raise ValueError(f"--kv-cpu-gib holds no offload block of {block_bytes} bytes; raise it")
+    policy = make_policy(cfg.cpu_policy, slots, cfg.session_ttl)
+    cpu = CPUTier(slots, shape, k.dtype, policy, pin_memory=k.is_cuda)
+    disk = None
+    if cfg.disk_dir:
+        if cfg.disk_bytes < block_bytes:
+            raise ValueError("--kv-disk-gib must hold at least one offload block")
+        disk = DiskTier(cfg.disk_dir, cfg.disk_bytes, block_bytes, fingerprint)
+    mgr = OffloadManager(cpu, disk, bs)
+    if disk is not None:
+        found = disk.scan()
+        ext = [[to_external(key, pool.int_hashes)] for key in found] if tokens == bs else None
+        mgr.adopt_disk_keys(found, ext)
+        log.info("disk KV tier %s: %d blocks found, %d corrupt", cfg.disk_dir, len(found),
+                 disk.corrupt_at_scan)
+    log.info("CPU KV tier: %d blocks of %d tokens (%.2f GiB), policy %s", slots, tokens,
+             slots * block_bytes / 2**30, cfg.cpu_policy)
+    return TierConnector(cfg, mgr, TransferWorker(k, v), pool, bs)

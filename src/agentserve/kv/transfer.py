@@ -1,0 +1,105 @@
+"""Byte movers for the offload tiers: device <-> host copies and disk I/O on worker threads.
+
+Two daemon threads, so a slow disk write never delays a restore: ``kv-store`` (device
+-> CPU copies, CPU -> disk writes, segment deletes) and ``kv-load`` (CPU/disk -> device).
+Jobs are plain closures; each result lands in ``done`` for the engine-core thread,
+which alone mutates tier metadata. On CUDA the copies run on a side stream, ordered
+after the compute stream by an event recorded when the job was submitted.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Job = Callable[[], Any]
+
+
+class TransferWorker:
+    """Runs store and load jobs off the engine-core thread; results go to ``done``."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k, self.v = k, v  # device KV: [num_layers, num_blocks, block_size, Hkv, D]
+        self.cuda = k.is_cuda
+        self.done: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
+        self._queues = {"store": queue.Queue(), "load": queue.Queue()}
+        self._threads = [threading.Thread(target=self._run, args=(name,), name=f"kv-{name}",
+                                          daemon=True) for name in self._queues]
+        self.pending = 0
+        for t in self._threads:
+            t.start()
+
+    def submit(self, lane: str, tag: str, ctx: Any, job: Job) -> None:
+        """Run ``job`` on ``lane``; ``(tag, ctx, result or exception)`` lands in ``done``."""
+        event = None
+        if self.cuda:  # the copy must see every kernel queued so far on the compute stream
+            event = torch.cuda.Event()
+            event.record()
+        self.pending += 1
+        self._queues[lane].put((tag, ctx, job, event))
+
+    def poll(self, timeout: float | None = None) -> list[tuple[str, Any, Any]]:
+        """Completed jobs; waits up to ``timeout`` for the first one when given."""
+        out = []
+        try:
+            out.append(self.done.get(timeout=timeout) if timeout else self.done.get_nowait())
+            while True:
+                out.append(self.done.get_nowait())
+        except queue.Empty:
+            pass
+        self.pending -= len(out)
+        return out
+
+    def close(self, timeout: float = 10.0) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for t in self._threads:
+            t.join(timeout)
+
+    def _run(self, lane: str) -> None:
+        stream = torch.cuda.Stream() if self.cuda else None
+        q = self._queues[lane]
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            tag, ctx, job, event = item
+            try:
+                if stream is not None:
+                    with torch.cuda.stream(stream):
+                        stream.wait_event(event)
+                        result = job()
+                        stream.synchronize()
+                else:
+                    result = job()
+            except Exception as exc:  # noqa: BLE001 - reported to the core as a failed job
+                result = exc
+            self.done.put((tag, ctx, result))
+
+    # ---- copies (run on worker threads) -----------------------------------------------
+    @torch.inference_mode()
+    def device_to_host(self, dst: torch.Tensor, slots: list[int], block_ids: list[list[int]]) -> None:
+        """dst[slot] = [k, v] of the device blocks of each group. dst: [S, 2, L, T, H, D]."""
+        groups, per = len(block_ids), len(block_ids[0])
+        idx = torch.tensor([b for g in block_ids for b in g], device=self.k.device)
+        for kv_i, src in enumerate((self.k, self.v)):
+            g = src.index_select(1, idx)  # [L, G*per, bs, H, D]
+            L, _, bs, H, D = g.shape
+            g = g.view(L, groups, per * bs, H, D).transpose(0, 1)  # [G, L, T, H, D]
+            for j, slot in enumerate(slots):
+                dst[slot, kv_i].copy_(g[j], non_blocking=self.cuda)
+
+    @torch.inference_mode()
+    def host_to_device(self, src: torch.Tensor, first: int, block_ids: list[int]) -> None:
+        """Device blocks ``block_ids`` = sub-blocks first.. of one offload block [2, L, T, H, D]."""
+        n, bs = len(block_ids), self.k.shape[2]
+        idx = torch.tensor(block_ids, device=self.k.device)
+        for kv_i, dst in enumerate((self.k, self.v)):
+            part = src[kv_i, :, first * bs:(first + n) * bs]  # [L, n*bs, H, D]
+            L, _, H, D = part.shape
+            part = part.reshape(L, n, bs, H, D).to(dst.device, non_blocking=self.cuda)
+            dst.index_copy_(1, idx, part)

@@ -1,0 +1,162 @@
+"""The engine with offload tiers on the tiny model: restores give the same tokens as
+recomputing, the disk tier survives a restart, corrupt or unwritable disks degrade to
+recompute, and the server reports tiers in usage and /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import urllib.request
+
+import pytest
+
+from agentserve.engine.engine import AsyncEngine
+from agentserve.engine.request import SamplingParams
+from tests.conftest import ServerThread
+
+# 512 device tokens: a 400-token prompt of another request evicts the first one.
+BASE = dict(check_invariants=True, block_size=16, kv_cache_tokens=512)
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(16, 4000) for _ in range(n)]
+
+
+async def _run(eng: AsyncEngine, rid: str, prompt: list[int], sid: str | None = None):
+    toks, last = [], None
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    async for out in eng.generate(rid, prompt, params, session_id=sid):
+        toks += out.new_token_ids
+        last = out
+    return toks, last
+
+
+async def _evict_and_resume(eng: AsyncEngine, a: list[int], b: list[int]):
+    first, _ = await _run(eng, "a1", a, "A")
+    await _run(eng, "b1", b, "B")  # pushes A out of the device pool
+    again, last = await _run(eng, "a2", a, "A")
+    return first, again, last
+
+
+def _with(coro_fn, **kw):
+    async def go():
+        eng = AsyncEngine.from_args(**BASE, **kw)
+        await eng.start()
+        try:
+            return await coro_fn(eng), eng
+        finally:
+            await eng.shutdown(5)
+            assert eng.core.kv.pool.num_used_blocks == 0, "blocks leaked"
+            eng.core.kv.pool.check_invariants()
+    return asyncio.run(go())
+
+
+A, B = _prompt(300, 1), _prompt(400, 2)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[int]:
+    (toks, _), _ = _with(lambda eng: _run(eng, "ref", A))
+    return toks
+
+
+@pytest.mark.parametrize("policy,unit", [("lru", None), ("arc", None), ("session", 32)])
+def test_restore_from_cpu_matches_recompute(reference, policy: str, unit: int | None) -> None:
+    (first, again, last), eng = _with(lambda e: _evict_and_resume(e, A, B), kv_cpu_gib=0.01,
+                                      kv_cpu_policy=policy, kv_offload_block_tokens=unit)
+    assert first == again == reference
+    by = last.cached_by_tier
+    assert by["cpu"] > 0 and last.num_cached_tokens == sum(by.values())
+    t = eng.stats().tiers
+    assert t["restore_bytes"]["cpu"] > 0 and t["decisions"]["restore"] == 1
+    assert t["hit_tokens"]["cpu"] == by["cpu"] and t["restore_latency_count"] == 1
+
+
+def test_no_tier_is_the_plain_engine() -> None:
+    (_, _, last), eng = _with(lambda e: _evict_and_resume(e, A, B))
+    assert eng.core.tiers is None and eng.stats().tiers is None
+    assert last.cached_by_tier is None
+
+
+def test_restore_never_recomputes(reference) -> None:
+    (_, again, last), eng = _with(lambda e: _evict_and_resume(e, A, B), kv_cpu_gib=0.01,
+                                  kv_restore_mode="never")
+    assert again == reference and last.cached_by_tier.get("cpu", 0) == 0
+    assert eng.stats().tiers["decisions"]["recompute"] >= 1
+
+
+def test_disk_tier_survives_restart(tmp_path, reference) -> None:
+    kw = dict(kv_cpu_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    (toks, _), eng = _with(lambda e: _run(e, "a1", A), **kw)
+    assert toks == reference and eng.stats().tiers["store_blocks"]["disk"] > 0
+    (toks, last), eng = _with(lambda e: _run(e, "a2", A), **kw)  # a fresh engine
+    assert toks == reference
+    assert last.cached_by_tier["disk"] == 288 and last.num_cached_tokens == 288
+    assert eng.stats().tiers["restore_bytes"]["disk"] > 0
+
+
+def test_corrupt_disk_block_falls_back_to_recompute(tmp_path, reference) -> None:
+    kw = dict(kv_cpu_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    _with(lambda e: _run(e, "a1", A), **kw)
+    seg = sorted(tmp_path.glob("seg-*.kv"))[0]
+    data = bytearray(seg.read_bytes())
+    data[-100] ^= 0xFF  # bit rot in the last block's payload
+    seg.write_bytes(bytes(data))
+    (toks, last), eng = _with(lambda e: _run(e, "a2", A), **kw)
+    t = eng.stats().tiers
+    assert toks == reference and last.cached_by_tier.get("disk", 0) == 0
+    assert t["disk_corrupt_blocks"] == 1 and t["restore_failures"] == 1
+
+
+def test_unwritable_disk_disables_itself_and_serving_continues(tmp_path, reference) -> None:
+    # The first segment's path is taken by a folder: every write fails (as on a full or
+    # read-only disk, and unlike chmod this also holds when the tests run as root).
+    (tmp_path / "seg-00000000.kv").mkdir()
+    (first, again, _), eng = _with(lambda e: _evict_and_resume(e, A, B), kv_cpu_gib=0.01,
+                                   kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    assert first == again == reference and eng.stats().tiers["disk_disabled"] == 1
+
+
+def test_backpressure_and_abort_while_loading(reference) -> None:
+    async def go(eng: AsyncEngine):
+        prompts = [_prompt(160, 10 + i) for i in range(4)]
+        base = await asyncio.gather(*[_run(eng, f"w{i}", p) for i, p in enumerate(prompts)])
+        await _run(eng, "evict", B)
+        again = await asyncio.gather(*[_run(eng, f"r{i}", p) for i, p in enumerate(prompts)])
+        return [t for t, _ in base], [t for t, _ in again]
+    (base, again), eng = _with(go, kv_cpu_gib=0.01, kv_max_loads=1)
+    assert base == again
+    assert eng.stats().tiers["restore_bytes"]["cpu"] > 0
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
+
+
+def test_server_usage_breakdown_session_header_and_metrics() -> None:
+    served = ServerThread(**BASE, kv_cpu_gib=0.01, kv_cpu_policy="session").start()
+    try:
+        def complete(prompt: list[int]) -> dict:
+            body = json.dumps({"prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
+            req = urllib.request.Request(served.url + "/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json",
+                                                  "x-session-id": "sess-1"})
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return json.loads(r.read())
+        complete(A)
+        complete(B)
+        details = complete(A)["usage"]["prompt_tokens_details"]
+        assert details["cached_tokens"] == sum(details["cached_tokens_by_tier"].values())
+        assert details["cached_tokens_by_tier"]["cpu"] > 0
+        assert "sess-1" in served.engine.core.tiers.mgr.cpu.policy.sessions
+        text = _get(served.url + "/metrics")
+        line = next(ln for ln in text.splitlines()
+                    if ln.startswith('agentserve:kv_restore_bytes_total{') and 'tier="cpu"' in ln)
+        assert float(line.split()[-1]) > 0
+        assert "agentserve:kv_restore_latency_seconds_bucket" in text
+        assert 'agentserve:kv_restore_decisions_total{choice="restore"' in text
+    finally:
+        served.close()
