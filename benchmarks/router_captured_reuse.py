@@ -30,7 +30,9 @@ POLICIES = {
     "least-loaded": {"policy": "least-loaded"},
     "approx-prefix": {"policy": "approx-prefix"},
     "precise-prefix": {"policy": "precise-prefix"},
-    "default (precise+spec+affinity+sticky)": {"policy": "default"},
+    "default (precise+speculative)": {"policy": "default"},
+    "precise+spec+affinity+sticky": {"policy": "default", "picker": {"type": "sticky"},
+                                     "scorers": {"session": 0.5}},
 }
 
 
@@ -83,7 +85,7 @@ def run_policy(name: str, raw: dict, a: argparse.Namespace, tmp: Path) -> dict:
         eng = [scrape(u) for u in urls]
     finally:
         stop(procs)
-    s = summ.get("stages", [summ])[0] if "stages" in summ else summ
+    s = summ[0] if isinstance(summ, list) else summ  # summary.json: one object per stage
     hits = sum(e["vllm:prefix_cache_hits_total"] for e in eng)
     queries = sum(e["vllm:prefix_cache_queries_total"] for e in eng)
     counts = [per.get(u, 0.0) for u in urls]

@@ -22,27 +22,25 @@ def route(
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Route OpenAI requests to the endpoint that holds their prefix (KV events), by load."""
-    from agentserve.router.config import build_config, load_config
-    from agentserve.router.gateway import config_with_overrides, run
+    import yaml
+
+    from agentserve.router.config import EndpointConfig, build_config
+    from agentserve.router.gateway import run
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        raw = (yaml.safe_load(open(config).read()) or {}) if config else {}
         if policy:
-            import yaml
-            raw = yaml.safe_load(open(config).read()) if config else {}
-            raw = {**(raw or {}), "policy": policy}
-            cfg = build_config(raw)
-        else:
-            cfg = load_config(config)
-        extra = config_with_overrides(None, endpoint, api_key, tokenizer)
-        cfg.endpoints += extra.endpoints
+            raw["policy"] = policy
+        cfg = build_config(raw)
+        cfg.endpoints += [EndpointConfig(url=u) for u in endpoint]
         cfg.api_key = api_key or cfg.api_key
         cfg.tokenizer = tokenizer or cfg.tokenizer
         if not cfg.endpoints:
             raise ValueError("no endpoints: give --config with endpoints: or --endpoint URL")
         run(cfg, host, port, config)
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, yaml.YAMLError) as e:
         typer.echo(f"agentserve route: {e}", err=True)
         raise typer.Exit(2) from e
 

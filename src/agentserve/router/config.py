@@ -45,9 +45,12 @@ PRESETS: dict[str, dict[str, Any]] = {
                                    "kv_util": 0.25},
                        "picker": {"type": "max"}, "index": "precise",
                        "options": {"speculative_ttl_s": 0.0}},
-    "default": {"scorers": {"prefix": 2.0, "session": 0.5, "queue": 0.5, "inflight": 0.5,
+    # The best on benchmarks/router_captured_reuse.py: precise prefix + load, with
+    # speculative entries for bursts; affinity only breaks ties. `sticky` is available
+    # (picker: {type: sticky}) but pinned whole sessions and unbalanced engines there.
+    "default": {"scorers": {"prefix": 2.0, "session": 0.1, "queue": 0.5, "inflight": 0.5,
                             "kv_util": 0.25},
-                "picker": {"type": "sticky", "penalty_s": 1.0}, "index": "precise",
+                "picker": {"type": "max"}, "index": "precise",
                 "options": {"speculative_ttl_s": 2.0}},
 }
 
@@ -101,6 +104,7 @@ class Options:
     tokenizer_cache_entries: int = 128
     hash_cache_chunks: int = 8192  # ~14 KB each (2048 tokens at block 16)
     session_entries: int = 100000
+    exact_match: bool = False  # scan every block (sees holes) instead of bisecting
     tier_weights: dict[str, float] = field(
         default_factory=lambda: {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "STORAGE": 0.5})
 

@@ -80,7 +80,7 @@ class Router:
     def __init__(self, cfg: RouterConfig) -> None:
         self.cfg = cfg
         self.opts = cfg.options
-        self.index = PrefixIndex(self.opts.tier_weights)
+        self.index = PrefixIndex(self.opts.tier_weights, self.opts.exact_match)
         self.endpoints: dict[str, Endpoint] = {}
         self.approx: dict[str, ApproxTracker] = {}
         self.caches: dict[HasherId, HashCache] = {}

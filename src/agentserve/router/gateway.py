@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import logging
 import signal
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -309,22 +308,10 @@ class Gateway:
             return error(400, f"reload failed: {e}")
 
 
-def config_with_overrides(path: str | None, endpoints: list[str], api_key: str | None,
-                          tokenizer: str | None) -> RouterConfig:
-    cfg = load_config(path)
-    for url in endpoints:
-        cfg.endpoints.append(EndpointConfig(url=url))
-    cfg.api_key = api_key or cfg.api_key
-    cfg.tokenizer = tokenizer or cfg.tokenizer
-    return cfg
-
-
 def run(cfg: RouterConfig, host: str, port: int, config_path: str | None = None) -> None:
     """Serve until interrupted."""
     from agentserve.router.requests import load_tokenizer
 
     gw = Gateway(cfg, config_path, load_tokenizer(cfg))
-    if config_path:
-        Path(config_path)  # kept for SIGHUP reloads
     web.run_app(gw.app(), host=host, port=port, handler_cancellation=True,
                 access_log=None, print=lambda *a: logger.info(*a))

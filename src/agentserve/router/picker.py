@@ -64,24 +64,28 @@ class StickyPicker:
     """Sticky until saturated: stay with the prefix holder unless its wait is too long.
 
     The holder is the candidate with the longest (tier-weighted) prefix, ties broken by
-    score. It is kept unless its estimated time to first token (queued prefill plus
+    score. Stickiness applies only when the holder has at least `min_share` of the
+    prompt's blocks (a shared system prompt alone must not pull every new session onto
+    one endpoint); the holder is then kept unless its estimated time to first token (queued prefill plus
     this request's uncached prefill, `Candidate.est_wait_s`) exceeds the best other
     candidate's by more than `penalty_s`; then the highest-scoring other candidate
     wins ("saturated"). With no prefix anywhere it is the max-score picker.
     """
 
-    def __init__(self, penalty_s: float = 1.0, eps: float = 1e-9,
+    def __init__(self, penalty_s: float = 1.0, min_share: float = 0.5, eps: float = 1e-9,
                  seed: int | None = None) -> None:
         self.penalty_s = penalty_s
+        self.min_share = min_share
         self.fallback = MaxScorePicker(eps, seed)
 
     def pick(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
-        order = sorted(range(len(cands)),
-                       key=lambda i: (cands[i].weighted_blocks, scores[i]), reverse=True)
-        h = order[0]
-        if cands[h].weighted_blocks <= 0 or len(cands) == 1:
+        idx = range(len(cands))
+        h = max(idx, key=lambda i: (cands[i].weighted_blocks, scores[i]))
+        c = cands[h]
+        if c.weighted_blocks <= 0 or c.weighted_blocks < self.min_share * c.total_blocks \
+                or len(cands) == 1:
             return self.fallback.pick(cands, scores)
-        others = order[1:]
+        others = [i for i in idx if i != h]
         cold = min(others, key=lambda i: cands[i].est_wait_s)
         if cands[h].est_wait_s <= cands[cold].est_wait_s + self.penalty_s:
             return h, _reason(cands[h])

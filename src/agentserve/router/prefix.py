@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from itertools import chain
 from dataclasses import dataclass
 
 import msgspec
@@ -65,8 +66,8 @@ class HashCache:
         if not isinstance(tokens, list):
             tokens = list(tokens)  # e.g. the tokenizer's int32 array (msgpack needs a list)
         ct, chunks = self.chunk_tokens, self._chunks
-        raw: list[bytes] = []
-        keys: list[int] = []
+        nodes: list[PromptHashes] = []
+        parent: bytes | None = None
         fp, enc = 0, _ENC.encode
         n_full = len(tokens) // ct
         for c in range(n_full):
@@ -74,20 +75,20 @@ class HashCache:
             fp = hash((fp, enc(piece)))
             node = chunks.get(fp)
             if node is None:
-                node = self._hash(piece, raw[-1] if raw else None)
+                node = self._hash(piece, parent)
                 chunks[fp] = node
                 if len(chunks) > self.max_chunks:
                     chunks.popitem(last=False)
             else:
                 chunks.move_to_end(fp)
-            raw += node.raw
-            keys += node.keys
+            nodes.append(node)
+            parent = node.raw[-1]
         tail = tokens[n_full * ct:]
         if len(tail) >= self.block_size:
-            node = self._tail(fp, tail, raw[-1] if raw else None)
-            raw += node.raw
-            keys += node.keys
-        return PromptHashes(raw, keys)
+            nodes.append(self._tail(fp, tail, parent))
+        # One C-level concatenation instead of growing two lists chunk by chunk.
+        return PromptHashes(list(chain.from_iterable(n.raw for n in nodes)),
+                            list(chain.from_iterable(n.keys for n in nodes)))
 
     def _tail(self, fp: int, tail: list[int], parent: bytes | None) -> PromptHashes:
         """Blocks of a partial last chunk; a grown tail reuses the last one's blocks."""
