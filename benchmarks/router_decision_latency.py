@@ -74,6 +74,7 @@ def bench_chat(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
     from agentserve.router.tokenize import IncrementalTokenizer
 
     r, rng = make_router(n_eps), random.Random(1)
+    hasher = BlockHasher("sha256_cbor", 16)
     tok = IncrementalTokenizer(Tokenizer.from_dir(default_model_dir()))
     convs = []
     for s in range(sessions):
@@ -82,6 +83,9 @@ def bench_chat(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
         while len(t.ids) < tokens:
             msgs += conversation(rng, 20000)[1:]
             t = tok.chat(msgs)
+        # engine s % n holds the previous turn (events), as for token ids
+        r.index.store((f"http://e{s % n_eps}", 0),
+                      [block_key(h) for h in hasher.hash_blocks(list(t.ids))])
         r.finish(r.decide(RouteInput(t.ids, session=f"s{s}", tokenized=t)))
         convs.append(msgs)
     lat, n_tok = [], []
@@ -93,11 +97,13 @@ def bench_chat(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
         t = tok.chat(convs[s])
         d = r.decide(RouteInput(t.ids, session=f"s{s}", tokenized=t, max_tokens=300))
         lat.append(time.perf_counter() - t0)
+        assert d.url == f"http://e{s % n_eps}", d.url
         n_tok.append(len(t.ids))
         r.finish(d)
         convs[s].append({"role": "assistant", "content": "ok, done."})
     out = summary(lat)
     out["prompt_tokens_mean"] = statistics.mean(n_tok)
+    out["renders"] = dict(getattr(tok, "renders", {}))  # full/incremental/fallback
     return out
 
 

@@ -11,6 +11,7 @@ app = typer.Typer(help="agentserve: serving stack for agentic LLM workloads.", n
 def _register() -> None:
     # Each part contributes its commands; heavy imports (torch) stay inside the
     # commands themselves so `agentserve --help` is fast.
+    from agentserve import launch_cli
     from agentserve.engine import cli as engine_cli
     from agentserve.router import cli as router_cli
     from agentserve.sim import cli as sim_cli
@@ -20,6 +21,7 @@ def _register() -> None:
     workload_cli.register(app)
     router_cli.register(app)
     sim_cli.register(app)
+    launch_cli.register(app)
 
 
 _register()

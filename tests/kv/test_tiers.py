@@ -170,3 +170,33 @@ def test_restore_estimator_prefers_the_faster_path() -> None:
     est.observe_transfer("cpu", 10**6, 10.0)  # a very slow measured transfer
     est.bw["cpu"] = 1e5
     assert est.restore_s({"cpu": 10**6}) > est.recompute_s(1000)
+
+
+def test_session_policy_sub_agents_keep_main_live_then_go_stale_globally() -> None:
+    now = [0.0]
+    p = SessionPolicy(ttl=1000.0, clock=lambda: now[0])
+    p.on_request("B", [K(20), K(21)], now=0.5)
+    for pos in range(2):
+        p.insert(K(20 + pos), BlockInfo("B", pos))
+    p.on_finish("B", now=0.6)
+    main, subs = [K(0), K(1), K(2)], [K(50), K(51)]
+    p.on_request("A", main, now=1.0)  # A's first request: its root is the main agent
+    for pos, k in enumerate(main):
+        p.insert(k, BlockInfo("A", pos))
+    p.on_finish("A", now=2.0)
+    p.on_request("A", subs, now=3.0)  # a sub-agent under its own prompt
+    for pos, k in enumerate(subs):
+        p.insert(k, BlockInfo("A", pos))
+    p.on_finish("A", now=4.0)
+    # The paused main agent is not made stale by its own sub-agent: B (idle longest) goes.
+    assert p.victim(never) == K(21)
+    # The main agent resumes (the group has returned): the sub-agent's blocks are stale and
+    # go before paused B's live chain, although A is now the most recent session.
+    p.on_request("A", [*main, K(3)], now=7.0)
+    p.on_finish("A", now=8.0)
+    order = []
+    for _ in range(3):
+        k = p.victim(never)
+        order.append(k)
+        p.remove(k)
+    assert order == [K(51), K(50), K(21)]

@@ -53,3 +53,88 @@ def test_text_prompt_edits(tok):
         text = text[:i] + rng.choice(["x", " ", "\n\n", "é", ""]) + text[i:] + " tail"
         t = it.text(text, add_special_tokens=False, session="s")
         assert list(t.ids) == tok.encode(text)
+
+
+def _agent_turns(rng, n_turns):
+    """Chat turns shaped like an agent's: assistant tool calls, tool results, user text."""
+    words = ["def", "return", "  x", "\n", "é", "😀", "import os", "{", "}", "tool", "ok"]
+    msgs = [{"role": "system", "content": "You are a coding agent. " * 20}]
+    for turn in range(n_turns):
+        kind = rng.choice(["user", "tools", "tools", "assistant_user"])
+        if kind == "user":
+            msgs.append({"role": "user", "content": " ".join(rng.choice(words) for _ in range(40))})
+        elif kind == "tools":
+            msgs.append({"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "read", "arguments": {"path": f"f{turn}.py"}}}]})
+            for _ in range(rng.randrange(1, 4)):
+                msgs.append({"role": "tool", "content": " ".join(rng.choice(words)
+                                                                 for _ in range(30))})
+        else:
+            msgs.append({"role": "assistant", "content": "done " * rng.randrange(1, 9)})
+            msgs.append({"role": "user", "content": "next " * rng.randrange(1, 9)})
+        yield msgs
+
+
+@pytest.mark.parametrize("agp", [True, False])
+def test_incremental_render_equals_full_render(tok, agp):
+    it = IncrementalTokenizer(tok)
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {}}}]
+    for turn, msgs in enumerate(_agent_turns(random.Random(2), 40)):
+        t = it.chat(msgs, tools=tools if turn % 2 else None, add_generation_prompt=agp)
+        t = it.chat(msgs, tools=tools if turn % 2 else None, add_generation_prompt=agp)
+        text = tok.apply_chat_template(msgs, tools=tools if turn % 2 else None,
+                                       add_generation_prompt=agp)
+        assert t.entry.text == text, turn
+        assert list(t.ids) == tok.encode(text), turn
+    assert it.incremental_render
+    assert it.renders["incremental"] > 20
+
+
+def test_incremental_render_skips_the_whole_conversation(tok):
+    it = IncrementalTokenizer(tok)
+    msgs = [{"role": "system", "content": "sys"}]
+    for i in range(200):
+        msgs.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i} " * 20})
+    it.chat(msgs)
+    rendered = []
+    real = it._render
+    it._render = lambda m, tools, agp: rendered.append(len(m)) or real(m, tools, agp)
+    for _ in range(6):
+        msgs = msgs + [{"role": "assistant", "content": "ok"}, {"role": "user", "content": "go"}]
+        t = it.chat(msgs)
+        assert t.entry.text == tok.apply_chat_template(msgs)
+    # one full verification per role pattern of the window, else windows of a few messages
+    big = [n for n in rendered if n > 6]
+    assert len(big) == it.renders["verified"] <= 2
+    assert it.renders["incremental"] == 6 and it.renders["fallback"] == 0
+
+
+def test_non_append_only_template_falls_back(tok):
+    import copy
+
+    from agentserve.engine.tokenizer import compile_chat_template
+
+    bad = copy.copy(tok)
+    bad._template = compile_chat_template(
+        "{{ messages|length }}:{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    it = IncrementalTokenizer(bad)
+    msgs = [{"role": "system", "content": "s"}]
+    for i in range(12):
+        msgs = msgs + [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": "a"}]
+        t = it.chat(msgs)
+        assert t.entry.text == bad.apply_chat_template(msgs)
+    assert it.renders["fallback"] >= 1
+
+
+def test_split_tool_group_falls_back(tok):
+    """A tool result group split across turns is not append-only (the group closes)."""
+    it = IncrementalTokenizer(tok)
+    msgs = [{"role": "system", "content": "s"}]
+    for i in range(6):
+        msgs += [{"role": "user", "content": f"u{i}"}, {"role": "assistant", "content": "a"}]
+    msgs += [{"role": "tool", "content": "r1"}]
+    it.chat(msgs)
+    msgs = msgs + [{"role": "tool", "content": "r2"}, {"role": "user", "content": "go"}]
+    t = it.chat(msgs)
+    assert t.entry.text == tok.apply_chat_template(msgs)
+    assert it.renders["fallback"] == 1 and it.incremental_render

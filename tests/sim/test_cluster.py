@@ -89,3 +89,17 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
         assert k in out
     assert {"p50", "p90"} <= out["ttft_s"].keys() and {"p50", "p90"} <= out["itl_ms"].keys()
     assert out["gpus"] == 2
+
+
+def test_decode_preempts_newest_when_blocks_run_out() -> None:
+    """A decode rank too small for two growing requests preempts one and still finishes both."""
+    s = simulate(_cfg(decode_width=1, concurrency=2), [_session(i, turns=1, blocks=4) for i in range(2)])
+    assert s["requests_ok"] == 2
+
+
+def test_decode_chunks_sum_to_output_tokens() -> None:
+    sim = sim_run.Simulation(_cfg(mtp=True), [_session(i) for i in range(2)])
+    sim.run()
+    for r in sim.records:
+        assert sum(r.chunk_tokens) == r.output_tokens == 50
+        assert r.chunk_times == sorted(r.chunk_times) and r.ttft == r.chunk_times[0]

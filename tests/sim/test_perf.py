@@ -73,3 +73,13 @@ def test_reference_cost_method() -> None:
     assert c.per_hour == pytest.approx(64 * 2.71)
     a = aggregate_cost(16, 100_000, 1_000, 0.5)
     assert a.per_m_input == pytest.approx(8 * 2.71 / 360)
+
+
+def test_measured_profile_replaces_efficiency_factors() -> None:
+    from dataclasses import replace
+
+    from agentserve.sim.specs import model_spec
+
+    hw = replace(H200, name="cpu-local", measured={"step_overhead_s": 0.004, "per_request_s": 0.001})
+    p = PerfModel(model_spec("tiny"), hw, Topology("dep", 1, "both"))
+    assert p.eff.flops == 1.0 and p.eff.step_overhead_s == 0.004 and p.eff.per_request_s == 0.001

@@ -180,3 +180,32 @@ def test_parse_prometheus_and_detect(tmp_path: Path) -> None:
     w.write_text(json.dumps({"id": "x", "block_size": 64, "requests": []}) + "\n")
     m.write_text(json.dumps({"timestamp": 0, "input_length": 5, "output_length": 1, "hash_ids": [0]}) + "\n")
     assert detect_format(str(w)) == "weka" and detect_format(str(m)) == "mooncake"
+
+
+async def test_session_id_in_body_and_header(tmp_path: Path) -> None:
+    """Every request names its agent session (`user` + `x-session-id`), chat and completions."""
+    from aiohttp import web
+
+    seen: list[str | None] = []
+
+    @web.middleware
+    async def grab(request: web.Request, handler):
+        if request.path.startswith("/v1/") and request.method == "POST":
+            seen.append(request.headers.get("x-session-id"))
+        return await handler(request)
+
+    srv = StubServer(StubConfig(ttft=0.001, itl=0.001), keep_bodies=True)
+    srv.app.middlewares.append(grab)
+    await srv.start()
+    try:
+        subs = [Subagent(0.0, [req(0)])]
+        trace = [Session("a", 64, [req(0), *subs, req(0.1)]), Session("b", 64, [req(0)])]
+        for api in ("completions", "chat"):
+            srv.stats.bodies.clear()
+            seen.clear()
+            await run(cfg(srv, tmp_path, trace, sessions=2, gap_scale=0.0, api=api))
+            users = sorted(b["user"] for b in srv.stats.bodies)
+            assert users == ["0/a", "0/a", "0/a", "0/b"]  # sub-agents belong to their session
+            assert sorted(seen) == users
+    finally:
+        await srv.stop()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +17,8 @@ from agentserve.engine.model import KVCache
 from agentserve.engine.runner import ModelRunner
 from agentserve.engine.scheduler import Scheduler
 from agentserve.engine.tokenizer import Tokenizer
+from agentserve.engine.transfer import RemoteConfig, RemoteKV
+from agentserve.engine.transfer_wire import TcpBackend
 from agentserve.kv.connector import TierConnector, make_connector
 from agentserve.kv.events import KVEventPublisher, KVEventQueue
 from agentserve.kv.hashing import BlockHasher
@@ -63,6 +66,12 @@ class EngineArgs:
     kv_max_loads: int = 4
     kv_session_ttl: float = 600.0
     kv_restore_mode: str = "auto"
+    # Prefill/decode disaggregation (engine/transfer.py).
+    role: str = "both"  # both | prefill | decode
+    kv_transfer_port: int | None = None  # None: any free port; -1: transfer off (role both only)
+    kv_transfer_host: str = "127.0.0.1"  # advertised in remote_host (and bound)
+    kv_transfer_timeout: float = 120.0  # seconds pinned prefill blocks wait for their pull
+    kv_transfer_token: str | None = None  # shared secret; default $AGENTSERVE_KV_TRANSFER_TOKEN
 
 
 def _tier_config(args: EngineArgs) -> TierConfig | None:
@@ -100,6 +109,23 @@ def _build_tiers(args: EngineArgs, kv_cache: KVCache, pool: BlockPool, cfg: obje
                               hashlib.sha256(ident.encode()).digest())
     except (ValueError, OSError) as e:
         raise EngineConfigError(str(e)) from e
+
+
+def _build_remote(args: EngineArgs, kv_cache: KVCache, pool: BlockPool) -> RemoteKV | None:
+    """The P/D transfer service; on for prefill/decode roles, opt-in for ``both``."""
+    if args.role not in ("both", "prefill", "decode"):
+        raise EngineConfigError(f"--role must be both, prefill or decode, got {args.role!r}")
+    if args.kv_transfer_port == -1 or (args.role == "both" and args.kv_transfer_port is None):
+        return None
+    if args.kv_transfer_timeout <= 0:
+        raise EngineConfigError("--kv-transfer-timeout must be > 0 seconds")
+    token = args.kv_transfer_token or os.environ.get("AGENTSERVE_KV_TRANSFER_TOKEN", "")
+    cfg = RemoteConfig(host=args.kv_transfer_host, port=args.kv_transfer_port or 0,
+                       timeout=args.kv_transfer_timeout)
+    try:
+        return RemoteKV(cfg, TcpBackend(token), pool, kv_cache.k, kv_cache.v)
+    except OSError as e:
+        raise EngineConfigError(f"cannot listen for KV transfers on {cfg.host}:{cfg.port}: {e}") from e
 
 
 def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
@@ -150,7 +176,8 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     hasher = BlockHasher(algo=args.hash_algo, block_size=args.block_size, seed=args.hash_seed)
     kv = KVCacheManager(pool, hasher, enable_caching=args.enable_prefix_caching)
     tiers = _build_tiers(args, kv_cache, pool, cfg, model_dir)
-    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, tiers)
+    remote = _build_remote(args, kv_cache, pool)
+    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, tiers, remote)
     runner = ModelRunner(model, kv_cache, args.block_size, device)
     publisher = None
     if args.kv_events_endpoint:
@@ -162,4 +189,9 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     name = args.served_model_name or (model_dir.name if args.model else "agentserve-tiny")
     log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d", name, num_blocks,
              args.block_size, max_len)
-    return AsyncEngine(core, tokenizer, name, model_dir, max_len, device)
+    engine = AsyncEngine(core, tokenizer, name, model_dir, max_len, device)
+    engine.role = args.role
+    if remote is not None:
+        log.info("KV transfer (%s) on %s:%d, role %s", remote.backend.name, args.kv_transfer_host,
+                 remote.port, args.role)
+    return engine

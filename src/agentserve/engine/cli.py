@@ -40,6 +40,15 @@ def serve(
     kv_max_loads: int = typer.Option(4, help="Concurrent tier restores (backpressure beyond)."),
     kv_session_ttl: float = typer.Option(600.0, help="Session policy: idle seconds = finished."),
     kv_restore: str = typer.Option("auto", help="auto (restore when faster) | always | never."),
+    role: str = typer.Option("both", help="P/D role: both (aggregated) | prefill | decode."),
+    kv_transfer_port: Optional[int] = typer.Option(
+        None, help="KV transfer listen port (default: any free port for prefill/decode roles; "
+        "'both' serves transfers only when given; -1: off)."),
+    kv_transfer_host: Optional[str] = typer.Option(
+        None, help="Address advertised in remote_host and bound (default: --host, or 127.0.0.1)."),
+    kv_transfer_timeout: float = typer.Option(120.0, help="Seconds pinned prefill KV waits to be pulled."),
+    kv_transfer_token: Optional[str] = typer.Option(
+        None, envvar="AGENTSERVE_KV_TRANSFER_TOKEN", help="Shared secret between P/D engines."),
     seed: int = typer.Option(0, help="Global seed."),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
@@ -58,7 +67,11 @@ def serve(
                       kv_cpu_gib=kv_cpu_gib, kv_cpu_policy=kv_cpu_policy, kv_disk_dir=kv_disk_dir,
                       kv_disk_gib=kv_disk_gib, kv_offload_block_tokens=kv_offload_block_tokens,
                       kv_store_threshold=kv_store_threshold, kv_max_loads=kv_max_loads,
-                      kv_session_ttl=kv_session_ttl, kv_restore_mode=kv_restore)
+                      kv_session_ttl=kv_session_ttl, kv_restore_mode=kv_restore, role=role,
+                      kv_transfer_port=kv_transfer_port,
+                      kv_transfer_host=kv_transfer_host or (host if host not in ("0.0.0.0", "::")
+                                                            else "127.0.0.1"),
+                      kv_transfer_timeout=kv_transfer_timeout, kv_transfer_token=kv_transfer_token)
     try:
         run_server(args, host=host, port=port, api_key=api_key, max_body_bytes=max_body_mib << 20)
     except EngineConfigError as exc:

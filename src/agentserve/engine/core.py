@@ -28,6 +28,10 @@ class _Abort:
     request_id: str
 
 
+class _Tick:
+    """Wakes the loop (a pull finished or pins were released on another thread)."""
+
+
 class EngineCore:
     """Owns scheduler, KV manager and runner. Everything here runs on one thread."""
 
@@ -43,10 +47,13 @@ class EngineCore:
         self.publisher = publisher
         self.check_invariants = check_invariants
         self.tiers = scheduler.tiers
+        self.remote = scheduler.remote
+        if self.remote is not None:
+            self.remote.notify = lambda: self.inbox.put(_Tick())
         self.seqs: dict[str, Sequence] = {}
         self.prompt_tokens = 0
         self.generation_tokens = 0
-        self.inbox: queue.Queue[Sequence | _Abort | None] = queue.Queue()
+        self.inbox: queue.Queue[Sequence | _Abort | _Tick | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -70,6 +77,8 @@ class EngineCore:
         if self.tiers is not None:  # release device blocks held by stores in flight
             self.scheduler._finish_loads(self.tiers.drain(timeout))
             self.tiers.worker.close(timeout)
+        if self.remote is not None:
+            self.remote.close()
         if self.publisher is not None:
             self.publisher.close()
 
@@ -77,6 +86,8 @@ class EngineCore:
     def _loop(self, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
         while not self._stop.is_set():
             outputs = self._drain_inbox(block=not self.scheduler.has_work())
+            if self.remote is not None:
+                self.remote.service()  # pins pulled, released or expired
             if self.scheduler.has_work():
                 try:
                     outputs.extend(self.step())
@@ -125,6 +136,8 @@ class EngineCore:
             if self.tiers is not None:  # only restores/stores in flight: wait for one
                 self.scheduler._finish_loads(self.tiers.poll(0.01))
                 self._publish_events()
+            if self.remote is not None and self.scheduler.pulling:
+                self.scheduler._finish_pulls(self.remote.poll(0.01))
             return []
         t0 = time.perf_counter()
         tokens = self.runner.execute(sched, self.kv)
@@ -153,6 +166,9 @@ class EngineCore:
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.seqs.pop(seq.request_id, None)
+                if (self.remote is not None and seq.kv_transfer
+                        and seq.kv_transfer.get("do_remote_decode")):  # prefill leg: hold its KV
+                    seq.kv_transfer_out = self.remote.pin(seq, self.kv.req_blocks.get(seq.request_id, []))
                 self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED if reason == "stop"
                                       else RequestStatus.FINISHED_LENGTH)
             outputs.append(self._output(seq, seq.token_ids[seq.num_prompt_tokens + seq.emitted:], reason))
@@ -178,7 +194,8 @@ class EngineCore:
         seq.emitted += len(new)
         return RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_prompt_tokens,
                              max(seq.num_cached_tokens, 0), error,
-                             seq.cached_by_tier if self.tiers is not None else None)
+                             seq.cached_by_tier if self.tiers is not None else None,
+                             seq.kv_transfer_out)
 
     def _publish_events(self) -> None:
         tier_events = self.tiers.take_events() if self.tiers is not None else []

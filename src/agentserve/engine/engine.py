@@ -40,6 +40,7 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     tiers: dict | None = None  # offload-tier counters (kv.tiers.TierStats fields); None: off
+    transfer: dict | None = None  # P/D transfer counters (engine.transfer.TransferStats); None: off
 
 
 class EngineDraining(RuntimeError):
@@ -60,6 +61,7 @@ class AsyncEngine:
         self.num_gpu_blocks = core.kv.pool.num_blocks
         self.device = device
         self.draining = False
+        self.role = "both"  # both | prefill | decode (set by the builder; reported in /v1/models)
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -86,15 +88,16 @@ class AsyncEngine:
                 q.put_nowait(out)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int],
-                       params: SamplingParams,
-                       session_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       params: SamplingParams, session_id: str | None = None,
+                       kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
         if self.draining:
             raise EngineDraining("server is shutting down; retry on another replica")
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = q
-        seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id)
+        seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id,
+                       kv_transfer=self._transfer_params(kv_transfer))
         if not params.greedy:
             seq.generator = make_generator(params.seed)
         self.core.submit(seq)
@@ -109,6 +112,14 @@ class AsyncEngine:
             if not finished:
                 self.core.abort(request_id)
 
+    def _transfer_params(self, p: dict | None) -> dict | None:
+        """P/D params this engine acts on; None when transfer is off or they ask nothing."""
+        if not p or self.core.remote is None:
+            return None
+        if p.get("do_remote_decode") or p.get("do_remote_prefill"):
+            return dict(p)
+        return None
+
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
@@ -119,7 +130,8 @@ class AsyncEngine:
             prefix_queries_tokens=sch.stats.prefix_queries_tokens,
             prefix_hits_tokens=sch.stats.prefix_hits_tokens, num_preemptions=sch.stats.num_preemptions,
             prompt_tokens=self.core.prompt_tokens, generation_tokens=self.core.generation_tokens,
-            tiers=self._tier_stats())
+            tiers=self._tier_stats(),
+            transfer=self.core.remote.snapshot() if self.core.remote is not None else None)
 
     def _tier_stats(self) -> dict | None:
         """A snapshot of the tier counters (scrape thread; plain ints, torn reads harmless)."""

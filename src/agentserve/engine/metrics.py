@@ -95,6 +95,37 @@ def tier_metrics(t: dict, name: str) -> Iterator[Metric]:
     yield h
 
 
+# P/D transfer (engine/transfer.py): (stats key, metric, counter?, help); only when it is on.
+TRANSFER_SERIES = [
+    ("bytes_sent", "agentserve:kv_transfer_sent_bytes", True, "KV bytes served to decode engines."),
+    ("bytes_received", "agentserve:kv_transfer_received_bytes", True, "KV bytes pulled from prefill engines."),
+    ("pull_seconds", "agentserve:kv_transfer_pull_seconds", True, "Time spent in successful pulls."),
+    ("pulls", "agentserve:kv_transfer_pulls", True, "Successful pulls."),
+    ("blocks_pulled", "agentserve:kv_transfer_blocks_pulled", True, "Blocks pulled."),
+    ("blocks_local", "agentserve:kv_transfer_blocks_local", True,
+     "Decode-leg prompt blocks found locally (not pulled)."),
+    ("pull_failures", "agentserve:kv_transfer_failures", True, "Pulls that fell back to recompute."),
+    ("pins_expired", "agentserve:kv_transfer_pins_expired", True, "Pinned prefills never pulled."),
+    ("pins_released", "agentserve:kv_transfer_pins_released", True, "Pinned prefills released."),
+    ("pinned_requests", "agentserve:kv_transfer_pinned_requests", False, "Prefills holding pinned KV."),
+    ("pulls_in_flight", "agentserve:kv_transfer_pulls_in_flight", False, "Pulls in flight."),
+]
+
+
+def transfer_metrics(t: dict, name: str) -> Iterator[Metric]:
+    """P/D transfer series from ``EngineStats.transfer``, plus the mean pull GB/s."""
+    for key, metric, counter, doc in TRANSFER_SERIES:
+        fam = CounterMetricFamily if counter else GaugeMetricFamily
+        m = fam(metric, doc, labels=["model_name"])
+        m.add_metric([name], float(t.get(key, 0)))
+        yield m
+    g = GaugeMetricFamily("agentserve:kv_transfer_pull_gbps", "Mean pull throughput (GB/s).",
+                          labels=["model_name"])
+    secs = t.get("pull_seconds", 0.0)
+    g.add_metric([name], t.get("bytes_received", 0) / secs / 1e9 if secs else 0.0)
+    yield g
+
+
 class StatsSource(Protocol):
     model_name: str
     block_size: int
@@ -122,6 +153,9 @@ class _EngineCollector:
         tiers = getattr(stats, "tiers", None)
         if tiers is not None:
             yield from tier_metrics(tiers, name)
+        transfer = getattr(stats, "transfer", None)
+        if transfer is not None:
+            yield from transfer_metrics(transfer, name)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
                                  labels=["model_name", "block_size", "num_gpu_blocks"])
         info.add_metric([name, str(self.engine.block_size), str(self.engine.num_gpu_blocks)], 1.0)

@@ -55,6 +55,7 @@ class _Sampling(Struct, kw_only=True, omit_defaults=True):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM P/D disaggregation (engine/transfer.py)
 
 
 class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):

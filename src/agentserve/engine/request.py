@@ -83,4 +83,5 @@ class RequestOutput:
     num_cached_tokens: int
     error: str | None = None
     cached_by_tier: dict[str, int] | None = None  # gpu/cpu/disk split of num_cached_tokens
+    kv_transfer_params: dict | None = None  # a finished prefill leg: where its KV waits
     time: float = field(default_factory=time.monotonic)

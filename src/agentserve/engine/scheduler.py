@@ -12,6 +12,10 @@ With offload tiers (``tiers``), a waiting head whose prefix continues in CPU/dis
 for which restoring beats recomputing takes its device blocks, starts an asynchronous
 load and parks in ``loading`` (WAITING_FOR_KV) so the queue moves on; finished loads
 join ``running`` with their restored tokens computed. A failed load recomputes.
+
+With P/D transfer (``remote``), a decode leg (``kv_transfer_params.do_remote_prefill``)
+does the same with blocks pulled from a prefill engine: it parks in ``pulling`` while
+the ``kv-pull`` thread copies the blocks it lacks; a failed pull recomputes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 
 from agentserve.engine.request import RequestStatus
 from agentserve.engine.sequence import Sequence
+from agentserve.engine.transfer import PullDone, RemoteKV
 from agentserve.kv.connector import TierConnector
 from agentserve.kv.manager import KVCacheManager
 
@@ -59,9 +64,11 @@ class Scheduler:
     """Decides, per step, which sequences run and how many tokens each computes."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 tiers: TierConnector | None = None) -> None:
+                 tiers: TierConnector | None = None, remote: RemoteKV | None = None) -> None:
         self.kv = kv
         self.tiers = tiers
+        self.remote = remote
+        self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_KV: remote pulls in flight
         self.loading: dict[str, Sequence] = {}  # WAITING_FOR_KV: restores in flight
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -76,13 +83,15 @@ class Scheduler:
             self.tiers.on_add(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading
+        return bool(self.waiting or self.running or self.loading or self.pulling
                     or (self.tiers is not None and self.tiers.busy))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.tiers is not None:
             self._finish_loads(self.tiers.poll())
+        if self.remote is not None:
+            self._finish_pulls(self.remote.poll())
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a full pool admits nobody new this step
@@ -108,11 +117,17 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while (self.waiting and budget > 0
-               and len(self.running) + len(self.loading) < self.max_num_seqs):
+               and len(self.running) + len(self.loading) + len(self.pulling) < self.max_num_seqs):
             seq = self.waiting[0]
             fresh = seq.num_cached_tokens < 0
             computed = self.kv.get_computed_blocks(seq)
             num_cached = len(computed) * self.kv.block_size
+            if seq.kv_transfer is not None and self.remote is not None and not seq.kv_pull_failed:
+                started = self._try_pull(seq, computed)
+                if started is None:
+                    break
+                if started:
+                    continue
             if self.tiers is not None and not seq.kv_restore_failed:
                 started = self._try_restore(seq, computed)
                 if started is None:
@@ -179,6 +194,50 @@ class Scheduler:
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
 
+    def _try_pull(self, seq: Sequence, computed: list) -> bool | None:
+        """Start pulling the head's missing blocks: True started, False none, None wait."""
+        assert self.remote is not None
+        if not seq.kv_transfer.get("do_remote_prefill"):
+            return False
+        spec = self.remote.plan(seq, len(computed))
+        if spec is None:
+            return False
+        if len(self.pulling) >= self.remote.cfg.max_pulls:
+            return None
+        if not self.kv.allocate_slots(seq, len(spec.idx) * self.kv.block_size, computed):
+            return None
+        self.waiting.popleft()
+        seq.status = RequestStatus.WAITING_FOR_KV
+        seq.device_hit_tokens = len(computed) * self.kv.block_size
+        ids = self.kv.block_ids(seq.request_id)[len(computed):len(computed) + len(spec.idx)]
+        self.remote.start_pull(seq, spec, ids)
+        self.pulling[seq.request_id] = seq
+        return True
+
+    def _finish_pulls(self, done: list[PullDone]) -> None:
+        """Pulled requests join ``running`` (blocks registered as cached); failures recompute."""
+        for d in done:
+            seq = self.pulling.pop(d.request_id, None)
+            if seq is None:
+                continue
+            if seq.status.finished:  # aborted while pulling
+                self.kv.free(seq)
+                continue
+            if not d.ok:
+                self.kv.free(seq)
+                seq.kv_pull_failed = True
+                seq.status = RequestStatus.WAITING
+                self.waiting.appendleft(seq)
+                continue
+            seq.num_computed_tokens = seq.device_hit_tokens + d.num_blocks * self.kv.block_size
+            self.kv.cache_blocks(seq)
+            if seq.num_cached_tokens < 0:  # as vLLM: externally loaded tokens count as cached
+                seq.num_cached_tokens = seq.num_computed_tokens
+                self.stats.prefix_queries_tokens += seq.num_prompt_tokens
+                self.stats.prefix_hits_tokens += seq.device_hit_tokens
+            seq.status = RequestStatus.RUNNING
+            self.running.append(seq)
+
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.kv.free(seq)
@@ -191,10 +250,14 @@ class Scheduler:
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
         """Remove a sequence (finished or aborted) and free its blocks."""
         seq.status = status
+        if self.remote is not None and seq.kv_transfer and seq.kv_transfer.get("do_remote_prefill"):
+            self.remote.release_remote(seq)  # a decode leg that never pulled its blocks
         if self.tiers is not None:
             self.tiers.on_finish(seq)
             if seq.request_id in self.loading:
                 return  # a load is writing its blocks: freed when the load completes
+        if seq.request_id in self.pulling:
+            return  # a pull is writing its blocks: freed when the pull completes
         if seq in self.running:
             self.running.remove(seq)
         else:

@@ -33,6 +33,9 @@ class Sequence:
     cached_by_tier: dict[str, int] | None = None  # split of num_cached_tokens by tier
     device_hit_tokens: int = 0  # device prefix hit when a tier restore started
     kv_restore_failed: bool = False  # a restore failed once: recompute from now on
+    kv_transfer: dict | None = None  # vLLM kv_transfer_params of a P/D leg (request side)
+    kv_transfer_out: dict | None = None  # params returned by a prefill leg (pins held)
+    kv_pull_failed: bool = False  # a remote pull failed once: recompute from now on
 
     def __post_init__(self) -> None:
         if not self.token_ids:

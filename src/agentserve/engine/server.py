@@ -104,7 +104,7 @@ async def models(request: web.Request) -> web.Response:
     engine = _engine(request)
     card = {"id": engine.model_name, "object": "model", "created": request.app[CREATED],
             "owned_by": "agentserve", "root": str(getattr(engine, "model_dir", engine.model_name)),
-            "max_model_len": engine.max_model_len}
+            "max_model_len": engine.max_model_len, "role": getattr(engine, "role", "both")}
     return json_response({"object": "list", "data": [card]})
 
 

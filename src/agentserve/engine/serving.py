@@ -70,8 +70,11 @@ class Generation:
 
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, request_id: str,
                  prompt_ids: list[int], params: SamplingParams, stop: list[str],
-                 alive: Callable[[], bool], arrival: float, session_id: str | None = None) -> None:
+                 alive: Callable[[], bool], arrival: float, session_id: str | None = None,
+                 kv_transfer: dict[str, Any] | None = None) -> None:
         self.engine, self.request_id, self.session_id = engine, request_id, session_id
+        self.kv_transfer = kv_transfer
+        self.kv_transfer_params: dict[str, Any] | None = None  # set by a finished prefill leg
         self.prompt_ids, self.params = prompt_ids, params
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids, stop,
                                             skip_ids=set(params.stop_token_ids))
@@ -87,7 +90,9 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[str]:
         # The session id only travels when given, so engine clients without it still work.
-        kw = {"session_id": self.session_id} if self.session_id else {}
+        kw: dict[str, Any] = {"session_id": self.session_id} if self.session_id else {}
+        if self.kv_transfer:
+            kw["kv_transfer"] = self.kv_transfer
         stream = self.engine.generate(self.request_id, self.prompt_ids, self.params, **kw)
         try:
             async with contextlib.aclosing(stream):
@@ -110,6 +115,8 @@ class Generation:
         """Fold one engine delta in; returns its text and sets finish_reason when done."""
         self.cached_tokens = out.num_cached_tokens
         self.cached_by_tier = out.cached_by_tier
+        if out.kv_transfer_params is not None:
+            self.kv_transfer_params = out.kv_transfer_params
         if out.new_token_ids:
             self.timer.on_tokens(out.time)
             self.completion_tokens += len(out.new_token_ids)
@@ -143,6 +150,17 @@ def sum_usage(gens: list[Generation]) -> dict[str, Any]:
                 tiers[t] = tiers.get(t, 0) + n
     return usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
                  sum(g.cached_tokens for g in gens), tiers)
+
+
+def pd_max_tokens(params: dict[str, Any] | None, max_tokens: int) -> int:
+    """A prefill leg (do_remote_decode) produces one token, as vLLM's P/D proxy asks."""
+    return 1 if params and params.get("do_remote_decode") else max_tokens
+
+
+def with_transfer(body: dict[str, Any], gens: list[Generation]) -> dict[str, Any]:
+    """Add the prefill leg's ``kv_transfer_params`` to a response body, as vLLM does."""
+    params = next((g.kv_transfer_params for g in gens if g.kv_transfer_params), None)
+    return {**body, "kv_transfer_params": params} if params is not None else body
 
 
 def session_of(request: web.Request, user: str | None) -> str | None:
@@ -270,12 +288,15 @@ async def create_completion(request: web.Request, engine: EngineClient,
     check_completion(req)
     prompts = completion_prompts(req.prompt, engine.tokenizer)
     cid = new_id("cmpl")
+    if req.kv_transfer_params and len(prompts) > 1:
+        raise APIError(400, "kv_transfer_params needs a single prompt", "kv_transfer_params")
     gens = []
     for i, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len)
+        max_tokens = pd_max_tokens(req.kv_transfer_params, max_tokens)
         gens.append(Generation(engine, metrics, f"{cid}-{i}", ids, sampling_params(req, max_tokens),
                                stop_list(req.stop), client_alive(request), arrival,
-                               session_of(request, req.user)))
+                               session_of(request, req.user), req.kv_transfer_params))
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
@@ -287,7 +308,7 @@ async def create_completion(request: web.Request, engine: EngineClient,
             texts[i] += text or ""
     choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason, "logprobs": None}
                for i, g in enumerate(gens)]
-    return json_response({**base, "choices": choices, "usage": sum_usage(gens)})
+    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)}, gens))
 
 
 async def _completion_events(base: dict[str, Any], gens: list[Generation],

@@ -22,8 +22,8 @@ from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice, check_chat,
                                         check_prompt_ids, decode, stop_list)
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
-                                       new_id, resolve_max_tokens, sampling_params, session_of,
-                                       stream_sse)
+                                       new_id, pd_max_tokens, resolve_max_tokens, sampling_params,
+                                       session_of, stream_sse, with_transfer)
 from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
@@ -73,13 +73,14 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
     ids = tok.encode(prompt)
     check_prompt_ids(ids, tok.vocab_size, "messages")
     requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-    max_tokens = resolve_max_tokens(len(ids), requested, None, engine.max_model_len)
+    max_tokens = pd_max_tokens(req.kv_transfer_params,
+                               resolve_max_tokens(len(ids), requested, None, engine.max_model_len))
     params = sampling_params(req, max_tokens)
     if tools:
         params.constraint = await asyncio.to_thread(tool_constraint, tok, tools, req)
     cid = new_id("chatcmpl")
     gen = Generation(engine, metrics, cid, ids, params, stop_list(req.stop), client_alive(request),
-                     arrival, session_of(request, req.user))
+                     arrival, session_of(request, req.user), req.kv_transfer_params)
     base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:
@@ -94,7 +95,7 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
         message["tool_calls"] = [c.to_openai() for c in calls]
     finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
     choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-    return json_response({**base, "choices": [choice], "usage": gen.usage()})
+    return json_response(with_transfer({**base, "choices": [choice], "usage": gen.usage()}, [gen]))
 
 
 def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:

@@ -152,7 +152,8 @@ class ARCPolicy(RetentionPolicy):
 class _Session:
     last: float
     active: int = 0  # requests of this session now in the engine
-    gen: int = 0  # bumped per request: blocks not re-touched by the newest turn go stale
+    gen: int = 0  # bumped per main-agent turn: blocks it did not re-read go stale
+    root: Key | None = None  # first chain key of the session's first request: the main agent
     heap: list[tuple[int, int, int, Key]] = field(default_factory=list)  # (gen, -pos, n, key)
 
 
@@ -166,10 +167,17 @@ class SessionPolicy(RetentionPolicy):
        tool is running), then active ones (a request is in the engine: its blocks are
        on the device anyway, but must survive until it pauses). Within a class, the
        session idle longest goes first.
-    2. *Stale before live.* Each new request of a session bumps its generation and
-       re-touches the blocks of its chain; blocks the newest turn did not re-read (an
-       abandoned branch, a compacted context, output that was never fed back) are
-       evicted before any live block of the session.
+    2. *Stale before live, across sessions.* Each main-agent turn of a session bumps its
+       generation and re-touches the blocks of its chain; blocks it did not re-read (an
+       abandoned branch, a compacted context, output that was never fed back, and the
+       contexts of the sub-agents and side calls it waited for: the main agent resumes
+       only once they have returned, and they are never resumed) are stale. Stale blocks
+       of *every* session go before any live block of a paused session: a just-resumed
+       session's finished sub-agents must not outlive another paused session's chain.
+       The main agent is the chain root of the session's first request (its system
+       prompt); a request under another root (a sub-agent, a side call under its own
+       prompt) keeps its blocks live but does not make the main chain stale, so a paused
+       main agent survives its own sub-agent group.
     3. *Tail first.* A lookup only serves a *consecutive* prefix, so losing block i
        makes blocks i+1.. worthless; LRU evicts the oldest-stored block, i.e. the
        chain head, and strands the rest. We evict the highest chain position, so a
@@ -226,7 +234,10 @@ class SessionPolicy(RetentionPolicy):
         if not session:
             return
         s = self._session(session)
-        s.gen += 1
+        if keys and s.root is None:
+            s.root = keys[0]
+        if keys and keys[0] == s.root:
+            s.gen += 1  # a main-agent turn: what it does not re-read goes stale
         s.active += 1
         s.last = self.clock() if now is None else now
         for pos, key in enumerate(keys):  # the new turn's chain is live again
@@ -245,7 +256,14 @@ class SessionPolicy(RetentionPolicy):
 
     def victim(self, pinned: Pinned) -> Key | None:
         now = self.clock()
-        for sid, s in sorted(self.sessions.items(), key=lambda kv: self._rank(kv[1], now)):
+        ranked = sorted(self.sessions.items(), key=lambda kv: self._rank(kv[1], now))
+        # Pass 1: blocks of finished sessions, then stale blocks of any session.
+        for sid, s in ranked:
+            key = self._session_victim(sid, s, pinned)
+            if key is not None and (self._rank(s, now)[0] == 0 or self.blocks[key][2] < s.gen):
+                return key
+        # Pass 2: live blocks, paused sessions before active ones, idle longest first.
+        for sid, s in ranked:
             key = self._session_victim(sid, s, pinned)
             if key is not None:
                 return key

@@ -103,3 +103,51 @@ class TransferWorker:
             L, _, H, D = part.shape
             part = part.reshape(L, n, bs, H, D).to(dst.device, non_blocking=self.cuda)
             dst.index_copy_(1, idx, part)
+
+
+# ---- whole-request block movement (P/D transfer; shared shapes with the tiers above) --------
+
+@torch.inference_mode()
+def gather_blocks(k: torch.Tensor, v: torch.Tensor, block_ids: list[int],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """Device blocks -> one contiguous host tensor [2, L, n*bs, H, D] (the offload layout).
+
+    k, v: [L, num_blocks, bs, H, D]. Contiguous so the network layer can send it as one
+    memoryview with no further copy.
+    """
+    L, _, bs, H, D = k.shape
+    n = len(block_ids)
+    if out is None:
+        out = torch.empty((2, L, n * bs, H, D), dtype=k.dtype, pin_memory=k.is_cuda)
+    at = 0
+    for start, length in _runs(block_ids):  # slices, not index_select: one copy, no temporary
+        for kv_i, src in enumerate((k, v)):
+            out[kv_i, :, at * bs:(at + length) * bs].copy_(
+                src[:, start:start + length].reshape(L, length * bs, H, D))
+        at += length
+    return out
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int]]:
+    """Consecutive block ids as (first, length) runs; allocation makes long runs common."""
+    runs: list[tuple[int, int]] = []
+    for b in ids:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return runs
+
+
+@torch.inference_mode()
+def scatter_blocks(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor,
+                   block_ids: list[int]) -> None:
+    """Host [2, L, n*bs, H, D] -> device blocks ``block_ids`` (inverse of ``gather_blocks``)."""
+    n, bs = len(block_ids), k.shape[2]
+    idx = torch.tensor(block_ids, device=k.device)
+    for kv_i, dst in enumerate((k, v)):
+        L, _, H, D = src[kv_i].shape
+        part = src[kv_i].reshape(L, n, bs, H, D).to(dst.device, non_blocking=k.is_cuda)
+        dst.index_copy_(1, idx, part)
+    if k.is_cuda:
+        torch.cuda.current_stream().synchronize()

@@ -105,6 +105,7 @@ class Options:
     hash_cache_chunks: int = 8192  # ~14 KB each (2048 tokens at block 16)
     session_entries: int = 100000
     exact_match: bool = False  # scan every block (sees holes) instead of bisecting
+    pd_threshold: int = 256  # P/D: split a request when the decode endpoint lacks >= this many tokens
     tier_weights: dict[str, float] = field(
         default_factory=lambda: {"GPU": 1.0, "CPU": 0.8, "DISK": 0.5, "STORAGE": 0.5})
 

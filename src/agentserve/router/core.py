@@ -136,44 +136,58 @@ class Router:
         return ph.keys
 
     # ---- candidates -------------------------------------------------------------------
-    def _candidate(self, ep: Endpoint, req: RouteInput, m: Match, bs: int,
-                   now: float) -> Candidate:
-        plen = len(req.token_ids)
-        cacheable = max(0, (plen - 1) // bs)
-        rank, run, weighted = 0, 0, 0.0
-        for r in range(ep.cfg.dp_ranks):
-            w = m.weighted((ep.url, r), self.opts.tier_weights)
-            if w > weighted:
-                rank, weighted, run = r, w, m.best_run((ep.url, r))
-        cached = min(run, cacheable) * bs
-        fresh = ep.fresh(self.opts.metrics_stale_s, now)
-        sc = ep.scrape
-        uncached = plen - cached
-        return Candidate(
-            url=ep.url, rank=rank, matched_blocks=min(run, cacheable),
-            weighted_blocks=min(weighted, float(cacheable)), total_blocks=cacheable,
-            predicted_cached=cached, uncached_tokens=uncached,
-            waiting=sc.waiting if fresh else 0, running=sc.running if fresh else 0,
-            kv_usage=sc.kv_usage if fresh else 0.0, inflight=ep.inflight,
-            inflight_tokens=ep.inflight_tokens, pending_prefill=ep.pending_prefill,
-            est_wait_s=(ep.pending_prefill + uncached) / self.opts.prefill_tok_per_s,
-            session_match=req.session is not None
-            and self.sessions.get(req.session) == ep.url,
-            role=ep.cfg.role, model_ok=ep.serves(req.model))
-
     def candidates(self, req: RouteInput, now: float) -> tuple[list[Candidate], dict]:
-        live = [ep for ep in self.endpoints.values() if ep.available(now)]
+        live = [ep for ep in self.endpoints.values() if ep.healthy and now >= ep.ejected_until]
         if not live:
             raise NoEndpoint("no healthy endpoint: all backends are down or ejected; "
                              "check the router's /health and the engines' logs")
         by_hid: dict[HasherId, list[Endpoint]] = {}
+        default_bs = self.opts.block_size
         for ep in live:
-            by_hid.setdefault(self.hasher_id(ep), []).append(ep)
-        cands, keys = [], {}
+            c = ep.cfg
+            hid = (c.hash_algo, c.block_size or ep.scrape.block_size or default_bs, c.hash_seed)
+            eps = by_hid.get(hid)
+            if eps is None:
+                by_hid[hid] = [ep]
+            else:
+                eps.append(ep)
+        cands: list[Candidate] = []
+        keys: dict[HasherId, list[int]] = {}
+        plen, model = len(req.token_ids), req.model
+        sess_url = self.sessions.get(req.session) if req.session is not None else None
+        stale, tok_s = self.opts.metrics_stale_s, self.opts.prefill_tok_per_s
+        weights = self.opts.tier_weights
+        add = cands.append
         for hid, eps in by_hid.items():
             k = keys[hid] = self.keys_for(hid, req) if self.cfg.index != "none" else []
             m = self.index.match(k, now) if k else Match(0, [], {})
-            cands += [self._candidate(ep, req, m, hid[1], now) for ep in eps]
+            bs = hid[1]
+            cacheable = max(0, (plen - 1) // bs)
+            runs = m.runs
+            for ep in eps:
+                c = ep.cfg
+                url = c.url
+                rank, run, weighted = 0, 0, 0.0
+                if runs:
+                    for r in range(c.dp_ranks):
+                        h = (url, r)
+                        if h in runs:
+                            w = m.weighted(h, weights)
+                            if w > weighted:
+                                rank, weighted, run = r, w, m.best_run(h)
+                matched = min(run, cacheable)
+                uncached = plen - matched * bs
+                pending = ep.pending_prefill
+                if now - ep.scraped_at <= stale:
+                    sc = ep.scrape
+                    waiting, running, kv = sc.waiting, sc.running, sc.kv_usage
+                else:
+                    waiting, running, kv = 0, 0, 0.0
+                add(Candidate(url, rank, matched, min(weighted, float(cacheable)), cacheable,
+                              matched * bs, uncached, waiting, running, kv, ep.inflight,
+                              ep.inflight_tokens, pending, (pending + uncached) / tok_s,
+                              sess_url is not None and sess_url == url, c.role,
+                              True if model is None else ep.serves(model)))
         return cands, keys
 
     def _filter(self, cands: list[Candidate], model: str | None) -> list[Candidate]:

@@ -61,6 +61,8 @@ class Gateway:
         self.active = 0
         self.waiting = 0
         self._slot = asyncio.Condition()
+        from agentserve.router.pd import PDOrchestrator  # P/D: only acts with prefill endpoints
+        self.pd = PDOrchestrator(self, self.opts.pd_threshold)
 
     # ---- lifecycle --------------------------------------------------------------------
     def app(self) -> web.Application:
@@ -199,6 +201,10 @@ class Gateway:
     async def _route(self, request: web.Request, body: bytes,
                      route: RouteInput) -> web.StreamResponse:
         assert self.session is not None
+        if self.pd.enabled():
+            resp = await self.pd.route(request, body, route)
+            if resp is not None:
+                return resp
         timeout = aiohttp.ClientTimeout(total=self.opts.request_timeout_s,
                                         sock_connect=self.opts.connect_timeout_s)
         tried: set[str] = set()

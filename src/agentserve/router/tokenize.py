@@ -14,6 +14,20 @@ incremental mode is then switched off (full tokenization, still correct).
 
 Each cache entry also carries the prompt's block hashes per hasher (`PromptHashes`), so
 the router hashes only new blocks as well. The cache is a bounded LRU of entries.
+
+Chat prompts are also *rendered* incrementally (re-rendering a 240-message conversation
+through Jinja costs ~2 ms). A cached entry remembers its messages (the objects are shared
+with later turns) and the length of its rendering without the generation prompt. The
+previous turn is found by a fingerprint of (tools, generation prompt, first message,
+message count, last message) probed from the longest prefix down, then confirmed by
+comparing the message lists (C-speed equality, no hashing of every message body). Only a
+small window is rendered: the first message, one or two context messages before the new
+ones (keeping index parity, for templates that check role alternation), and the new
+ones. The window's rendering of the context messages must equal the tail of the cached
+prefix text, and prefix/new and body/generation-prompt must nest; otherwise, and for the
+first window of each role pattern seen (verified against a full render; a mismatch turns
+incremental rendering off for the template), the whole conversation is rendered.
+Counters: `renders` (full / incremental / fallback / verified).
 """
 
 from __future__ import annotations
@@ -24,9 +38,13 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import logging
+
 import msgspec
 
 from agentserve.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _SELF_CHECK = ("def f(x):\n    return x  # ok", "héllo wörld, 1234 tokens\n\n  end",
                "<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n")
@@ -44,6 +62,8 @@ class Entry:
     ids: array
     ends: array
     hashes: dict[Any, Any] = field(default_factory=dict)
+    messages: list[Any] | None = None  # chat: the rendered messages (shared with later turns)
+    body: int = -1  # chat: length of the rendering without the generation prompt (-1: unknown)
 
 
 @dataclass(slots=True)
@@ -56,38 +76,58 @@ class Tokenized:
     shared: int = 0
 
 
-def common_prefix_len(a: str, b: str, step: int = 8192) -> int:
-    """Length of the common prefix of two strings (C-speed slice compares, then chars)."""
+def common_prefix_len(a: str, b: str, step: int = 8192, lo: int = 0) -> int:
+    """Length of the common prefix of two strings (C-speed compares, then chars).
+
+    `lo`: a length known to be common already (the scan starts there).
+    """
+    if len(a) <= len(b):
+        if b.startswith(a, lo) if lo else b.startswith(a):
+            return len(a)
+    elif a.startswith(b, lo) if lo else a.startswith(b):
+        return len(b)
     n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo = 0
-    while lo + step <= n and a[lo:lo + step] == b[lo:lo + step]:
+    lo = min(lo, n)
+    while lo + step <= n and b.startswith(a[lo:lo + step], lo):
         lo += step
     while lo < n and a[lo] == b[lo]:
         lo += 1
     return lo
 
 
-def _message_fp(parent: int, m: Any) -> int:
+def _message_fp(m: Any) -> int:
+    """Fingerprint of one message (role and content, or its JSON)."""
     if isinstance(m, dict):
         content = m.get("content")
         if isinstance(content, str) and len(m) <= 2:
-            return hash((parent, m.get("role"), content))
-    return hash((parent, _ENC.encode(m)))
+            return hash((m.get("role"), content))
+    return hash(_ENC.encode(m))
+
+
+def _shape(m: Any) -> str:
+    """A message's role, marked when it carries more than role and content (tool calls)."""
+    if isinstance(m, dict):
+        return f"{m.get('role')}{'+' if len(m) > 2 else ''}"
+    return "?"
 
 
 class IncrementalTokenizer:
     """Chat and text prompts to token ids with a bounded LRU of tokenized prefixes."""
 
-    def __init__(self, tokenizer: Tokenizer, max_entries: int = 256, backoff: int = 8) -> None:
+    def __init__(self, tokenizer: Tokenizer, max_entries: int = 256, backoff: int = 8,
+                 max_probe: int = 64, verify_shapes: int = 256) -> None:
         self.tok = tokenizer
         self.max_entries = max_entries
         self.backoff = backoff
+        self.max_probe = max_probe  # messages a turn may add and still find its base
         self._by_fp: OrderedDict[int, Entry] = OrderedDict()
         self.tokenized_chars = 0  # characters actually run through the tokenizer
         self.incremental = self._self_check()
         self.tokenized_chars = 0
+        self.incremental_render = True  # off once a verification finds a non-local template
+        self._verified: set[tuple[str, ...]] = set()  # window role patterns checked
+        self._verify_shapes = verify_shapes
+        self.renders = {"full": 0, "incremental": 0, "fallback": 0, "verified": 0}
 
     def _encode(self, text: str, add_special: bool, shift: int = 0) -> tuple[array, array]:
         enc = self.tok.hf.encode(text, add_special_tokens=add_special)
@@ -109,24 +149,26 @@ class IncrementalTokenizer:
         ids, _ = self._encode(text[start:], False)
         return list(base.ids[:keep] + ids)
 
-    def _keep(self, base: Entry, text: str) -> int:
+    def _keep(self, base: Entry, text: str, common: int = 0) -> int:
         """How many of base's ids to keep: never split the tokens of one character."""
-        cut = common_prefix_len(base.text, text)
+        cut = common_prefix_len(base.text, text, lo=common)
         keep, ends = max(0, bisect_right(base.ends, cut) - self.backoff), base.ends
         while 0 < keep < len(ends) and ends[keep] == ends[keep - 1]:
             keep -= 1  # byte-level BPE: several tokens of one multi-byte char share an end
         return keep
 
-    def _tokenize_from(self, base: Entry | None, text: str,
-                       add_special: bool) -> tuple[Entry, int]:
+    def _tokenize_from(self, base: Entry | None, text: str, add_special: bool,
+                       common: int = 0) -> tuple[Entry, int]:
         if base is None or not self.incremental:
             ids, ends = self._encode(text, add_special)
             return Entry(text, ids, ends), 0
-        keep = self._keep(base, text)
+        keep = self._keep(base, text, common)
         start = base.ends[keep - 1] if keep else 0
         ids, ends = self._encode(text[start:], add_special and keep == 0, start)
-        entry = Entry(text, base.ids[:keep] + ids, base.ends[:keep] + ends)
-        return entry, keep
+        new_ids, new_ends = base.ids[:keep], base.ends[:keep]
+        new_ids.extend(ids)
+        new_ends.extend(ends)
+        return Entry(text, new_ids, new_ends), keep
 
     def _remember(self, fp: int, entry: Entry) -> None:
         self._by_fp[fp] = entry
@@ -137,20 +179,100 @@ class IncrementalTokenizer:
     def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
              add_generation_prompt: bool = True) -> Tokenized:
         """Render with the chat template and tokenize incrementally (no special tokens added)."""
-        text = self.tok.apply_chat_template(messages, tools=tools,
-                                            add_generation_prompt=add_generation_prompt)
-        fps, fp = [], hash((add_generation_prompt, _ENC.encode(tools) if tools else None))
-        for m in messages:
-            fp = _message_fp(fp, m)
-            fps.append(fp)
-        base = None
-        for f in reversed(fps):
-            base = self._by_fp.get(f)
-            if base is not None:
-                break
-        entry, shared = self._tokenize_from(base, text, False)
-        self._remember(fps[-1] if fps else fp, entry)
+        agp = add_generation_prompt
+        head = hash(("chat", agp, _ENC.encode(tools) if tools else None,
+                     _message_fp(messages[0]) if messages else None))
+        base, k = self._find_base(head, messages)
+        text, body, common = None, -1, 0
+        if base is not None:
+            text, body, common = self._render_incremental(base, k, messages, tools, agp)
+        if text is None:
+            text = self._render(messages, tools, agp)
+            body = self._body_len(text, messages, tools, agp)
+            self.renders["full"] += 1
+        entry, shared = self._tokenize_from(base, text, False, common)
+        entry.messages = base.messages[:k] + messages[k:] if base is not None \
+            and base.messages is not None else list(messages)
+        entry.body = body
+        if messages:
+            self._remember(self._conv_key(head, messages, len(messages)), entry)
         return Tokenized(entry.ids, entry, base, shared)
+
+    @staticmethod
+    def _conv_key(head: int, messages: list[Any], k: int) -> int:
+        return hash((head, k, _message_fp(messages[k - 1])))
+
+    def _find_base(self, head: int, messages: list[Any]) -> tuple[Entry | None, int]:
+        """The cached conversation that is the longest prefix of `messages` (probed from
+        the full list down `max_probe` messages; confirmed by list equality)."""
+        n = len(messages)
+        for k in range(n, max(0, n - self.max_probe), -1):
+            e = self._by_fp.get(self._conv_key(head, messages, k))
+            if e is not None and e.messages is not None and len(e.messages) == k \
+                    and e.messages == messages[:k]:
+                return e, k
+        return None, 0
+
+    def _render(self, messages: list[Any], tools: Any, agp: bool) -> str:
+        return self.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=agp)
+
+    def _body_len(self, text: str, messages: list[Any], tools: Any, agp: bool) -> int:
+        """Length of `text` without the generation prompt (-1 if that cannot be told)."""
+        if not agp:
+            return len(text)
+        if not messages:
+            return -1
+        try:
+            bare = self._render(messages[:1], tools, False)
+            gen = self._render(messages[:1], tools, True)
+        except ValueError:
+            return -1
+        if not gen.startswith(bare):
+            return -1
+        g = len(gen) - len(bare)
+        return len(text) - g if text.endswith(gen[len(bare):]) else -1
+
+    def _render_incremental(self, base: Entry, k: int, messages: list[Any], tools: Any,
+                            agp: bool) -> tuple[str | None, int, int]:
+        """(text, body, chars known common with base.text) of `messages` rendered from
+        `base` (its first k messages), or (None, -1, 0): render the whole conversation."""
+        n = len(messages)
+        if k == n:  # the same conversation again (a retry): same text
+            return base.text, base.body, len(base.text)
+        s = k - 1 if (k - 1) % 2 else k - 2  # first context message, at an odd index
+        if s <= 1 or not self.incremental_render:
+            return None, -1, 0  # short conversation (a full render is cheap) or disabled
+        if base.body < 0:
+            self.renders["fallback"] += 1
+            return None, -1, 0
+        head = messages[:1]
+        try:
+            h = self._render(head, tools, False)
+            d = self._render(head + messages[s:k], tools, False)
+            b = self._render(head + messages[s:], tools, False)
+            c = self._render(head + messages[s:], tools, True) if agp else b
+        except ValueError:
+            self.renders["fallback"] += 1
+            return None, -1, 0
+        if not (d.startswith(h) and b.startswith(d) and c.startswith(b)
+                and base.text.endswith(d[len(h):], 0, base.body)):
+            self.renders["fallback"] += 1  # the template is not append-only here
+            return None, -1, 0
+        text = base.text[:base.body] + c[len(d):]
+        body = base.body + len(b) - len(d)
+        shape = tuple(_shape(m) for m in messages[s:])
+        if shape not in self._verified and len(self._verified) < self._verify_shapes:
+            full = self._render(messages, tools, agp)
+            self.renders["verified"] += 1
+            if full != text:
+                self.incremental_render = False
+                self.renders["fallback"] += 1
+                logger.warning("chat template is not append-only for messages shaped %s: "
+                               "incremental rendering turned off", shape)
+                return full, self._body_len(full, messages, tools, agp), 0
+            self._verified.add(shape)
+        self.renders["incremental"] += 1
+        return text, body, base.body
 
     def text(self, prompt: str, add_special_tokens: bool = True,
              session: str | None = None) -> Tokenized:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import time
+from pathlib import Path
 
 import typer
 
@@ -42,3 +44,66 @@ def register(app: typer.Typer) -> None:
             return
         for k in KEYS:
             typer.echo(f"{k:24s} {s[k]}")
+
+    register_plan(app)
+
+
+def register_plan(app: typer.Typer) -> None:
+    """Add `plan`: simulate candidate topologies, print the frontier, recommend one."""
+
+    @app.command("plan")
+    def plan(
+        model: str = typer.Option("glm-5.2-fp8", help="model spec"),
+        gpu: str = typer.Option("h200", help="hardware spec"),
+        gpus: int = typer.Option(64, help="GPU budget"),
+        min_tok_s_per_user: float = typer.Option(30.0, help="end-to-end output tok/s per user"),
+        workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
+        price: float = typer.Option(2.71, help="$ per GPU-hour"),
+        concurrency: str = typer.Option("32,64,128,192", help="closed-loop ladder per config"),
+        duration: float = typer.Option(150.0, help="stage length, simulated s (short by default)"),
+        long: bool = typer.Option(False, "--long", help="600 s stages (slower, less warm-up bias)"),
+        widths: str = typer.Option("8,16", help="DEP widths to try"),
+        workers: int = typer.Option(2, help="worker processes"),
+        seed: int = typer.Option(0),
+        out: Path = typer.Option(Path("bench-out/plan"), help="plan.json and frontier.png go here"),
+    ) -> None:
+        """Search xPyD x DEP width x MTP x CPU tier under the budget; frontier and cheapest config."""
+        from agentserve.sim import plan as pl
+
+        cands = pl.candidates(model, gpu, gpus, tuple(int(w) for w in widths.split(",")))
+        ladder = [int(c) for c in concurrency.split(",")]
+        dur = 600.0 if long else duration
+        typer.echo(f"simulating {len(cands)} configurations x {len(ladder)} concurrencies, "
+                   f"{dur:g} s stages, {workers} workers")
+        t0 = time.perf_counter()
+        points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers)
+        pl.price(points, price)
+        front, best = pl.frontier(points), pl.recommend(points, min_tok_s_per_user)
+        pl.write(out, points, front, best, {"model": model, "gpu": gpu, "gpus": gpus,
+                 "min_tok_s_per_user": min_tok_s_per_user, "price": price, "duration": dur,
+                 "concurrency": ladder, "workload": workload,
+                 "wall_s": time.perf_counter() - t0})
+        _print_plan(front, best, min_tok_s_per_user, out)
+
+
+def _print_plan(front: list[dict], best: dict | None, target: float, out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="frontier: output tok/s per GPU vs tok/s per user")
+    cols = ("config", "concurrency", "tok_s_per_user", "output_tok_s_per_gpu", "ttft_p50_s",
+            "itl_p50_ms", "cost_per_m_input", "cost_per_m_output")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for p in front:
+        t.add_row(*[f"{p[c]:,.3g}" if isinstance(p[c], float) else str(p[c]) for c in cols])
+    con = Console(width=160)
+    con.print(t)
+    if best is None:
+        con.print(f"no configuration reaches {target:g} tok/s per user")
+    else:
+        con.print(f"recommended: {best['config']} at concurrency {best['concurrency']}: "
+                  f"{best['tok_s_per_user']:.1f} tok/s/user, {best['output_tok_s_per_gpu']:.0f} "
+                  f"output tok/s/GPU, ${best['cost_per_m_input']:.3f}/M input, "
+                  f"${best['cost_per_m_output']:.2f}/M output")
+    con.print(f"wrote {out / 'plan.json'} and {out / 'frontier.png'}")

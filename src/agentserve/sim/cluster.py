@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agentserve.kv.pool import Block, BlockPool
+from agentserve.sim.fastpool import SimBlockPool
 from agentserve.router.picker import MaxScorePicker
 from agentserve.router.scorers import Candidate, build_scorers, weighted_scores
 from agentserve.sim.perf import MTP_ACCEPT
@@ -47,6 +48,13 @@ class SimRequest:
     out_done: int = 0
     ready_at: float = 0.0
     rank: Rank | None = None
+    # decode segment (decode.py): acceptances drawn at admission, events keyed by generation
+    cum: np.ndarray | None = None  # cumulative output tokens after each step of the segment
+    seg_start: int = 0  # instance step the segment began on
+    seg_out0: int = 0  # output tokens before the segment
+    gen: int = 0  # bumped on admission and preemption; stale events are skipped
+    f_rows: float = 0.0  # this request's share of its rank's attention-row sum
+    f_idx: float = 0.0  # and of its indexer-key sum
 
 
 class Rank:
@@ -54,8 +62,8 @@ class Rank:
 
     def __init__(self, idx: int, blocks: int, cpu_blocks: int, block_size: int) -> None:
         self.idx = idx
-        self.pool = BlockPool(blocks, block_size)
-        self.cpu = BlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
+        self.pool: BlockPool = SimBlockPool(blocks, block_size)
+        self.cpu: BlockPool | None = SimBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.inflight_tokens = 0
@@ -148,6 +156,15 @@ def store_cpu(cpu: BlockPool | None, hashes: list[int], n_in: int) -> int:
         cpu.cache_blocks(blocks, new, range(len(new) * bs), 0, None)
         cpu.free(blocks)
     return len(new)
+
+
+def fits(pool: BlockPool, hits: list[Block], need: int) -> bool:
+    """Can `need` new blocks be taken after touching `hits` (free hits leave the free queue)?
+    The scan of the hits is skipped when even all of them being free would fit."""
+    free = pool.num_free_blocks
+    if need + len(hits) <= free:
+        return True
+    return need + sum(1 for b in hits if b.ref_cnt == 0) <= free
 
 
 def mtp_accepted(rng: np.random.Generator, k: int, accept: tuple[float, ...] = MTP_ACCEPT) -> int:

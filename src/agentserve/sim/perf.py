@@ -1,8 +1,9 @@
 """Step-time model: how long one engine step takes on one DEPn/TPn instance.
 
-A roofline per step with a few global efficiency factors (`Efficiency`), not a lookup:
+A roofline per kernel with a few global efficiency factors (`Efficiency`), not a lookup:
 
-    step = max(FLOPs / (peak * eff_flops), bytes / (HBM_bw * eff_bw))   # per rank, slowest rank
+    kernel = max(FLOPs / (peak * eff_flops), bytes / (HBM_bw * eff_bw))
+    step = sum over a rank's kernels (GEMMs, sparse attention, indexer)  # slowest rank
          + all-to-all: per MoE layer 2 x (latency + bytes / link_bw)      # dispatch + combine
          + MTP drafts (k sequential one-layer passes) + scheduling overhead
 
@@ -57,6 +58,14 @@ class PerfModel:
     topo: Topology
     eff: Efficiency = field(default_factory=Efficiency)
     mtp_draft: int = 3  # draft tokens per step when topo.mtp
+
+    def __post_init__(self) -> None:
+        """A measured profile (cpu-local) gives effective rates and overheads: no factors."""
+        m = self.hw.measured
+        if m and self.eff == Efficiency():
+            self.eff = Efficiency(flops=1.0, attn_flops=1.0, hbm=1.0,
+                                  step_overhead_s=m.get("step_overhead_s", self.eff.step_overhead_s),
+                                  per_request_s=m.get("per_request_s", self.eff.per_request_s))
 
     # -- per-token quantities -------------------------------------------------------------
     def _lin_flops_rank(self) -> float:
@@ -145,35 +154,66 @@ class PerfModel:
             return 1.0
         return 1.0 - (1.0 - m.top_k / m.n_routed) ** tokens_total
 
+    def ctx_features(self, c: float) -> tuple[float, float]:
+        """(rows, indexer) per request at context `c`: the KV rows its attention reads (top-k
+        for a sparse model, all for a dense one) and the keys its indexer scans (all when c > k)."""
+        k = self.model.index_topk
+        if not k:
+            return float(c), 0.0
+        return float(min(c, k)), (float(c) if c > k and self.model.indexer_heads else 0.0)
+
+    def _feature_costs(self) -> tuple[float, float, float, float]:
+        """Seconds per query token per row / indexer key; bytes per row / indexer key."""
+        m, hw, e = self.model, self.hw, self.eff
+        if m.is_mla:
+            row = 2.0 * m.n_heads * (2 * m.kv_lora + m.rope_dim) * m.layers
+        else:
+            row = 2.0 * m.n_heads * 2 * m.head_dim * m.layers
+        idx = 2.0 * m.indexer_heads * m.indexer_dim * m.layers
+        split = self.topo.width if self.topo.kind == "tp" else 1
+        return (row / hw.bf16_flops / e.attn_flops / split, idx / hw.fp8_flops / e.attn_flops / split,
+                m.kv_bytes_per_token() / split, m.indexer_bytes_per_token() / split)
+
     def decode_rank_mem(self, ctxs: list[int]) -> float:
         """KV bytes read by one rank's requests: top-k latent rows + the whole indexer column."""
-        m = self.model
-        kv_tok, idx_tok = m.kv_bytes_per_token(), m.indexer_bytes_per_token()
-        b = 0.0
-        for c in ctxs:
-            k = min(c, m.index_topk) if m.index_topk else c
-            b += k * kv_tok + (c * idx_tok if c > m.index_topk else 0.0)
-        return b / (self.topo.width if self.topo.kind == "tp" else 1)
+        _, _, b_row, b_idx = self._feature_costs()
+        f = [self.ctx_features(c) for c in ctxs]
+        return sum(r for r, _ in f) * b_row + sum(i for _, i in f) * b_idx
 
     def decode_step(self, ranks: list[list[int]], draft: int | None = None) -> float:
         """One decode (verify) step; `ranks[r]` = context lengths of rank r's requests."""
+        loads = []
+        for ctxs in ranks:
+            f = [self.ctx_features(c) for c in ctxs]
+            loads.append((len(ctxs), sum(r for r, _ in f), sum(i for _, i in f)))
+        return self.decode_step_agg(loads, draft)
+
+    def decode_step_agg(self, loads: list[tuple[int, float, float]], draft: int | None = None) -> float:
+        """Decode step from per-rank `(requests, sum of rows, sum of indexer keys)`."""
         k = (self.mtp_draft if self.topo.mtp else 0) if draft is None else draft
         q = 1 + k  # query tokens per request
-        n_req = [len(r) for r in ranks]
-        total_tok = q * sum(n_req)
+        n_max = max(n for n, _, _ in loads)
+        total_tok = q * sum(n for n, _, _ in loads)
         if total_tok == 0:
             return 0.0
+        t_row, t_idx, b_row, b_idx = self._feature_costs()
         bw = self.hw.hbm_bw * self.eff.hbm
         wbytes = self.rank_weight_bytes(self._touched(total_tok))
-        moe_flops = total_tok * self._routed_flops() / self.topo.width
+        moe = total_tok * self._routed_flops() / self.topo.width
+        lin, rate, per_req = self._lin_flops_rank(), self._lin_rate(), self.eff.per_request_s
+        # A sparse kernel gathers each query token's own top-k rows; a dense one reads the
+        # request's KV once for all its query tokens.
+        gathers = q if self.model.index_topk else 1
         worst = 0.0
-        for r, ctxs in zip(ranks, n_req):
-            mem = (wbytes + self.decode_rank_mem(r)) / bw
-            flops = (ctxs * q * self._lin_flops_rank() + moe_flops) / self._lin_rate()
-            attn = sum(q * self._attn_flops(c) for c in r)
-            worst = max(worst, max(mem, flops + attn) + ctxs * self.eff.per_request_s)
-        a2a = self.a2a_time(q * max(n_req))
-        return worst + a2a + self.mtp_time(k, max(n_req)) + self.eff.step_overhead_s
+        for n, rows, idx in loads:
+            # Kernels of a layer run back to back on one stream: each is bound by its own
+            # bytes or FLOPs (roofline per kernel), and the step is their sum.
+            gemm = max(wbytes / bw, (n * q * lin + moe) / rate)
+            attn = max(gathers * rows * b_row / bw, q * rows * t_row)
+            index = max(idx * b_idx / bw, q * idx * t_idx)  # keys read once, logits per query
+            worst = max(worst, gemm + attn + index + n * per_req)
+        a2a = self.a2a_time(q * n_max)
+        return worst + a2a + self.mtp_time(k, n_max) + self.eff.step_overhead_s
 
     def mtp_time(self, k: int, reqs_per_rank: int) -> float:
         """k sequential draft passes: one MoE layer + LM head each (weights streamed)."""

@@ -9,16 +9,17 @@ input lengths seen are the trace's, not those of session starts.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 
-from agentserve.sim.cluster import Clock, Rank, Router, SimRequest
+from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
 from agentserve.sim.cost import pool_cost
 from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import PerfModel
-from agentserve.sim.pools import DecodeInstance, PrefillInstance
+from agentserve.sim.decode import DecodeInstance
+from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.specs import GiB, hardware_spec, model_spec
 from agentserve.workload.record import RequestRecord
 from agentserve.workload.report import summarize
@@ -44,7 +45,10 @@ class SimConfig:
     chunk: int = 16_384  # prefill max_num_batched_tokens per rank
     max_seqs: int = 256  # decode max_num_seqs per rank
     block_size: int = 64
-    join_midway: bool = True  # first sessions start at a random turn (stationary inputs)
+    # Every session is joined at a uniformly random request, so the requests a stage serves
+    # have the trace's input distribution (SPEC: median 47K-57K), not that of session starts;
+    # joining only the first C sessions biased long stages toward short early-turn contexts.
+    join_midway: bool = True
 
 
 def parse_topology(s: str) -> tuple[int, int]:
@@ -56,8 +60,11 @@ def parse_topology(s: str) -> tuple[int, int]:
     return int(p), int(d)
 
 
+SYNTH = ("sweep-full", "sweep-limited", "sweep", "claude-code")
+
+
 def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
-    if name in ("sweep-full", "sweep-limited", "sweep", "claude-code"):
+    if name in SYNTH:
         from agentserve.workload.synth import synthesize
 
         limit = 142_000 if name == "sweep-limited" else None
@@ -66,6 +73,17 @@ def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
     from agentserve.workload.traces import load_sessions
 
     return load_sessions(name).sessions
+
+
+def session_stream(name: str, batch: int, seed: int) -> Iterator[Session]:
+    """Sessions for a stage of any length: synthesized `batch` at a time (batch b > 0 with its
+    own seed) as clients use them up; a trace file is replayed once."""
+    b = 0
+    while True:
+        yield from load_workload(name, batch, seed if b == 0 else seed + 100_003 * b)
+        if name not in SYNTH:
+            return
+        b += 1
 
 
 def flatten(s: Session) -> list[tuple[int, str, TraceRequest]]:
@@ -84,7 +102,7 @@ def flatten(s: Session) -> list[tuple[int, str, TraceRequest]]:
 class Simulation:
     """The deployment, its router and the load generator."""
 
-    def __init__(self, cfg: SimConfig, sessions: list[Session]) -> None:
+    def __init__(self, cfg: SimConfig, sessions: Iterable[Session]) -> None:
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
         self.router = Router(cfg.seed)
@@ -120,15 +138,13 @@ class Simulation:
                 return
             si, s = nxt
             queue, sid = flatten(s), s.id
-            if self.cfg.join_midway and si < self.cfg.concurrency and len(queue) > 1:  # first sessions join mid-way,
-                del queue[: int(self.rng.integers(len(queue)))]  # so inputs are stationary
+            if self.cfg.join_midway and len(queue) > 1:  # stationary inputs (see SimConfig)
+                del queue[: int(self.rng.integers(len(queue)))]
         turn, agent, tr = queue.pop(0)
         base = si << 32
         hashes = [base + h for h in tr.hash_ids]
         seen = self.seen.setdefault(si, set())
-        reuse = 0
-        while reuse < len(hashes) and hashes[reuse] in seen:
-            reuse += 1
+        reuse = _bisect_prefix(seen, hashes, 0, len(hashes))  # ids are prefix-chained
         seen.update(hashes)
         self._ids += 1
         rec = RequestRecord(f"sim-{self._ids}", sid, turn, agent, start=self.clock.now,
@@ -187,6 +203,8 @@ class Simulation:
             "cost_per_m_input": cost.per_m_input, "cost_per_m_output": cost.per_m_output,
             "cost_per_hour": cost.per_hour,
             "cpu_restore_gib": sum(p.cpu_restore_bytes for p in self.prefills) / GiB,
+            "cpu_write_tb": sum(p.cpu_store_blocks for p in self.prefills) * cfg.block_size
+            * self.pperf.model.kv_bytes_per_token() / 1e12,
             "prefill_gpu_hit_rate": _share(sum(p.hit_tokens for p in self.prefills), prompt),
             "prefill_cpu_hit_rate": _share(sum(p.cpu_hit_tokens for p in self.prefills), prompt),
             "prefill_queue": sum(len(r.waiting) for r in self.p_ranks),
@@ -202,8 +220,8 @@ def _share(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def simulate(cfg: SimConfig, sessions: list[Session] | None = None) -> dict:
+def simulate(cfg: SimConfig, sessions: Iterable[Session] | None = None) -> dict:
     """Run one stage and return the summary (bench's keys plus the simulator's)."""
     if sessions is None:
-        sessions = load_workload(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed)
+        sessions = session_stream(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed)
     return Simulation(cfg, sessions).run()

@@ -154,6 +154,8 @@ class Target:
         start = time.perf_counter()
         rec.start = start - t0
         headers = dict(self.headers, **{"X-Request-Id": rec.request_id})
+        if body.get("user"):
+            headers["x-session-id"] = str(body["user"])
         try:
             async with asyncio.timeout(self.request_timeout):
                 async with self.session.post(self.endpoint, data=msgspec.json.encode(body),

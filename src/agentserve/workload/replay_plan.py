@@ -154,8 +154,11 @@ class RequestFactory:
         rid = f"s{stage}-{self._n}"
         self._n += 1
         reusable = self.reuse.observe(scope, job.req.hash_ids, n_in, bt)
+        # The agent session (stage-salted like the prompts): the server's tier policy keys
+        # retention on it; `Target.send` repeats it as the `x-session-id` header.
         body: dict = {"model": self.model, "max_tokens": out, "stream": True,
-                      "stream_options": {"include_usage": True}, "ignore_eos": True}
+                      "stream_options": {"include_usage": True}, "ignore_eos": True,
+                      "user": f"{stage}/{job.session_id}"}
         if self.api == "chat":
             text = self.prompts.text(scope, job.req.hash_ids, n_in, bt, uid=rid)
             body["messages"] = [{"role": "user", "content": text}]

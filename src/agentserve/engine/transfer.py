@@ -1,0 +1,251 @@
+"""Prefill/decode disaggregation inside one engine: pinned blocks out, pulled blocks in.
+
+Prefill side (``kv_transfer_params.do_remote_decode``): when the prefill-only request
+finishes, ``pin`` takes an extra reference on its blocks and returns vLLM-style
+``kv_transfer_params`` for the decode side. The transfer server (``TransferBackend``)
+reads pinned blocks on its own threads; the pins are dropped on the core thread when the
+decode side has pulled them, asked to release them, or after ``timeout`` seconds.
+
+Decode side (``do_remote_prefill``): the scheduler asks ``plan`` which full prompt blocks
+are missing locally (prefix-aware: blocks after the local device hit, checked by chained
+block hash against the prefill side's), allocates device blocks, and ``start_pull`` copies
+them in on the ``kv-pull`` thread while the request waits in WAITING_FOR_KV. The last
+partial block and the final prompt token are always computed locally, so the decode
+engine samples the first token itself: outputs equal the aggregated path's by
+construction, and any failure simply recomputes.
+
+Only the core thread touches the block pool; other threads exchange request ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from agentserve.engine.transfer_wire import PullSpec, TransferBackend, TransferError
+from agentserve.kv.pool import Block, BlockPool
+from agentserve.kv.transfer import gather_blocks, scatter_blocks
+
+log = logging.getLogger("agentserve.transfer")
+
+
+@dataclass(slots=True)
+class TransferStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    pull_seconds: float = 0.0
+    pulls: int = 0
+    blocks_pulled: int = 0
+    blocks_local: int = 0  # decode-side prompt blocks already on the device (not pulled)
+    pull_failures: int = 0
+    pins_expired: int = 0
+    pins_released: int = 0
+
+
+@dataclass(slots=True)
+class _Pin:
+    blocks: list[Block]
+    hashes: list[bytes]
+    deadline: float
+    busy: int = 0
+    released: bool = False
+
+
+@dataclass(slots=True)
+class PullDone:
+    request_id: str
+    ok: bool
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class RemoteConfig:
+    host: str = "127.0.0.1"  # advertised to decode engines in remote_host
+    bind: str | None = None  # listen address (default: host)
+    port: int = 0  # 0: any free port
+    timeout: float = 120.0  # seconds a pin waits for its pull
+    max_pulls: int = 4
+
+
+class RemoteKV:
+    """Pins (prefill side), pulls (decode side) and the transfer server of one engine."""
+
+    def __init__(self, cfg: RemoteConfig, backend: TransferBackend, pool: BlockPool,
+                 k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cfg, self.backend, self.pool, self.k, self.v = cfg, backend, pool, k, v
+        self.bs = pool.block_size
+        self.engine_id = f"agentserve-{uuid.uuid4().hex[:12]}"
+        self.stats = TransferStats()
+        self.pins: dict[str, _Pin] = {}
+        self._lock = threading.Lock()
+        self._done: queue.Queue[PullDone] = queue.Queue()
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self.pending = 0
+        self.notify: Callable[[], None] = lambda: None  # wakes the core loop
+        backend.on_sent = self._on_sent  # type: ignore[attr-defined]
+        self.port = backend.serve(self, cfg.bind or cfg.host, cfg.port)
+        self._thread = threading.Thread(target=self._run, name="kv-pull", daemon=True)
+        self._thread.start()
+
+    # ---- prefill side: pins (core thread) ------------------------------------------------
+    def pin(self, seq: Any, blocks: list[Block]) -> dict[str, Any]:
+        """Hold the finished prefill's blocks for a decode engine; returns its params."""
+        n_full = min(seq.num_computed_tokens // self.bs, len(seq.block_hashes), len(blocks))
+        self.pool.touch(blocks)
+        with self._lock:
+            self.pins[seq.request_id] = _Pin(list(blocks), list(seq.block_hashes[:n_full]),
+                                             time.monotonic() + self.cfg.timeout)
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                "remote_engine_id": self.engine_id, "remote_request_id": seq.request_id,
+                "remote_block_ids": [b.block_id for b in blocks],
+                "remote_host": self.cfg.host, "remote_port": self.port,
+                "remote_num_tokens": seq.num_computed_tokens, "remote_block_size": self.bs,
+                "remote_block_hashes": [h.hex() for h in seq.block_hashes[:n_full]],
+                "tp_size": 1, "transfer_mode": "pull", "transfer_backend": self.backend.name}
+
+    def service(self, now: float | None = None) -> None:
+        """Core thread: free pins that were pulled, released or timed out."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            dead = [rid for rid, p in self.pins.items()
+                    if p.busy == 0 and (p.released or now > p.deadline)]
+            pins = [(rid, self.pins.pop(rid)) for rid in dead]
+        for rid, p in pins:
+            if p.released:
+                self.stats.pins_released += 1
+            else:
+                self.stats.pins_expired += 1
+                log.info("kv pin for %s expired after %.0fs unpulled", rid, self.cfg.timeout)
+            self.pool.free(list(reversed(p.blocks)))
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self.pins)
+
+    # ---- prefill side: BlockSource for the server threads ----------------------------------
+    def checkout(self, rid: str, idx: list[int], hashes: list[bytes]) -> list[int]:
+        with self._lock:
+            p = self.pins.get(rid)
+            if p is None or p.released:
+                raise TransferError(f"no pinned KV for request {rid!r} (expired or released)")
+            if any(i < 0 or i >= len(p.hashes) for i in idx):
+                raise TransferError(f"block index out of range (have {len(p.hashes)} full blocks)")
+            if [p.hashes[i] for i in idx] != list(hashes):
+                raise TransferError("block hash mismatch: the decode prompt differs from the prefill")
+            p.busy += 1
+            return [p.blocks[i].block_id for i in idx]
+
+    def checkin(self, rid: str, release: bool) -> None:
+        with self._lock:
+            p = self.pins.get(rid)
+            if p is not None:
+                p.busy -= 1
+                p.released = p.released or release
+        if release:
+            self.notify()
+
+    def release(self, rid: str) -> None:
+        with self._lock:
+            p = self.pins.get(rid)
+            if p is not None:
+                p.released = True
+        self.notify()
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        return gather_blocks(self.k, self.v, block_ids)
+
+    def _on_sent(self, n: int) -> None:
+        self.stats.bytes_sent += n
+
+    # ---- decode side (core thread) ----------------------------------------------------------
+    def plan(self, seq: Any, device_hit: int) -> PullSpec | None:
+        """Blocks to pull for a ``do_remote_prefill`` request; None: nothing (released)."""
+        p = seq.kv_transfer
+        hashes = [bytes.fromhex(h) for h in p.get("remote_block_hashes") or []]
+        max_blocks = min((seq.num_tokens - 1) // self.bs, len(hashes), len(seq.block_hashes))
+        usable = next((i for i in range(max_blocks) if hashes[i] != seq.block_hashes[i]), max_blocks)
+        host, port, rid = p.get("remote_host"), p.get("remote_port"), p.get("remote_request_id")
+        if usable <= device_hit or not host or not port or not rid:
+            self.stats.blocks_local += device_hit
+            self.release_remote(seq)  # nothing worth pulling (local hit, or not our format)
+            return None
+        return PullSpec(str(host), int(port), str(rid), list(range(device_hit, usable)),
+                        hashes[device_hit:usable])
+
+    def start_pull(self, seq: Any, spec: PullSpec, block_ids: list[int]) -> None:
+        seq.kv_transfer = None  # the pull releases the remote pins: nothing left to release
+        self.stats.blocks_local += spec.idx[0]
+        self.pending += 1
+        self._jobs.put(lambda: self._pull_job(seq.request_id, spec, block_ids))
+
+    def release_remote(self, seq: Any) -> None:
+        """Drop the prefill side's pins for a decode request that will not pull them."""
+        p, seq.kv_transfer = seq.kv_transfer, None
+        if not p or not p.get("remote_host") or not p.get("remote_port"):
+            return
+        host, port, rid = str(p["remote_host"]), int(p["remote_port"]), str(p.get("remote_request_id"))
+        self._jobs.put(lambda: self.backend.release(host, port, rid))
+
+    def poll(self, timeout: float | None = None) -> list[PullDone]:
+        out: list[PullDone] = []
+        try:
+            out.append(self._done.get(timeout=timeout) if timeout else self._done.get_nowait())
+            while True:
+                out.append(self._done.get_nowait())
+        except queue.Empty:
+            pass
+        self.pending -= len(out)
+        return out
+
+    # ---- kv-pull thread ----------------------------------------------------------------------
+    def _pull_job(self, rid: str, spec: PullSpec, block_ids: list[int]) -> None:
+        t0 = time.perf_counter()
+        try:
+            data = self.backend.pull(spec)
+            want = (2, self.k.shape[0], len(block_ids) * self.bs, *self.k.shape[3:])
+            if tuple(data.shape) != want or data.dtype != self.k.dtype:
+                raise TransferError(f"size mismatch: got {tuple(data.shape)} {data.dtype}, "
+                                    f"want {want} {self.k.dtype}")
+            scatter_blocks(self.k, self.v, data, block_ids)
+        except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
+            self.stats.pull_failures += 1
+            log.warning("KV pull for %s from %s:%d failed, recomputing: %s", rid, spec.host,
+                        spec.port, e)
+            self._done.put(PullDone(rid, False, len(block_ids)))
+            self.notify()
+            return
+        self.stats.pull_seconds += time.perf_counter() - t0
+        self.stats.bytes_received += data.numel() * data.element_size()
+        self.stats.pulls += 1
+        self.stats.blocks_pulled += len(block_ids)
+        self._done.put(PullDone(rid, True, len(block_ids)))
+        self.notify()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - a release that failed is logged by the backend
+                log.exception("kv-pull job failed")
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(5)
+        self.backend.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        s = {f: getattr(self.stats, f) for f in self.stats.__slots__}
+        s["pinned_requests"] = self.num_pinned
+        s["pulls_in_flight"] = self.pending
+        return s

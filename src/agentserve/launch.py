@@ -1,0 +1,187 @@
+"""A local P/D cluster in one command: N prefill + M decode (or K aggregated) engines + router.
+
+`agentserve up --topology 1P1D` starts every engine as its own process group
+(`agentserve.procs`), each with a KV-event PUB port and (prefill/decode roles) a KV
+transfer server, writes the router's YAML (endpoints with roles and event addresses)
+into a run folder, starts `agentserve route` on it, waits for every /health, prints a
+status table and, with `--state FILE`, writes
+``{"router": URL, "engines": [{"url", "role", "pid"}]}``. SIGINT/SIGTERM stop the router
+first, then the engines (SIGTERM to each group, SIGKILL after a bound): no orphans.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shlex
+import signal
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from agentserve.procs import ManagedProcess, ProcessError, agentserve_cmd, free_port, start_process
+
+
+@dataclass(slots=True, frozen=True)
+class Topology:
+    prefill: int = 0
+    decode: int = 0
+    both: int = 0
+
+    @property
+    def roles(self) -> list[str]:
+        return ["prefill"] * self.prefill + ["decode"] * self.decode + ["both"] * self.both
+
+
+def parse_topology(text: str) -> Topology:
+    """``NPMD`` (e.g. 1P1D, 2P1D) or ``N`` (N aggregated engines)."""
+    t = text.strip().upper()
+    if t.isdigit() and int(t) > 0:
+        return Topology(both=int(t))
+    m = re.fullmatch(r"(\d+)P(\d+)D", t)
+    if m and int(m[1]) > 0 and int(m[2]) > 0:
+        return Topology(prefill=int(m[1]), decode=int(m[2]))
+    raise ValueError(f"--topology must look like 1P1D, 2P1D, NPMD or N (aggregated), got {text!r}")
+
+
+@dataclass(slots=True)
+class EngineSpec:
+    name: str
+    role: str
+    port: int
+    events_port: int
+    host: str = "127.0.0.1"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+
+@dataclass
+class Cluster:
+    """The processes of one `agentserve up`, in start order (engines, then router)."""
+
+    run_dir: Path
+    host: str = "127.0.0.1"
+    port: int = 8080
+    model: str | None = None
+    engine_args: list[str] = field(default_factory=list)
+    engines: list[tuple[EngineSpec, ManagedProcess]] = field(default_factory=list)
+    router: ManagedProcess | None = None
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    def start(self, topo: Topology, health_timeout: float = 180.0) -> None:
+        """Start everything and wait for health; on any failure stop what started."""
+        try:
+            threads = str(max(1, (os.cpu_count() or 1) // max(1, len(topo.roles))))
+            for i, role in enumerate(topo.roles):
+                spec = EngineSpec(f"{role}{i}", role, free_port(), free_port(), self.host)
+                self.engines.append((spec, self._start_engine(spec, threads)))
+            for _, proc in self.engines:
+                proc.wait_healthy(health_timeout)
+            cfg_path = self.write_router_config()
+            cmd = agentserve_cmd("route", "--config", str(cfg_path), "--host", self.host,
+                                 "--port", str(self.port))
+            cmd += ["--tokenizer", self.model or _tiny_dir()]
+            self.router = start_process("router", cmd, self.run_dir / "router.log",
+                                        f"http://{self.host}:{self.port}")
+            self.router.wait_healthy(health_timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_engine(self, spec: EngineSpec, threads: str) -> ManagedProcess:
+        args = ["serve", "--host", spec.host, "--port", str(spec.port), "--role", spec.role,
+                "--kv-events-endpoint", f"tcp://{spec.host}:{spec.events_port}"]
+        if self.model:
+            args += ["--model", self.model]
+        env = {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token, "OMP_NUM_THREADS": threads}
+        return start_process(spec.name, agentserve_cmd(*args, *self.engine_args),
+                             self.run_dir / f"{spec.name}.log", spec.url, env)
+
+    def write_router_config(self) -> Path:
+        eps = [{"url": s.url, "role": s.role, "kv_events": f"tcp://{s.host}:{s.events_port}"}
+               for s, _ in self.engines]
+        path = self.run_dir / "router.yaml"
+        path.write_text(yaml.safe_dump({"policy": "default", "endpoints": eps}, sort_keys=False))
+        return path
+
+    def state(self) -> dict:
+        assert self.router is not None and self.router.url is not None
+        return {"router": self.router.url,
+                "engines": [{"url": s.url, "role": s.role, "pid": p.pid} for s, p in self.engines]}
+
+    def write_state(self, path: Path) -> None:
+        tmp = path.with_suffix(path.suffix + ".tmp")  # readers never see half a file
+        tmp.write_text(json.dumps(self.state(), indent=2))
+        tmp.replace(path)
+
+    def stop(self) -> None:
+        """Router first (no new requests), then the engines; each group SIGTERM then SIGKILL."""
+        if self.router is not None:
+            self.router.stop()
+        for _, proc in reversed(self.engines):
+            proc.stop()
+
+    def all_alive(self) -> bool:
+        procs = [p for _, p in self.engines] + ([self.router] if self.router else [])
+        return all(p.alive() for p in procs)
+
+
+def _tiny_dir() -> str:
+    from agentserve.engine.tiny import default_model_dir
+
+    return str(default_model_dir())
+
+
+def status_table(cluster: Cluster) -> "object":
+    """A rich Table of the running processes (URL, role, pid, log)."""
+    from rich.table import Table
+
+    table = Table(title=f"agentserve cluster - router {cluster.router.url if cluster.router else '-'}")
+    for col in ("name", "role", "url", "pid", "log"):
+        table.add_column(col)
+    rows = [(s.name, s.role, s.url, p) for s, p in cluster.engines]
+    if cluster.router is not None:
+        rows.append(("router", "router", cluster.router.url or "", cluster.router))
+    for name, role, url, proc in rows:
+        table.add_row(name, role, url, str(proc.pid), str(proc.log_path))
+    return table
+
+
+def up(topology: str, model: str | None, host: str, port: int, state: Path | None,
+       run_dir: Path | None, engine_args: str = "", health_timeout: float = 180.0) -> int:
+    """Run the cluster in the foreground until SIGINT/SIGTERM; returns an exit code."""
+    from rich.console import Console
+
+    console = Console()
+    topo = parse_topology(topology)
+    run_dir = run_dir or Path(f".agentserve/run-{os.getpid()}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cluster = Cluster(run_dir.resolve(), host, port, model, shlex.split(engine_args))
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    console.print(f"starting {topology}: {len(topo.roles)} engines + router, logs in {run_dir}")
+    try:
+        cluster.start(topo, health_timeout)
+    except ProcessError as e:
+        console.print(f"[red]cluster failed to start:[/red] {e}")
+        return 1
+    try:
+        console.print(status_table(cluster))
+        if state is not None:
+            cluster.write_state(state)
+        console.print(f"router ready at [bold]{cluster.state()['router']}[/bold] (Ctrl-C stops all)")
+        while not stop.wait(1.0):
+            if not cluster.all_alive():
+                console.print("[red]a process exited; stopping the cluster[/red]")
+                return 1
+        return 0
+    finally:
+        console.print("stopping cluster...")
+        cluster.stop()

@@ -1,0 +1,149 @@
+"""Prefill/decode orchestration: two legs per request, vLLM's `kv_transfer_params` contract.
+
+Per request, when the fleet has prefill endpoints:
+
+1. pick the decode endpoint first (roles decode/both; the same scorers: cache locality
+   against active requests);
+2. disaggregate only when the decode endpoint lacks at least ``pd_threshold`` prompt
+   tokens (a mostly cached turn is cheaper to finish where its KV already is);
+3. pick a prefill endpoint (roles prefill/both; prefix- and queue-aware scorers);
+4. prefill leg: the same body with ``max_tokens=1``, ``stream=false`` and
+   ``kv_transfer_params={"do_remote_decode": true, ...}``;
+5. decode leg: the original body plus the ``kv_transfer_params`` the prefill returned,
+   streamed back through the normal proxy.
+
+Field names are vLLM's, so a vLLM P/D pair (NIXL connector) can sit behind this too. A
+prefill endpoint that is down, slow or answers without params makes the decode endpoint
+prefill locally (``agentserve_router_pd_fallbacks``). A client that disconnects cancels
+the leg in flight (aiohttp cancels the handler; the engine aborts and frees its blocks;
+pins of a finished prefill leg are released by the decode engine or expire).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+from prometheus_client import Counter, Histogram
+
+from agentserve.router.core import Decision, NoEndpoint, RouteInput, Router
+from agentserve.router.proxy import Upstream, forward, forward_headers
+from agentserve.router.scorers import weighted_scores
+
+_MAX_OUTPUT_CHARGE = 4096
+PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                  "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+def pick(router: Router, req: RouteInput, roles: tuple[str, ...], charge_output: bool) -> Decision:
+    """``Router.decide`` restricted to endpoints with one of ``roles`` (books the choice)."""
+    t0, now = time.perf_counter(), time.monotonic()
+    cands, keys = router.candidates(req, now)
+    cands = [c for c in cands if c.role in roles and c.model_ok]
+    if not cands:
+        raise NoEndpoint(f"no healthy endpoint with role {'/'.join(roles)}")
+    scores = weighted_scores(router.scorers, cands) if router.scorers else [0.0] * len(cands)
+    i, reason = router.picker.pick(cands, scores)
+    c = cands[i]
+    ep = router.endpoints[c.url]
+    out = min(req.max_tokens, _MAX_OUTPUT_CHARGE) if charge_output else 1
+    d = Decision(url=c.url, rank=c.rank, reason=reason, prompt_len=len(req.token_ids),
+                 predicted_cached=c.predicted_cached, charged_tokens=c.uncached_tokens + out,
+                 uncached=c.uncached_tokens, seconds=0.0,
+                 scores={x.url: s for x, s in zip(cands, scores)},
+                 keys=keys.get(router.hasher_id(ep), []))
+    router._book(ep, d, c, req, now)
+    d.seconds = time.perf_counter() - t0
+    return d
+
+
+class PDOrchestrator:
+    """The gateway's P/D path; ``route`` returns None when a request should not split."""
+
+    def __init__(self, gw: Any, threshold: int = 256, prefill_timeout_s: float = 120.0) -> None:
+        self.gw, self.threshold, self.prefill_timeout_s = gw, threshold, prefill_timeout_s
+        r, p = gw.metrics.registry, "agentserve_router_pd_"
+        self.legs = Counter(p + "requests", "Requests by P/D path", ["path"], registry=r)
+        self.fallbacks = Counter(p + "fallbacks", "Prefill legs that failed (decode prefilled "
+                                 "locally)", ["reason"], registry=r)
+        self.prefill_seconds = Histogram(p + "prefill_leg_seconds", "Prefill leg latency",
+                                         registry=r)
+
+    def enabled(self) -> bool:
+        roles = {ep.cfg.role for ep in self.gw.router.endpoints.values() if ep.available()}
+        return "prefill" in roles and bool(roles & {"decode", "both"})
+
+    async def route(self, request: web.Request, body: bytes,
+                    route: RouteInput) -> web.StreamResponse | None:
+        router: Router = self.gw.router
+        try:
+            d = pick(router, route, ("decode", "both"), True)
+        except NoEndpoint:
+            return None
+        headers: dict[str, str] = {"x-agentserve-endpoint": d.url, "x-agentserve-reason": d.reason}
+        try:
+            req = msgspec.json.decode(body)
+            if d.uncached < self.threshold or not isinstance(req, dict) or req.get("kv_transfer_params"):
+                self.legs.labels("aggregated").inc()
+                return await self._decode_leg(request, d, body, headers)
+            params, info = await self._prefill_leg(request, route, req)
+            headers["x-agentserve-pd"] = info
+            if params is not None:
+                self.legs.labels("disaggregated").inc()
+                body = msgspec.json.encode({**req, "kv_transfer_params": params})
+            else:
+                self.legs.labels("fallback").inc()
+            return await self._decode_leg(request, d, body, headers)
+        finally:
+            router.finish(d)
+
+    async def _prefill_leg(self, request: web.Request, route: RouteInput,
+                           req: dict[str, Any]) -> tuple[dict | None, str]:
+        """Run the prefill leg; (params, timing header) or (None, why) on any failure."""
+        router: Router = self.gw.router
+        try:
+            p = pick(router, route, ("prefill",), False)
+        except NoEndpoint:
+            self.fallbacks.labels("no_prefill_endpoint").inc()
+            return None, "fallback=no_prefill_endpoint"
+        leg = {**req, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
+        leg.pop("stream_options", None)
+        leg.pop("max_completion_tokens", None)
+        t0 = time.perf_counter()
+        timeout = aiohttp.ClientTimeout(total=self.prefill_timeout_s,
+                                        sock_connect=self.gw.opts.connect_timeout_s)
+        reason = "ok"
+        try:
+            assert self.gw.session is not None
+            async with self.gw.session.post(p.url + request.path, data=msgspec.json.encode(leg),
+                                            headers=forward_headers(request), timeout=timeout) as r:
+                out = await r.json(content_type=None) if r.status == 200 else None
+                reason = f"http_{r.status}" if out is None else reason
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+            out, reason = None, type(e).__name__
+            if router.endpoints.get(p.url) is not None:
+                router.endpoints[p.url].record_failure(self.gw.opts)
+        finally:
+            router.finish(p)
+        secs = time.perf_counter() - t0
+        params = (out or {}).get("kv_transfer_params") if isinstance(out, dict) else None
+        if not params:
+            self.fallbacks.labels(reason if reason != "ok" else "no_params").inc()
+            return None, f"fallback={reason};prefill={p.url}"
+        self.prefill_seconds.observe(secs)
+        return params, f"prefill={p.url};prefill_ms={secs * 1e3:.1f};route_ms={p.seconds * 1e3:.2f}"
+
+    async def _decode_leg(self, request: web.Request, d: Decision, body: bytes,
+                          headers: dict[str, str]) -> web.StreamResponse:
+        timeout = aiohttp.ClientTimeout(total=self.gw.opts.request_timeout_s,
+                                        sock_connect=self.gw.opts.connect_timeout_s)
+        try:
+            resp, _ = await forward(request, self.gw.session, d.url + request.path, body, timeout,
+                                    lambda: self.gw.router.first_byte(d), headers)
+        except Upstream as e:
+            return self.gw._upstream_error(e)
+        return resp

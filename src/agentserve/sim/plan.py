@@ -1,0 +1,149 @@
+"""`agentserve plan`: search xPyD topologies under a GPU budget with the simulator.
+
+Candidates (SIM-1): DEP width 8 or 16 (prefill and decode instances of the same width), every
+split xPyD with x >= y that uses the whole budget (input is ~98% of agentic tokens), MTP on/off,
+CPU tier 0 or 100 GiB per prefill rank: 24 configurations for 64 GPUs. Each is simulated at a
+ladder of concurrencies (closed loop, short stages by default); a point is one (config, C).
+
+Frontier: output tok/s per GPU against end-to-end output tok/s per user (mean of
+`output_tokens / e2e`, as the reference's 36.6 at c128); a point is on it when no other point
+is better on both. Recommendation: among points meeting `--min-tok-s-per-user`, the highest
+output tok/s per GPU, i.e. the lowest rental per output token; its $/M input and output are
+the reference's method (`cost.pool_cost`: prefill rental -> input, decode rental -> output).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import asdict, dataclass
+from multiprocessing import Pool
+from pathlib import Path
+
+from agentserve.sim.cost import pool_cost
+from agentserve.sim.memory import Topology, plan_memory
+from agentserve.sim.run import SimConfig, simulate
+from agentserve.sim.specs import hardware_spec, model_spec
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One deployment to simulate."""
+
+    prefill: int
+    decode: int
+    width: int
+    mtp: bool
+    cpu_gib: float
+
+    @property
+    def name(self) -> str:
+        return (f"{self.prefill}P{self.decode}D DEP{self.width} "
+                f"{'MTP' if self.mtp else 'noMTP'} cpu{self.cpu_gib:g}")
+
+    @property
+    def gpus(self) -> int:
+        return (self.prefill + self.decode) * self.width
+
+
+def candidates(model: str, gpu: str, gpus: int, widths: tuple[int, ...] = (8, 16),
+               cpu_sizes: tuple[float, ...] = (0.0, 100.0)) -> list[Candidate]:
+    """xPyD splits (x >= y >= 1) filling the budget, for each width, MTP and CPU size; those
+    whose weights do not fit a GPU are dropped."""
+    m, hw, out = model_spec(model), hardware_spec(gpu), []
+    for w in widths:
+        n = gpus // w
+        try:
+            plan_memory(m, hw, Topology("dep", w, "prefill"))
+            plan_memory(m, hw, Topology("dep", w, "decode", mtp=True))
+        except ValueError:
+            continue
+        for y in range(1, n // 2 + 1):
+            for mtp, cpu in itertools.product((True, False), cpu_sizes):
+                out.append(Candidate(n - y, y, w, mtp, cpu))
+    return out
+
+
+def _job(args: tuple[Candidate, int, str, str, str, float, int]) -> dict:
+    c, conc, model, gpu, workload, duration, seed = args
+    cfg = SimConfig(model=model, gpu=gpu, prefill=c.prefill, decode=c.decode, prefill_width=c.width,
+                    decode_width=c.width, concurrency=conc, mtp=c.mtp, cpu_offload_gib=c.cpu_gib,
+                    workload=workload, duration=duration, seed=seed)
+    s = simulate(cfg)
+    return {"config": c.name, **asdict(c), "gpus": c.gpus, "concurrency": conc,
+            "output_tok_s": s["output_tok_s"], "input_tok_s": s["input_tok_s"],
+            "output_tok_s_per_gpu": s["output_tok_s"] / c.gpus,
+            "tok_s_per_user": s["output_tok_s_per_user"]["mean"] or 0.0,
+            "ttft_p50_s": s["ttft_s"]["p50"], "itl_p50_ms": s["itl_ms"]["p50"],
+            "cost_per_m_input": s["cost_per_m_input"], "cost_per_m_output": s["cost_per_m_output"],
+            "cost_per_hour": s["cost_per_hour"]}
+
+
+def sweep(cands: list[Candidate], concurrencies: list[int], model: str, gpu: str, workload: str,
+          duration: float, seed: int = 0, workers: int = 2) -> list[dict]:
+    """Simulate every (candidate, concurrency); `workers` processes, biggest jobs first."""
+    jobs = [(c, k, model, gpu, workload, duration, seed) for c in cands for k in concurrencies]
+    jobs.sort(key=lambda j: -j[1])
+    if workers <= 1:
+        return [_job(j) for j in jobs]
+    with Pool(workers) as pool:
+        return list(pool.imap_unordered(_job, jobs))
+
+
+def price(points: list[dict], per_gpu_hour: float) -> None:
+    """Reference cost method at `per_gpu_hour`: prefill rental -> input, decode -> output."""
+    for p in points:
+        c = pool_cost(p["prefill"] * p["width"], p["decode"] * p["width"], p["input_tok_s"],
+                      p["output_tok_s"], per_gpu_hour)
+        p["cost_per_m_input"], p["cost_per_m_output"], p["cost_per_hour"] = (
+            c.per_m_input, c.per_m_output, c.per_hour)
+
+
+def frontier(points: list[dict]) -> list[dict]:
+    """Pareto points: no other point has both more tok/s per GPU and more tok/s per user."""
+    pts = sorted(points, key=lambda p: (-p["tok_s_per_user"], -p["output_tok_s_per_gpu"]))
+    out, best = [], -1.0
+    for p in pts:
+        if p["output_tok_s_per_gpu"] > best:
+            out.append(p)
+            best = p["output_tok_s_per_gpu"]
+    return out
+
+
+def recommend(points: list[dict], min_per_user: float) -> dict | None:
+    """The point meeting the per-user target with the most output tok/s per GPU."""
+    ok = [p for p in points if p["tok_s_per_user"] >= min_per_user and p["output_tok_s"] > 0]
+    return max(ok, key=lambda p: p["output_tok_s_per_gpu"]) if ok else None
+
+
+def plot(points: list[dict], front: list[dict], best: dict | None, target: float, path: Path) -> None:
+    """Scatter of all points, the frontier line, the target and the recommendation (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for name in sorted({p["config"] for p in points}):
+        ps = sorted((p for p in points if p["config"] == name), key=lambda p: p["concurrency"])
+        ax.plot([p["tok_s_per_user"] for p in ps], [p["output_tok_s_per_gpu"] for p in ps],
+                marker="o", ms=3, lw=0.7, alpha=0.6, label=name)
+    ax.plot([p["tok_s_per_user"] for p in front], [p["output_tok_s_per_gpu"] for p in front],
+            "k--", lw=1.5, label="frontier")
+    ax.axvline(target, color="red", lw=1, ls=":", label=f"target {target:g} tok/s/user")
+    if best:
+        ax.plot(best["tok_s_per_user"], best["output_tok_s_per_gpu"], "r*", ms=16)
+    ax.set_xlabel("output tok/s per user (end to end)")
+    ax.set_ylabel("output tok/s per GPU")
+    ax.legend(fontsize=6, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write(out: Path, points: list[dict], front: list[dict], best: dict | None, meta: dict) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps({"meta": meta, "recommendation": best,
+                                               "frontier": front, "points": points}, indent=2))
+    plot(points, front, best, meta["min_tok_s_per_user"], out / "frontier.png")

@@ -1,0 +1,210 @@
+"""P/D disaggregation between two real engines (in-process servers on the tiny model).
+
+The test client plays the router: prefill leg (max_tokens=1, stream=false,
+do_remote_decode) on P, decode leg with the returned kv_transfer_params on D.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.conftest import ServerThread
+
+KW = dict(model=None, kv_cache_tokens=8192, block_size=16, max_model_len=1024, max_num_seqs=16,
+          max_num_batched_tokens=512, seed=0, check_invariants=True)
+
+
+@pytest.fixture(scope="module")
+def pd() -> Iterator[tuple[ServerThread, ServerThread]]:
+    p = ServerThread(role="prefill", kv_transfer_timeout=30.0, kv_transfer_token="s3cret", **KW).start()
+    d = ServerThread(role="decode", kv_transfer_token="s3cret", **KW).start()
+    yield p, d
+    p.close()
+    d.close()
+
+
+def post(url: str, body: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+
+
+def prefill_leg(p: ServerThread, body: dict[str, Any], path: str = "/v1/completions") -> dict:
+    leg = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None}}
+    out = post(p.url, leg, path)
+    assert out["kv_transfer_params"]["do_remote_prefill"] is True
+    return out["kv_transfer_params"]
+
+
+def disagg(p: ServerThread, d: ServerThread, body: dict[str, Any], path: str = "/v1/completions") -> dict:
+    params = prefill_leg(p, body, path)
+    return post(d.url, {**body, "kv_transfer_params": params}, path)
+
+
+def transfer(s: ServerThread) -> dict[str, Any]:
+    return s.engine.stats().transfer
+
+
+def wait_clean(*servers: ServerThread, timeout: float = 10.0) -> None:
+    """Idle, no pins held, no blocks referenced (only cached-free ones)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if all(s.engine.core.remote.num_pinned == 0 and s.engine.core.kv.pool.num_used_blocks == 0
+               and not s.engine.core.scheduler.pulling for s in servers):
+            return
+        time.sleep(0.05)
+    raise AssertionError([(transfer(s), s.engine.core.kv.pool.num_used_blocks) for s in servers])
+
+
+def block_bytes(s: ServerThread) -> int:
+    k = s.engine.core.remote.k
+    return 2 * k.shape[0] * k[0, 0].numel() * k.element_size()
+
+
+def test_greedy_identical_aggregated_and_pd(pd: tuple[ServerThread, ServerThread]) -> None:
+    p, d = pd
+    rng = random.Random(7)
+    lengths = [1, 15, 16, 17, 31, 32, 33, 100, 255, 256, 257, 400] + [rng.randint(2, 600) for _ in range(8)]
+    for n in lengths:
+        prompt = [rng.randint(3, 500) for _ in range(n)]
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+        ref = post(p.url, body)["choices"][0]["text"]  # aggregated path on an identical engine
+        got = disagg(p, d, body)
+        assert got["choices"][0]["text"] == ref, f"prompt of {n} tokens"
+        assert got["usage"]["prompt_tokens"] == n
+    assert transfer(d)["pull_failures"] == 0
+    assert transfer(d)["pulls"] >= 10
+    wait_clean(p, d)
+
+
+def test_chat_with_tools_on_both_legs(pd: tuple[ServerThread, ServerThread]) -> None:
+    p, d = pd
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}},
+        "required": ["city"], "additionalProperties": False}}}]
+    body = {"messages": [{"role": "user", "content": "weather in Paris? " * 20}], "tools": tools,
+            "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 200,
+            "temperature": 0}
+    ref = post(p.url, body, "/v1/chat/completions")["choices"][0]
+    got = disagg(p, d, body, "/v1/chat/completions")["choices"][0]
+    assert got["finish_reason"] == ref["finish_reason"] == "tool_calls"
+    fn = [c["function"] for c in got["message"]["tool_calls"]]
+    assert fn == [c["function"] for c in ref["message"]["tool_calls"]]
+    assert fn[0]["name"] == "get_weather"
+
+
+def test_only_missing_blocks_are_pulled(pd: tuple[ServerThread, ServerThread]) -> None:
+    p, d = pd
+    rng = random.Random(11)
+    base = [rng.randint(3, 500) for _ in range(160)]  # 10 full blocks
+    disagg(p, d, {"prompt": base + [7], "max_tokens": 2, "temperature": 0})
+    before = transfer(d)
+    grown = base + [rng.randint(3, 500) for _ in range(80)]  # 240 tokens: 14 full blocks usable
+    disagg(p, d, {"prompt": grown, "max_tokens": 2, "temperature": 0})
+    after = transfer(d)
+    pulled = after["blocks_pulled"] - before["blocks_pulled"]
+    assert pulled == (len(grown) - 1) // 16 - 10  # the 10 shared blocks stay local
+    assert after["bytes_received"] - before["bytes_received"] == pulled * block_bytes(d)
+    wait_clean(p, d)
+
+
+def test_prefill_engine_counts_prompt_tokens(pd: tuple[ServerThread, ServerThread]) -> None:
+    p, _ = pd
+    before = p.engine.stats().prompt_tokens
+    params = prefill_leg(p, {"prompt": list(range(10, 90)), "temperature": 0})
+    assert p.engine.stats().prompt_tokens - before == 80
+    p.engine.core.remote.release(params["remote_request_id"])  # nobody will pull it
+    body = urllib.request.urlopen(p.url + "/metrics").read().decode()
+    assert "vllm:prompt_tokens_total" in body and "agentserve:kv_transfer_sent_bytes" in body
+
+
+def _truncating_server(nbytes: int) -> tuple[int, threading.Thread]:
+    """A fake prefill transfer server that dies after sending part of a payload."""
+    from agentserve.engine.transfer_wire import recv_header, send_frame
+
+    lst = socket.create_server(("127.0.0.1", 0))
+
+    def run() -> None:
+        conn, _ = lst.accept()
+        with conn, lst:
+            recv_header(conn)
+            send_frame(conn, {"ok": True, "nbytes": nbytes, "shape": [nbytes // 4], "dtype": "float32",
+                              "sum": 0})
+            conn.sendall(b"\0" * (nbytes // 3))  # then the "engine" dies
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return lst.getsockname()[1], t
+
+
+@pytest.mark.parametrize("fault", ["dies_mid_transfer", "refused", "hash_mismatch"])
+def test_failed_pull_recomputes(pd: tuple[ServerThread, ServerThread], fault: str) -> None:
+    p, d = pd
+    prompt = [random.Random(fault).randint(3, 500) for _ in range(300)]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
+    ref = post(p.url, body)["choices"][0]["text"]
+    params = prefill_leg(p, body)
+    if fault == "dies_mid_transfer":
+        params["remote_port"], _ = _truncating_server(1 << 20)
+    elif fault == "refused":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            params["remote_port"] = s.getsockname()[1]  # nobody listens there
+    else:
+        params["remote_block_hashes"][3] = "00" * 32
+    fails = transfer(d)["pull_failures"]
+    got = post(d.url, {**body, "kv_transfer_params": params})
+    assert got["choices"][0]["text"] == ref
+    if fault != "hash_mismatch":
+        assert transfer(d)["pull_failures"] == fails + 1
+    p.engine.core.remote.release(params["remote_request_id"])  # the fake peers never released it
+    p.engine.core.inbox.put(None)
+    wait_clean(p, d)
+
+
+def test_abort_during_pull_leaks_nothing(pd: tuple[ServerThread, ServerThread]) -> None:
+    p, d = pd
+    import http.client
+
+    for n in (700, 900):
+        prompt = [random.Random(n).randint(3, 500) for _ in range(n)]
+        body = {"prompt": prompt, "max_tokens": 50, "temperature": 0, "stream": True}
+        params = prefill_leg(p, body)
+        conn = http.client.HTTPConnection(d.url.removeprefix("http://"), timeout=10)
+        conn.request("POST", "/v1/completions", json.dumps({**body, "kv_transfer_params": params}),
+                     {"Content-Type": "application/json"})
+        conn.sock.close()  # client gone while the pull runs (or just after)
+        conn.close()
+    wait_clean(p, d, timeout=15)
+
+
+def test_unpulled_pins_expire() -> None:
+    p = ServerThread(role="prefill", kv_transfer_timeout=0.5, **KW).start()
+    try:
+        prefill_leg(p, {"prompt": list(range(5, 100)), "temperature": 0})
+        assert p.engine.core.remote.num_pinned == 1
+        wait_clean(p, timeout=5)
+        assert transfer(p)["pins_expired"] == 1
+    finally:
+        p.close()
+
+
+def test_bad_token_is_refused(pd: tuple[ServerThread, ServerThread]) -> None:
+    from agentserve.engine.transfer_wire import PullSpec, TcpBackend, TransferError
+
+    p, _ = pd
+    spec = PullSpec("127.0.0.1", p.engine.core.remote.port, "nope", [0], [b"x"])
+    with pytest.raises(TransferError, match="token"):
+        TcpBackend("wrong").pull(spec)

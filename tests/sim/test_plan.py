@@ -1,0 +1,32 @@
+"""Planner: candidate enumeration under the budget, frontier, recommendation, tiny sweep."""
+
+from __future__ import annotations
+
+from agentserve.sim import plan as pl
+from agentserve.sim import run as sim_run
+from tests.sim.test_cluster import _session
+
+
+def test_candidates_fill_the_budget() -> None:
+    cands = pl.candidates("glm-5.2-fp8", "h200", 64)
+    assert len(cands) == 24  # DEP8: 7P1D..4P4D, DEP16: 3P1D, 2P2D; x MTP x CPU tier
+    assert all(c.gpus == 64 and c.prefill >= c.decode >= 1 for c in cands)
+    assert {c.width for c in cands} == {8, 16}
+
+
+def test_frontier_and_recommendation() -> None:
+    pts = [{"tok_s_per_user": u, "output_tok_s_per_gpu": g, "output_tok_s": 1.0, "n": i}
+           for i, (u, g) in enumerate([(50, 10), (40, 30), (30, 20), (20, 60), (35, 25)])]
+    assert [p["n"] for p in pl.frontier(pts)] == [0, 1, 3]
+    assert pl.recommend(pts, 30)["n"] == 1
+    assert pl.recommend(pts, 60) is None
+
+
+def test_tiny_sweep_prices_points(monkeypatch, tmp_path) -> None:
+    monkeypatch.setattr(sim_run, "load_workload", lambda *a: [_session(i) for i in range(3)])
+    cands = [pl.Candidate(1, 1, 1, False, 0.0), pl.Candidate(1, 1, 1, True, 0.0)]
+    pts = pl.sweep(cands, [2], "tiny", "cpu-local", "sweep-full", 120.0, workers=1)
+    pl.price(pts, 1.0)
+    assert len(pts) == 2 and all(p["output_tok_s"] > 0 and p["cost_per_m_output"] for p in pts)
+    pl.write(tmp_path, pts, pl.frontier(pts), pl.recommend(pts, 0.0), {"min_tok_s_per_user": 0})
+    assert (tmp_path / "frontier.png").stat().st_size > 1000
