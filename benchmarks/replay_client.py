@@ -32,7 +32,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.workload.replay import BenchConfig, BenchRun
+from agentserve.workload.replay import BenchConfig, BenchRun, run_client
 from agentserve.workload.schema import Session, TraceRequest
 
 HERE = Path(__file__).resolve().parent
@@ -194,9 +194,9 @@ if __name__ == "__main__":
     ap.add_argument("--session-itl", type=float, default=0.08, help="stub chunk gap, sessions phase")
     ap.add_argument("--itl", type=float, default=0.1, help="stub chunk gap, streams phase")
     ap.add_argument("--out-tokens", type=int, default=32)
-    ap.add_argument("--out", default="bench-results/replay_client.json")
+    ap.add_argument("--out", default="bench-out/replay_client.json")
     a = ap.parse_args()
-    r = asyncio.run(main(a))
+    r = run_client(main(a))
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(r, indent=2))
     show(r)

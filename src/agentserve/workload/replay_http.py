@@ -151,15 +151,17 @@ class Target:
     async def send(self, rec: RequestRecord, body: dict, t0: float) -> None:
         """Stream one request, filling `rec`; never raises except on cancellation."""
         assert self.session is not None
-        start = time.perf_counter()
-        rec.start = start - t0
+        # Prepare everything first, then stamp the start: TTFT is measured from the moment
+        # the request is handed to the connection, as AIPerf does, not from JSON encoding.
+        payload = msgspec.json.encode(body)
         headers = dict(self.headers, **{"X-Request-Id": rec.request_id})
         if body.get("user"):
             headers["x-session-id"] = str(body["user"])
+        start = time.perf_counter()
+        rec.start = start - t0
         try:
             async with asyncio.timeout(self.request_timeout):
-                async with self.session.post(self.endpoint, data=msgspec.json.encode(body),
-                                             headers=headers) as resp:
+                async with self.session.post(self.endpoint, data=payload, headers=headers) as resp:
                     rec.status = resp.status
                     if resp.status != 200:
                         rec.error = await _error_text(resp)
