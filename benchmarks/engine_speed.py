@@ -1,0 +1,104 @@
+"""Engine prefill and decode speed on one device (the GPU check of ENGINE-1 uses --device cuda).
+
+Runs the engine core in-process (no HTTP): prefill tok/s of one long prompt (chunked by
+--max-num-batched-tokens), then decode tok/s at several batch sizes.
+
+    .venv/bin/python benchmarks/engine_speed.py --preset small --device cuda --dtype bfloat16
+    .venv/bin/python benchmarks/engine_speed.py --preset tiny --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from agentserve.engine.engine import AsyncEngine
+from agentserve.engine.request import SamplingParams
+from agentserve.engine.sequence import Sequence
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _add(core, rid: str, n: int, rng: random.Random) -> Sequence:
+    seq = Sequence(rid, [rng.randrange(16, 4000) for _ in range(n)],
+                   SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True))
+    core.seqs[rid] = seq
+    core.scheduler.add(seq)
+    return seq
+
+
+def prefill_tok_s(core, device: str, n: int, rng: random.Random) -> float:
+    seq = _add(core, f"p{n}", n, rng)
+    _sync(device)
+    t0 = time.perf_counter()
+    while seq.num_output_tokens == 0:
+        core.step()
+    _sync(device)
+    dt = time.perf_counter() - t0
+    core.scheduler.finish(seq, seq.status)
+    return n / dt
+
+
+def decode_tok_s(core, device: str, batch: int, ctx: int, steps: int, rng: random.Random) -> float:
+    seqs = [_add(core, f"d{batch}-{i}", ctx, rng) for i in range(batch)]
+    while any(s.num_output_tokens == 0 for s in seqs):
+        core.step()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        core.step()
+    _sync(device)
+    dt = time.perf_counter() - t0
+    for s in seqs:
+        core.scheduler.finish(s, s.status)
+    return batch * steps / dt
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="tiny", choices=["tiny", "small"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--out", default="bench-out/engine_speed.json")
+    args = ap.parse_args()
+    from agentserve.engine.tiny import make_tiny
+
+    model = make_tiny(Path(tempfile.mkdtemp(prefix="engine-speed-")) / args.preset, preset=args.preset)
+    eng = AsyncEngine.from_args(model=str(model), device=args.device, dtype=args.dtype,
+                                kv_cache_tokens=262_144, max_num_batched_tokens=8192, max_num_seqs=256)
+    core, rng = eng.core, random.Random(0)
+    prefill_tok_s(core, args.device, 256, rng)  # warm-up
+    result = {"preset": args.preset, "device": args.device, "dtype": args.dtype,
+              "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+              "prefill_tokens": args.prompt,
+              "prefill_tok_s": prefill_tok_s(core, args.device, args.prompt, rng),
+              "decode_tok_s": {b: decode_tok_s(core, args.device, int(b), args.ctx, args.steps, rng)
+                               for b in args.batches.split(",")}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    t = Table(title=f"engine speed: {args.preset} {args.dtype} on {result['gpu'] or args.device}")
+    t.add_column("what")
+    t.add_column("tok/s", justify="right")
+    t.add_row(f"prefill {args.prompt} tokens", f"{result['prefill_tok_s']:.0f}")
+    for b, v in result["decode_tok_s"].items():
+        t.add_row(f"decode batch {b} (ctx {args.ctx})", f"{v:.0f}")
+    Console().print(t)
+
+
+if __name__ == "__main__":
+    main()
