@@ -8,7 +8,8 @@ import urllib.request
 
 import pytest
 
-from agentserve.kv.events import BlockStored, KVEventSubscriber
+from agentserve.kv.events import BlockStored
+from agentserve.kv.zmq_events import KVEventSubscriber
 from agentserve.procs import free_port, start_engine, start_vllm
 
 pytestmark = pytest.mark.interop

@@ -9,13 +9,11 @@ from agentserve.kv.events import (
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventPublisher,
-    KVEventSubscriber,
     block_stored,
     decode_event_batch,
     encode_event_batch,
-    offset_endpoint_port,
 )
+from agentserve.kv.zmq_events import KVEventPublisher, KVEventSubscriber, offset_endpoint_port
 from tests.kv.conftest import VECTORS
 
 

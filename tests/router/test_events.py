@@ -7,7 +7,8 @@ import pytest
 import zmq.asyncio
 
 from agentserve.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
-                                  KVEventPublisher, decode_event_batch, encode_event_batch)
+                                  decode_event_batch, encode_event_batch)
+from agentserve.kv.zmq_events import KVEventPublisher
 from agentserve.router.events import EventApplier, subscribe
 from agentserve.router.index import PrefixIndex
 

@@ -20,7 +20,8 @@ from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.transfer import RemoteConfig, RemoteKV
 from agentserve.engine.transfer_wire import TcpBackend
 from agentserve.kv.connector import TierConnector, make_connector
-from agentserve.kv.events import KVEventPublisher, KVEventQueue
+from agentserve.kv.events import KVEventQueue
+from agentserve.kv.zmq_events import KVEventPublisher
 from agentserve.kv.hashing import BlockHasher
 from agentserve.kv.manager import KVCacheManager
 from agentserve.kv.pool import BlockPool

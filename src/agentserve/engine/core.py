@@ -18,7 +18,8 @@ from agentserve.engine.request import RequestOutput, RequestStatus
 from agentserve.engine.runner import ModelRunner
 from agentserve.engine.scheduler import Scheduler
 from agentserve.engine.sequence import Sequence
-from agentserve.kv.events import KVEventPublisher, KVEventQueue
+from agentserve.kv.events import KVEventQueue
+from agentserve.kv.zmq_events import KVEventPublisher
 
 log = logging.getLogger("agentserve.engine")
 

@@ -18,7 +18,6 @@ Only KV cache group 0 (the full-attention group; `group_idx` None or 0) is index
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -28,8 +27,9 @@ from urllib.parse import urlparse
 import zmq
 import zmq.asyncio
 
-from agentserve.kv.events import (END_SEQ, AllBlocksCleared, BlockRemoved, BlockStored,
-                                  KVEventBatch, decode_event_batch, offset_endpoint_port)
+from agentserve.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+                                  decode_event_batch)
+from agentserve.kv.zmq_events import END_SEQ, offset_endpoint_port
 from agentserve.router.index import PrefixIndex, block_key
 
 logger = logging.getLogger(__name__)

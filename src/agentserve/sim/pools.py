@@ -6,6 +6,8 @@ lasts as long as `PerfModel` says its slowest rank plus the shared MoE work take
 
 from __future__ import annotations
 
+import abc
+
 from collections.abc import Callable
 
 from agentserve.kv.manager import cdiv
@@ -13,7 +15,7 @@ from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
 from agentserve.sim.perf import PerfModel
 
 
-class Instance:
+class Instance(abc.ABC):
     """Base: a clock, ranks and a perf model; `kick` starts a step when idle."""
 
     def __init__(self, clock: Clock, perf: PerfModel, ranks: list[Rank]) -> None:
@@ -29,8 +31,9 @@ class Instance:
         self.busy, self.busy_s = True, self.busy_s + dt
         self.clock.at(self.clock.now + dt, done)
 
-    def _step(self) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
+    @abc.abstractmethod
+    def _step(self) -> None:
+        """Start the next step of this instance (prefill chunk or decode batch)."""
 
 
 class PrefillInstance(Instance):
