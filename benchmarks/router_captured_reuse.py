@@ -30,9 +30,11 @@ POLICIES = {
     "least-loaded": {"policy": "least-loaded"},
     "approx-prefix": {"policy": "approx-prefix"},
     "precise-prefix": {"policy": "precise-prefix"},
-    "default (precise+speculative)": {"policy": "default"},
-    "precise+spec+affinity+sticky": {"policy": "default", "picker": {"type": "sticky"},
-                                     "scorers": {"session": 0.5}},
+    # the previous default: precise + speculative, max picker, affinity as tie-break
+    "precise+speculative (max)": {"policy": "precise-prefix", "scorers": {"session": 0.1},
+                                  "options": {"speculative_ttl_s": 2.0}},
+    # default: precise + speculative + sticky until saturated (wait) + session balance
+    "default": {"policy": "default"},
 }
 
 

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import torch
 
 from tests.conftest import ServerThread
 
@@ -206,5 +207,6 @@ def test_bad_token_is_refused(pd: tuple[ServerThread, ServerThread]) -> None:
 
     p, _ = pd
     spec = PullSpec("127.0.0.1", p.engine.core.remote.port, "nope", [0], [b"x"])
+    k = torch.zeros(1, 4, 16, 1, 8)
     with pytest.raises(TransferError, match="token"):
-        TcpBackend("wrong").pull(spec)
+        TcpBackend("wrong").pull_into(spec, k, k.clone(), [0])

@@ -131,3 +131,40 @@ def test_remove_endpoint_forgets_it():
     hold(r, URLS[3], t)
     r.remove_endpoint(URLS[3])
     assert r.decide(RouteInput(t)).url != URLS[3] and len(r.index) == 0
+
+
+def test_default_spreads_new_sessions_by_active_sessions():
+    r = make("default")
+    for s in range(8):  # no prefix anywhere: balance places them two per endpoint
+        r.finish(r.decide(RouteInput(toks(300, 100 + s), session=f"s{s}")))
+    counts = [len(r.endpoints[u].active) for u in URLS]
+    assert counts == [2, 2, 2, 2]
+    # a session's next turn stays where its prefix is, whatever the balance says
+    t = toks(900, 5)
+    home = r.sessions["s3"]
+    hold(r, home, t)
+    ep = r.endpoints[home]
+    ep.active.update({f"x{i}": ep.active["s3"] for i in range(5)})
+    assert r.decide(RouteInput(t + [1] * 40, session="s3")).url == home
+
+
+def test_a_session_that_moves_is_counted_on_its_new_endpoint():
+    r = make("default", options={"prefill_tok_per_s": 1000.0, "speculative_ttl_s": 0.0})
+    t = toks(800)
+    hold(r, URLS[0], t)
+    assert r.decide(RouteInput(t + [1] * 20, session="a")).url == URLS[0]
+    r.endpoints[URLS[0]].pending_prefill = 5000
+    d = r.decide(RouteInput(t + [2] * 20, session="a"))
+    assert d.url != URLS[0] and d.reason == "saturated"
+    assert "a" not in r.endpoints[URLS[0]].active and "a" in r.endpoints[d.url].active
+
+
+def test_prefill_speed_is_learned_from_first_byte():
+    r = make("default")
+    d = r.decide(RouteInput(toks(4000)))
+    d.sent_at -= 2.0  # as if the first byte came 2 s after the decision
+    r.first_byte(d)
+    rate = r.endpoints[d.url].prefill_tok_s
+    assert 1500 < rate < 2100
+    c = {c.url: c for c in r.candidates(RouteInput(toks(4000, 3)), 0.0)[0]}[d.url]
+    assert c.est_wait_s == pytest.approx(4000 / rate)

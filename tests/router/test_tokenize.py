@@ -138,3 +138,28 @@ def test_split_tool_group_falls_back(tok):
     t = it.chat(msgs)
     assert t.entry.text == tok.apply_chat_template(msgs)
     assert it.renders["fallback"] == 1 and it.incremental_render
+
+
+def test_seq_shares_segments_and_behaves_like_an_array():
+    from array import array
+    from bisect import bisect_right
+
+    from agentserve.router.tokenize import Seq
+
+    rng = random.Random(3)
+    ref = sorted(rng.randrange(1000) for _ in range(50))
+    seq = Seq([array("i", ref)])
+    for _ in range(200):  # keep a prefix, append a tail, as turns do
+        k = rng.randrange(len(ref) + 1)
+        tail = sorted(rng.randrange(ref[k - 1] if k else 0, 5000) for _ in range(rng.randrange(0, 9)))
+        ref = ref[:k] + tail
+        seq = seq.prefix_plus(k, array("i", tail))
+        assert len(seq) == len(ref) and seq.tolist() == ref and list(seq) == ref
+        assert len(seq.segs) <= Seq.max_segments
+        a, b = sorted(rng.randrange(len(ref) + 1) for _ in range(2))
+        assert seq[a:b].tolist() == ref[a:b]
+        if ref:
+            i = rng.randrange(len(ref))
+            assert seq[i] == ref[i] and seq[-1] == ref[-1]
+        x = rng.randrange(5001)
+        assert seq.bisect_right(x) == bisect_right(ref, x)

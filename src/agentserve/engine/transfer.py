@@ -9,7 +9,8 @@ decode side has pulled them, asked to release them, or after ``timeout`` seconds
 Decode side (``do_remote_prefill``): the scheduler asks ``plan`` which full prompt blocks
 are missing locally (prefix-aware: blocks after the local device hit, checked by chained
 block hash against the prefill side's), allocates device blocks, and ``start_pull`` copies
-them in on the ``kv-pull`` thread while the request waits in WAITING_FOR_KV. The last
+them in on the ``kv-pull`` thread while the request waits in WAITING_FOR_KV (straight into
+those blocks: see ``transfer_wire``; on failure they are freed uncached). The last
 partial block and the final prompt token are always computed locally, so the decode
 engine samples the first token itself: outputs equal the aggregated path's by
 construction, and any failure simply recomputes.
@@ -32,7 +33,6 @@ import torch
 
 from agentserve.engine.transfer_wire import PullSpec, TransferBackend, TransferError
 from agentserve.kv.pool import Block, BlockPool
-from agentserve.kv.transfer import gather_blocks, scatter_blocks
 
 log = logging.getLogger("agentserve.transfer")
 
@@ -159,9 +159,6 @@ class RemoteKV:
                 p.released = True
         self.notify()
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        return gather_blocks(self.k, self.v, block_ids)
-
     def _on_sent(self, n: int) -> None:
         self.stats.bytes_sent += n
 
@@ -209,12 +206,7 @@ class RemoteKV:
     def _pull_job(self, rid: str, spec: PullSpec, block_ids: list[int]) -> None:
         t0 = time.perf_counter()
         try:
-            data = self.backend.pull(spec)
-            want = (2, self.k.shape[0], len(block_ids) * self.bs, *self.k.shape[3:])
-            if tuple(data.shape) != want or data.dtype != self.k.dtype:
-                raise TransferError(f"size mismatch: got {tuple(data.shape)} {data.dtype}, "
-                                    f"want {want} {self.k.dtype}")
-            scatter_blocks(self.k, self.v, data, block_ids)
+            nbytes = self.backend.pull_into(spec, self.k, self.v, block_ids)
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
             self.stats.pull_failures += 1
             log.warning("KV pull for %s from %s:%d failed, recomputing: %s", rid, spec.host,
@@ -223,7 +215,7 @@ class RemoteKV:
             self.notify()
             return
         self.stats.pull_seconds += time.perf_counter() - t0
-        self.stats.bytes_received += data.numel() * data.element_size()
+        self.stats.bytes_received += nbytes
         self.stats.pulls += 1
         self.stats.blocks_pulled += len(block_ids)
         self._done.put(PullDone(rid, True, len(block_ids)))

@@ -1,57 +1,168 @@
 """KV transfer over TCP: framing, the pluggable `TransferBackend` protocol, the TCP backend.
 
-Wire format (one request, one reply per connection round trip; connections are reused):
+Wire format (one request, one reply per round trip; connections are pooled and reused):
 
-    frame  = u32 header_len | msgpack header | payload (header["nbytes"] raw bytes)
-    pull   -> {"op": "pull", "token", "rid", "idx": [block index], "hashes": [bytes], "release"}
-    reply  <- {"ok", "error", "nbytes", "shape": [2, L, n*bs, H, D], "dtype", "sum"} + payload
+    frame  = u32 header_len | msgpack header
+    pull   -> {"op": "pull", "token", "rid", "idx": [block index], "hashes": [bytes], "release",
+               "chunk_blocks"}
+    reply  <- {"ok", "error", "n", "nbytes", "block_shape": [2, L, bs, H, D], "dtype",
+               "chunk_blocks"}
+              then per chunk of up to chunk_blocks blocks: its bytes in ``gather_blocks``
+              layout [2, L, nc*bs, H, D], then a u64 wrap-around sum of those bytes.
 
-The payload is the contiguous host tensor of ``gather_blocks`` sent as one memoryview
-(zero-copy on both ends: ``sendall`` from the tensor's buffer, ``recv_into`` straight into
-the destination tensor). Many blocks travel in one message. ``sum`` is a 64-bit
-wrap-around sum of the payload's words: TCP already checksums segments, this catches a
-truncated or mis-framed payload at memory speed (zlib.crc32 runs at ~1 GB/s here and
-would halve throughput). Content identity is checked separately by block hash.
+Many blocks travel in one reply, cut in chunks (default 64 blocks) so that the two ends
+work as a pipeline instead of one big copy after another:
+
+* CPU caches (zero-copy): the prefill side ``sendall``s straight from the pinned cache
+  blocks (``block_views``: one contiguous view per layer and run of consecutive blocks)
+  and the decode side ``recv_into``s straight into its freshly allocated destination
+  blocks. No gather, no scatter, no staging buffer. A failed or mismatched pull frees
+  those blocks uncached (the scheduler recomputes), so writing before the check is safe.
+* Other devices (staged): chunk j+1 is gathered into a reused (pinned) staging buffer on
+  a helper thread while chunk j is on the wire; the receiver reuses two staging buffers
+  per pulling thread and scatters chunk j on the helper thread while chunk j+1 arrives.
+
+The per-chunk sum (64-bit wrap-around over the payload's words) is computed right next
+to the send / receive of each piece, while its bytes are still in cache: it catches a
+truncated or mis-framed payload at memory speed (zlib.crc32 runs at ~1 GB/s here). TCP
+checksums segments; content identity is checked separately by block hash.
 """
 
 from __future__ import annotations
 
 import hmac
+import os
 import logging
 import socket
 import struct
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import msgspec
+import numpy as np
 import torch
+
+from agentserve.kv.transfer import StagingBuffer, block_runs, gather_blocks, scatter_blocks
 
 log = logging.getLogger("agentserve.transfer")
 
 _HDR = struct.Struct("!I")
+_SUM = struct.Struct("!Q")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MAX_HEADER = 16 << 20
+CHUNK_BLOCKS = 64
+# Bytes per send/recv syscall group and checksum pass: about L2, so the sum reads hot bytes.
+PIECE_BYTES = int(os.environ.get("AGENTSERVE_KV_PIECE_BYTES", 1 << 20))
+_MAX_IOV = 512
+_MASK = 0xFFFFFFFFFFFFFFFF
 
 
 class TransferError(RuntimeError):
     """A pull failed (peer gone, refused, bad size/checksum); the caller recomputes."""
 
 
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
 def payload_sum(buf: torch.Tensor) -> int:
-    """Wrap-around 64-bit sum of the payload bytes viewed as int64 words (tail as bytes)."""
-    raw = buf.reshape(-1).view(torch.uint8)
+    """Wrap-around 64-bit sum of a contiguous tensor's bytes as int64 words (tail as bytes)."""
+    raw = _bytes(buf)
     n8 = raw.numel() // 8 * 8
     s = int(raw[:n8].view(torch.int64).sum()) if n8 else 0
-    return (s + int(raw[n8:].sum())) & 0xFFFFFFFFFFFFFFFF
+    return (s + int(raw[n8:].sum())) & _MASK
+
+
+def _piece_sum(x: np.ndarray) -> int:
+    """Wrap-around sum of a byte piece as u64 words (tail as bytes); additive over pieces
+    whose lengths are multiples of 8, so both ends agree however they cut the stream."""
+    n8 = x.size // 8 * 8
+    s = int(np.add.reduce(x[:n8].view(np.uint64))) if n8 else 0
+    return s + (int(x[n8:].sum()) if n8 < x.size else 0)
+
+
+def _cache_bytes(t: torch.Tensor) -> np.ndarray:
+    """A CPU cache [L, NB, bs, H, D] as a numpy byte array [L, NB, unit] (no copy)."""
+    return t.view(torch.uint8).numpy().reshape(t.shape[0], t.shape[1], -1)
+
+
+def _split(x: np.ndarray, unit: int) -> list[np.ndarray]:
+    """Cut a run of whole units into pieces of about PIECE_BYTES (a unit each if unit % 8)."""
+    step = unit if unit % 8 else max(unit, PIECE_BYTES // unit * unit)
+    return [x[i:i + step] for i in range(0, x.size, step)]
+
+
+def cache_pieces(k: torch.Tensor, v: torch.Tensor, block_ids: list[int]) -> list[np.ndarray]:
+    """The wire bytes of ``block_ids`` as pieces of the cache itself (``gather_blocks``
+    order: k then v, layer by layer, runs of consecutive blocks). Zero-copy: the pieces
+    share the cache's memory, so they are sent from / received into directly."""
+    out: list[np.ndarray] = []
+    runs = block_runs(block_ids)
+    for a in (_cache_bytes(k), _cache_bytes(v)):
+        unit = a.shape[2]
+        for layer in range(a.shape[0]):
+            for start, length in runs:
+                out += _split(a[layer, start:start + length].reshape(-1), unit)
+    return out
+
+
+def _groups(pieces: list[np.ndarray]) -> list[list[np.ndarray]]:
+    """Consecutive pieces in groups of about PIECE_BYTES: one sendmsg/recvmsg_into each."""
+    out: list[list[np.ndarray]] = []
+    size = PIECE_BYTES
+    for x in pieces:
+        if size + x.size > PIECE_BYTES or len(out[-1]) >= _MAX_IOV:
+            out.append([])
+            size = 0
+        out[-1].append(x)
+        size += x.size
+    return out
+
+
+def _advance(bufs: list[memoryview], i: int, off: int, n: int) -> tuple[int, int]:
+    while n:
+        rem = len(bufs[i]) - off
+        if n < rem:
+            return i, off + n
+        n -= rem
+        i, off = i + 1, 0
+    return i, off
+
+
+def send_pieces(sock: socket.socket, pieces: list[np.ndarray], checksum: bool = True) -> int:
+    """sendmsg the pieces (partial sends resumed); returns their checksum."""
+    bufs = [memoryview(x) for x in pieces]
+    i = off = 0
+    while i < len(bufs):
+        n = sock.sendmsg([bufs[i][off:], *bufs[i + 1:i + _MAX_IOV]])
+        i, off = _advance(bufs, i, off, n)
+    return sum(_piece_sum(x) for x in pieces) if checksum else 0  # just read: hot in cache
+
+
+def recv_pieces(sock: socket.socket, pieces: list[np.ndarray], checksum: bool = True) -> int:
+    """recvmsg_into the pieces until all are full; returns their checksum."""
+    bufs = [memoryview(x) for x in pieces]
+    i = off = 0
+    while i < len(bufs):
+        n = sock.recvmsg_into([bufs[i][off:], *bufs[i + 1:i + _MAX_IOV]])[0]
+        if n == 0:
+            raise TransferError(f"peer closed the connection mid-payload (piece {i} of {len(bufs)})")
+        i, off = _advance(bufs, i, off, n)
+    return sum(_piece_sum(x) for x in pieces) if checksum else 0  # just written: hot
+
+
+def _staged_sum(buf: torch.Tensor, unit: int) -> int:
+    return sum(_piece_sum(x) for x in _split(_bytes(buf).numpy(), unit)) & _MASK
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: torch.Tensor | None = None) -> None:
     head = msgspec.msgpack.encode(header)
     sock.sendall(_HDR.pack(len(head)) + head)
     if payload is not None and payload.numel():
-        sock.sendall(memoryview(payload.reshape(-1).view(torch.uint8).numpy()))
+        sock.sendall(memoryview(_bytes(payload).numpy()))
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -74,23 +185,24 @@ def recv_header(sock: socket.socket) -> dict[str, Any]:
     return msgspec.msgpack.decode(head)
 
 
-def recv_payload(sock: socket.socket, header: dict[str, Any]) -> torch.Tensor:
-    """Receive the payload straight into a fresh tensor; check its size and sum."""
-    dtype = DTYPES.get(header.get("dtype", ""))
-    shape = header.get("shape") or []
-    nbytes = int(header.get("nbytes", 0))
-    if dtype is None:
-        raise TransferError(f"unknown dtype {header.get('dtype')!r}")
-    expect = dtype.itemsize
-    for d in shape:
-        expect *= d
-    if expect != nbytes:
-        raise TransferError(f"size mismatch: shape {shape} needs {expect} bytes, header says {nbytes}")
-    buf = torch.empty(nbytes, dtype=torch.uint8)
-    _recv_exact(sock, memoryview(buf.numpy()))
-    if payload_sum(buf) != header.get("sum"):
-        raise TransferError("payload checksum mismatch")
-    return buf.view(dtype).view(*shape)
+def _recv_sum(sock: socket.socket) -> int:
+    raw = bytearray(_SUM.size)
+    _recv_exact(sock, memoryview(raw))
+    return _SUM.unpack(raw)[0]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dtype)
+
+
+def block_shape(k: torch.Tensor) -> list[int]:
+    """[2, L, bs, H, D]: one block's bytes on the wire (k and v of every layer)."""
+    L, _, bs, H, D = k.shape
+    return [2, L, bs, H, D]
+
+
+def _chunks(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
 
 
 @dataclass(slots=True)
@@ -108,8 +220,13 @@ class PullSpec:
 class BlockSource(Protocol):
     """The prefill side's pinned blocks, as the transfer server sees them (thread-safe)."""
 
+    k: torch.Tensor  # the KV cache, [L, num_blocks, bs, H, D] each
+    v: torch.Tensor
+
     def checkout(self, rid: str, idx: list[int], hashes: list[bytes]) -> list[int]:
-        """Device block ids for ``idx``; raises TransferError if unknown or hashes differ."""
+        """Device block ids for ``idx``; raises TransferError if unknown or hashes differ.
+
+        The blocks stay readable (pinned) until the matching ``checkin``."""
 
     def checkin(self, rid: str, release: bool) -> None:
         """The server is done reading (after ``checkout``); ``release`` frees the pins."""
@@ -117,20 +234,21 @@ class BlockSource(Protocol):
     def release(self, rid: str) -> None:
         """Free the pins without reading them (the decode side needs none of them)."""
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
-        """Contiguous host copy [2, L, n*bs, H, D] of the device blocks."""
-
 
 class TransferBackend(Protocol):
-    """How KV bytes move between engines. TCP here; a NIXL backend would implement the same."""
+    """How KV bytes move between engines. TCP here; a NIXL backend would implement the same
+    (it registers ``k``/``v`` as memory regions and reads block descriptors remotely)."""
 
     name: str
+    on_sent: Callable[[int], None]
 
     def serve(self, source: BlockSource, host: str, port: int) -> int:
         """Start serving ``source``; returns the bound port."""
 
-    def pull(self, spec: PullSpec) -> torch.Tensor:
-        """Fetch the blocks as a host tensor [2, L, n*bs, H, D]; raises TransferError."""
+    def pull_into(self, spec: PullSpec, k: torch.Tensor, v: torch.Tensor,
+                  block_ids: list[int]) -> int:
+        """Copy the remote blocks into local cache blocks ``block_ids``; returns the bytes
+        received. Raises TransferError (the blocks' contents are then undefined)."""
 
     def release(self, host: str, port: int, rid: str) -> None:
         """Tell the prefill side to drop its pins for ``rid`` without reading them."""
@@ -139,16 +257,35 @@ class TransferBackend(Protocol):
 
 
 class TcpBackend:
-    """Raw TCP, one thread per connection on the server, pooled connections on the client."""
+    """Raw TCP, one thread per connection on the server, pooled connections on the client.
+
+    ``staged``: None picks zero-copy for CPU caches and staging otherwise; True forces
+    staging (tests run the staged path on CPU)."""
 
     name = "tcp"
 
-    def __init__(self, token: str = "", timeout: float = 30.0) -> None:
+    def __init__(self, token: str = "", timeout: float = 30.0, chunk_blocks: int = CHUNK_BLOCKS,
+                 staged: bool | None = None) -> None:
         self.token, self.timeout = token, timeout
+        self.chunk_blocks, self.staged = max(1, chunk_blocks), staged
+        self.overlap_sums = os.environ.get("AGENTSERVE_KV_OVERLAP_SUMS", "1") != "0"
         self._listener: socket.socket | None = None
         self._pool: dict[tuple[str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
+        self._local = threading.local()  # per pulling thread: its two receive staging buffers
+        self._copier: ThreadPoolExecutor | None = None
         self.on_sent: Callable[[int], None] = lambda n: None
+
+    def _staged(self, k: torch.Tensor) -> bool:
+        if self.staged is not None:
+            return self.staged
+        return k.device.type != "cpu" or not k.is_contiguous()
+
+    def _copy_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-xfer-copy")
+            return self._copier
 
     # ---- server -------------------------------------------------------------------------
     def serve(self, source: BlockSource, host: str, port: int) -> int:
@@ -169,6 +306,8 @@ class TcpBackend:
                              daemon=True).start()
 
     def _handle(self, conn: socket.socket, source: BlockSource) -> None:
+        pin = source.k.is_cuda
+        stages = (StagingBuffer(pin), StagingBuffer(pin))  # this connection's, reused per pull
         with conn:
             while True:
                 try:
@@ -179,11 +318,13 @@ class TcpBackend:
                     send_frame(conn, {"ok": False, "error": "bad kv-transfer token"})
                     return
                 try:
-                    self._reply(conn, req, source)
-                except OSError:
+                    self._reply(conn, req, source, stages)
+                except (OSError, TransferError) as e:
+                    log.info("kv transfer connection dropped mid-reply: %r", e)
                     return
 
-    def _reply(self, conn: socket.socket, req: dict[str, Any], source: BlockSource) -> None:
+    def _reply(self, conn: socket.socket, req: dict[str, Any], source: BlockSource,
+               stages: tuple[StagingBuffer, StagingBuffer]) -> None:
         rid, op = str(req.get("rid", "")), req.get("op")
         if op == "release":
             source.release(rid)
@@ -195,13 +336,55 @@ class TcpBackend:
             send_frame(conn, {"ok": False, "error": str(e)})
             return
         try:
-            buf = source.gather(ids)
+            k, v = source.k, source.v
+            shape = block_shape(k)
+            bb = k.element_size()
+            for d in shape:
+                bb *= d
+            cb = max(1, min(int(req.get("chunk_blocks") or self.chunk_blocks), 1 << 16))
+            send_frame(conn, {"ok": True, "n": len(ids), "nbytes": len(ids) * bb,
+                              "block_shape": shape, "dtype": dtype_name(k.dtype), "chunk_blocks": cb})
+            chunks = _chunks(ids, cb)
+            if self._staged(k):
+                self._send_staged(conn, k, v, chunks, stages)
+            else:
+                for chunk in chunks:  # zero-copy: straight from the pinned cache blocks
+                    pieces = cache_pieces(k, v, chunk)
+                    if self.overlap_sums:  # the sum reads alongside the send, on a helper
+                        fut = self._copy_pool().submit(lambda p=pieces: sum(map(_piece_sum, p)))
+                        for g in _groups(pieces):
+                            send_pieces(conn, g, False)
+                        s = fut.result()
+                    else:
+                        s = sum(send_pieces(conn, g) for g in _groups(pieces))
+                    conn.sendall(_SUM.pack(s & _MASK))
         finally:
             source.checkin(rid, bool(req.get("release", True)))
-        dtype = next(k for k, v in DTYPES.items() if v == buf.dtype)
-        send_frame(conn, {"ok": True, "nbytes": buf.numel() * buf.element_size(),
-                          "shape": list(buf.shape), "dtype": dtype, "sum": payload_sum(buf)}, buf)
-        self.on_sent(buf.numel() * buf.element_size())
+        self.on_sent(len(ids) * bb)
+
+    def _send_staged(self, conn: socket.socket, k: torch.Tensor, v: torch.Tensor,
+                     chunks: list[list[int]], stages: tuple[StagingBuffer, StagingBuffer]) -> None:
+        """Gather chunk j+1 into the other staging buffer while chunk j is being sent."""
+        L, _, bs, H, D = k.shape
+        unit = bs * H * D * k.element_size()
+
+        def gather(j: int) -> tuple[torch.Tensor, int]:
+            out = stages[j % 2].get(len(chunks[j]) * bs * L * H * D * 2 * k.element_size(),
+                                    k.dtype, (2, L, len(chunks[j]) * bs, H, D))
+            gather_blocks(k, v, chunks[j], out=out)
+            return out, _staged_sum(out, unit)
+
+        pool = self._copy_pool()
+        fut = pool.submit(gather, 0)
+        try:
+            for j in range(len(chunks)):
+                buf, s = fut.result()
+                if j + 1 < len(chunks):
+                    fut = pool.submit(gather, j + 1)
+                conn.sendall(memoryview(_bytes(buf).numpy()))
+                conn.sendall(_SUM.pack(s))
+        finally:
+            fut.result()  # never leave a gather writing into a buffer the next pull reuses
 
     # ---- client -------------------------------------------------------------------------
     def _conn(self, host: str, port: int) -> socket.socket:
@@ -213,35 +396,90 @@ class TcpBackend:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return s
 
-    def _call(self, host: str, port: int, req: dict[str, Any]) -> tuple[dict[str, Any], torch.Tensor | None]:
+    def _call(self, host: str, port: int, req: dict[str, Any],
+              body: Callable[[socket.socket, dict[str, Any]], Any] | None = None) -> Any:
+        """One round trip on a pooled connection; ``body`` reads the reply's payload."""
         s = self._conn(host, port)
         try:
             send_frame(s, {**req, "token": self.token})
             head = recv_header(s)
             if not head.get("ok"):
                 raise TransferError(f"prefill engine refused: {head.get('error')}")
-            data = recv_payload(s, head) if head.get("nbytes") else None
+            out = body(s, head) if body is not None else head
         except BaseException:
             s.close()  # the stream may be mid-frame: never reuse it
             raise
         with self._lock:
             self._pool.setdefault((host, port), []).append(s)
-        return head, data
+        return out
 
-    def pull(self, spec: PullSpec) -> torch.Tensor:
+    def pull_into(self, spec: PullSpec, k: torch.Tensor, v: torch.Tensor,
+                  block_ids: list[int]) -> int:
+        if len(block_ids) != len(spec.idx):
+            raise TransferError(f"{len(spec.idx)} remote blocks for {len(block_ids)} local ones")
+
+        def body(s: socket.socket, head: dict[str, Any]) -> int:
+            shape, want = head.get("block_shape"), block_shape(k)
+            if (shape != want or head.get("dtype") != dtype_name(k.dtype)
+                    or head.get("n") != len(block_ids)):
+                raise TransferError(f"size mismatch: got {head.get('n')} blocks of {shape} "
+                                    f"{head.get('dtype')}, want {len(block_ids)} of {want} "
+                                    f"{dtype_name(k.dtype)}")
+            chunks = _chunks(block_ids, max(1, int(head.get("chunk_blocks") or 1)))
+            if self._staged(k):
+                self._recv_staged(s, k, v, chunks)
+            else:
+                for chunk in chunks:  # zero-copy: straight into the destination blocks
+                    if self.overlap_sums:  # group g is summed while g+1 arrives
+                        pool = self._copy_pool()
+                        futs = []
+                        for g in _groups(cache_pieces(k, v, chunk)):
+                            recv_pieces(s, g, False)
+                            futs.append(pool.submit(lambda g=g: sum(map(_piece_sum, g))))
+                        got = sum(f.result() for f in futs)
+                    else:
+                        got = sum(recv_pieces(s, g) for g in _groups(cache_pieces(k, v, chunk)))
+                    if got & _MASK != _recv_sum(s):
+                        raise TransferError("payload checksum mismatch")
+            return int(head["nbytes"])
+
         try:
-            _, data = self._call(spec.host, spec.port, {"op": "pull", "rid": spec.rid, "idx": spec.idx,
-                                                        "hashes": spec.hashes, "release": spec.release})
-        except OSError as e:
+            return self._call(spec.host, spec.port, {
+                "op": "pull", "rid": spec.rid, "idx": spec.idx, "hashes": spec.hashes,
+                "release": spec.release, "chunk_blocks": self.chunk_blocks}, body)
+        except (OSError, msgspec.DecodeError) as e:
             raise TransferError(f"pull from {spec.host}:{spec.port} failed: {e!r}") from e
-        if data is None:
-            raise TransferError("prefill engine sent no payload")
-        return data
+
+    def _recv_staged(self, s: socket.socket, k: torch.Tensor, v: torch.Tensor,
+                     chunks: list[list[int]]) -> None:
+        """Receive chunk j+1 into one reused buffer while chunk j is scattered from the other."""
+        L, _, bs, H, D = k.shape
+        unit = bs * H * D * k.element_size()
+        stages = getattr(self._local, "stages", None)
+        if stages is None:
+            stages = self._local.stages = (StagingBuffer(k.is_cuda), StagingBuffer(k.is_cuda))
+        pool = self._copy_pool()
+        pending: list[Future | None] = [None, None]
+        try:
+            for j, chunk in enumerate(chunks):
+                slot = j % 2
+                if pending[slot] is not None:
+                    pending[slot].result()  # the scatter reading this buffer is done
+                buf = stages[slot].get(len(chunk) * bs * L * H * D * 2 * k.element_size(),
+                                       k.dtype, (2, L, len(chunk) * bs, H, D))
+                _recv_exact(s, memoryview(_bytes(buf).numpy()))
+                if _staged_sum(buf, unit) != _recv_sum(s):
+                    raise TransferError("payload checksum mismatch")
+                pending[slot] = pool.submit(scatter_blocks, k, v, buf, chunk)
+        finally:
+            for f in pending:
+                if f is not None:
+                    f.result()
 
     def release(self, host: str, port: int, rid: str) -> None:
         try:
             self._call(host, port, {"op": "release", "rid": rid})
-        except (OSError, TransferError) as e:
+        except (OSError, TransferError, msgspec.DecodeError) as e:
             log.info("release of %s at %s:%d failed (its pins expire anyway): %r", rid, host, port, e)
 
     def close(self) -> None:
@@ -256,3 +494,5 @@ class TcpBackend:
                 for s in conns:
                     s.close()
             self._pool.clear()
+            if self._copier is not None:
+                self._copier.shutdown(wait=False)

@@ -151,3 +151,39 @@ def scatter_blocks(k: torch.Tensor, v: torch.Tensor, src: torch.Tensor,
         dst.index_copy_(1, idx, part)
     if k.is_cuda:
         torch.cuda.current_stream().synchronize()
+
+
+def block_runs(block_ids: list[int]) -> list[tuple[int, int]]:
+    """Public alias of the run splitter: consecutive ids as (first, length)."""
+    return _runs(block_ids)
+
+
+def block_views(k: torch.Tensor, v: torch.Tensor, block_ids: list[int]) -> list[torch.Tensor]:
+    """Contiguous views of the cache covering ``block_ids`` in ``gather_blocks`` order.
+
+    ``[k, v] x layers x runs of consecutive ids``: concatenated, they are exactly the bytes
+    of ``gather_blocks(k, v, block_ids)``. Views share the cache's memory (no copy), so a
+    CPU cache can be sent from / received into directly.
+    """
+    L = k.shape[0]
+    runs = _runs(block_ids)
+    return [src[layer, start:start + length] for src in (k, v) for layer in range(L)
+            for start, length in runs]
+
+
+class StagingBuffer:
+    """A host byte buffer reused across transfers, grown (never shrunk) as needed.
+
+    Fresh ``torch.empty`` buffers per transfer page-fault on first touch (the kernel zeroes
+    every page), which costs as much as the copy itself; reusing one per connection or
+    worker pays that once. ``pin`` allocates page-locked memory for CUDA copies.
+    """
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = pin
+        self._buf = torch.empty(0, dtype=torch.uint8)
+
+    def get(self, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+        if self._buf.numel() < nbytes:
+            self._buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        return self._buf[:nbytes].view(dtype).view(shape)

@@ -45,12 +45,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                                    "kv_util": 0.25},
                        "picker": {"type": "max"}, "index": "precise",
                        "options": {"speculative_ttl_s": 0.0}},
-    # The best on benchmarks/router_captured_reuse.py: precise prefix + load, with
-    # speculative entries for bursts; affinity only breaks ties. `sticky` is available
-    # (picker: {type: sticky}) but pinned whole sessions and unbalanced engines there.
-    "default": {"scorers": {"prefix": 2.0, "session": 0.1, "queue": 0.5, "inflight": 0.5,
-                            "kv_util": 0.25},
-                "picker": {"type": "max"}, "index": "precise",
+    # The best on benchmarks/router_captured_reuse.py (see the router README): precise
+    # prefix with speculative entries; "sticky until saturated" (keep the prefix holder
+    # unless its estimated wait exceeds the best other's by more than penalty_s; the
+    # wait is queued uncached prefill over the endpoint's learned prefill speed); new
+    # sessions go where the fewest sessions are active (balance), prefix share and load
+    # break ties.
+    "default": {"scorers": {"prefix": 1.0, "balance": 1.0, "session": 0.1, "queue": 0.5,
+                            "inflight": 0.5, "kv_util": 0.25},
+                "picker": {"type": "sticky", "penalty_s": 1.0, "min_share": 0.5},
+                "index": "precise",
                 "options": {"speculative_ttl_s": 2.0}},
 }
 
@@ -104,6 +108,7 @@ class Options:
     tokenizer_cache_entries: int = 128
     hash_cache_chunks: int = 8192  # ~14 KB each (2048 tokens at block 16)
     session_entries: int = 100000
+    session_active_s: float = 60.0  # a session counts as active on its endpoint this long
     exact_match: bool = False  # scan every block (sees holes) instead of bisecting
     pd_threshold: int = 256  # P/D: split a request when the decode endpoint lacks >= this many tokens
     tier_weights: dict[str, float] = field(

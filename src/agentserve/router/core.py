@@ -36,6 +36,7 @@ from agentserve.router.tokenize import Tokenized
 
 HasherId = tuple[str, int, "str | None"]
 _MAX_OUTPUT_CHARGE = 4096
+_MIN_LEARN_TOKENS = 512  # smaller prefills: time to first byte is mostly overhead
 
 
 class NoEndpoint(Exception):
@@ -72,6 +73,8 @@ class Decision:
     scores: dict[str, float] = field(default_factory=dict)
     keys: list[int] = field(default_factory=list)
     started: bool = False
+    sent_at: float = 0.0  # monotonic time of booking
+    ahead: int = 0  # uncached prompt tokens queued on the endpoint before this one
 
 
 class Router:
@@ -154,9 +157,10 @@ class Router:
         cands: list[Candidate] = []
         keys: dict[HasherId, list[int]] = {}
         plen, model = len(req.token_ids), req.model
-        sess_url = self.sessions.get(req.session) if req.session is not None else None
+        sess_url = self.sessions.get(req.session) \
+            if req.session is not None and self.opts.session_affinity else None
         stale, tok_s = self.opts.metrics_stale_s, self.opts.prefill_tok_per_s
-        weights = self.opts.tier_weights
+        weights, window = self.opts.tier_weights, self.opts.session_active_s
         add = cands.append
         for hid, eps in by_hid.items():
             k = keys[hid] = self.keys_for(hid, req) if self.cfg.index != "none" else []
@@ -183,11 +187,15 @@ class Router:
                     waiting, running, kv = sc.waiting, sc.running, sc.kv_usage
                 else:
                     waiting, running, kv = 0, 0, 0.0
+                # Estimated time to first token there: queued uncached prefill plus this
+                # request's, at the endpoint's learned prefill speed.
                 add(Candidate(url, rank, matched, min(weighted, float(cacheable)), cacheable,
                               matched * bs, uncached, waiting, running, kv, ep.inflight,
-                              ep.inflight_tokens, pending, (pending + uncached) / tok_s,
+                              ep.inflight_tokens, pending,
+                              (pending + uncached) / (ep.prefill_tok_s or tok_s),
                               sess_url is not None and sess_url == url, c.role,
-                              True if model is None else ep.serves(model)))
+                              True if model is None else ep.serves(model),
+                              ep.active_sessions(now, window) if ep.active else 0))
         return cands, keys
 
     def _filter(self, cands: list[Candidate], model: str | None) -> list[Candidate]:
@@ -223,14 +231,22 @@ class Router:
 
     def _book(self, ep: Endpoint, d: Decision, c: Candidate, req: RouteInput,
               now: float) -> None:
+        d.sent_at, d.ahead = now, ep.pending_prefill
         ep.inflight += 1
         ep.inflight_tokens += d.charged_tokens
         ep.pending_prefill += d.uncached
-        if req.session is not None and self.opts.session_affinity:
+        if req.session is not None:
+            prev = self.sessions.get(req.session)
+            if prev is not None and prev != ep.url and prev in self.endpoints:
+                self.endpoints[prev].active.pop(req.session, None)  # the session moved
+            ep.active[req.session] = now
+            ep.active.move_to_end(req.session)
             self.sessions[req.session] = ep.url
             self.sessions.move_to_end(req.session)
             if len(self.sessions) > self.opts.session_entries:
-                self.sessions.popitem(last=False)
+                s, u = self.sessions.popitem(last=False)
+                if u in self.endpoints:
+                    self.endpoints[u].active.pop(s, None)
         tracker = self.approx.get(ep.url)
         if tracker is not None:
             tracker.touch(d.keys)
@@ -245,6 +261,9 @@ class Router:
             ep = self.endpoints.get(d.url)
             if ep is not None:
                 ep.pending_prefill = max(0, ep.pending_prefill - d.uncached)
+                work = d.ahead + d.uncached
+                if work >= _MIN_LEARN_TOKENS and d.sent_at:
+                    ep.learn_prefill(work, time.monotonic() - d.sent_at)
 
     def finish(self, d: Decision) -> None:
         """The request ended (success or not): release what `decide` booked."""

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import re
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -82,6 +83,27 @@ class Endpoint:
     pending_prefill: int = 0
     events_seen: int = 0
     last_event_ts: float = 0.0
+    prefill_tok_s: float = 0.0  # learned from time to first byte (0: not yet, use the default)
+    active: OrderedDict[str, float] = field(default_factory=OrderedDict)  # session -> last seen
+
+    def active_sessions(self, now: float, window_s: float) -> int:
+        """Sessions whose latest turn was routed here within `window_s` (oldest pruned)."""
+        a = self.active
+        while a:
+            s, t = next(iter(a.items()))
+            if now - t <= window_s:
+                break
+            del a[s]
+        return len(a)
+
+    def learn_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
+        """Fold one observation (uncached tokens ahead + own, time to first byte) into
+        the prefill speed estimate (EWMA)."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        rate = tokens / seconds
+        self.prefill_tok_s = rate if not self.prefill_tok_s else \
+            (1 - alpha) * self.prefill_tok_s + alpha * rate
 
     @property
     def url(self) -> str:

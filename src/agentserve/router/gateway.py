@@ -277,6 +277,8 @@ class Gateway:
         m = self.metrics
         m.index_blocks.set(len(self.router.index))
         m.queue.set(self.waiting)
+        for mode, n in getattr(self.tokenizer, "renders", {}).items():
+            m.chat_renders.labels(mode).set(n)
         for url, ep in self.router.endpoints.items():
             m.inflight.labels(url).set(ep.inflight)
             m.healthy.labels(url).set(1 if ep.available() else 0)

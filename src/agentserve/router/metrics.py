@@ -49,6 +49,10 @@ class RouterMetrics:
         self.healthy = Gauge(p + "endpoint_healthy", "1 if the endpoint takes traffic",
                              ["endpoint"], registry=r)
         self.queue = Gauge(p + "queue_depth", "Requests waiting for admission", registry=r)
+        self.chat_renders = Gauge(p + "chat_renders", "Chat template renders by mode (full, "
+                                  "incremental, fallback: not append-only, verified: checked "
+                                  "against a full render); counts since start", ["mode"],
+                                  registry=r)
 
     def observe_cached(self, predicted: int, actual: int) -> None:
         self.predicted_cached.inc(predicted)

@@ -63,8 +63,8 @@ class HashCache:
 
     def keys_for_tokens(self, tokens: Sequence[int]) -> PromptHashes:
         """Hashes of every full block of `tokens`, reusing cached chunks."""
-        if not isinstance(tokens, list):
-            tokens = list(tokens)  # e.g. the tokenizer's int32 array (msgpack needs a list)
+        if not isinstance(tokens, list):  # the tokenizer's int32 Seq/array: msgpack needs a list
+            tokens = tokens.tolist() if hasattr(tokens, "tolist") else list(tokens)
         ct, chunks = self.chunk_tokens, self._chunks
         nodes: list[PromptHashes] = []
         parent: bytes | None = None

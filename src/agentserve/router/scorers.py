@@ -39,6 +39,7 @@ class Candidate:
     session_match: bool = False
     role: str = "both"
     model_ok: bool = True
+    active_sessions: int = 0  # sessions whose latest turn went here (options.session_active_s)
 
 
 class Scorer(Protocol):
@@ -111,6 +112,24 @@ class WaitScorer:
 
     def score(self, cands: list[Candidate]) -> list[float]:
         return [1.0 / (1.0 + c.est_wait_s) for c in cands]
+
+
+@scorer("balance")
+class BalanceScorer:
+    """Spread sessions: 1 for the fewest active sessions, 0 for the most (linear between).
+
+    Sessions, not instantaneous queues, are what future load follows: each active
+    session sends its next turns where its prefix is. Placing new sessions (those with
+    no prefix holder) on the endpoint with the fewest keeps request counts even.
+    """
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        # The request's own session does not count against the endpoint it is on.
+        n = [max(0, c.active_sessions - c.session_match) for c in cands]
+        lo, hi = min(n, default=0), max(n, default=0)
+        if hi == lo:
+            return [1.0] * len(cands)
+        return [(hi - x) / (hi - lo) for x in n]
 
 
 @scorer("session")

@@ -32,13 +32,13 @@ Counters: `renders` (full / incremental / fallback / verified).
 
 from __future__ import annotations
 
+import logging
 from array import array
 from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
-
-import logging
 
 import msgspec
 
@@ -51,16 +51,110 @@ _SELF_CHECK = ("def f(x):\n    return x  # ok", "héllo wörld, 1234 tokens\n\n 
 _ENC = msgspec.json.Encoder()
 
 
+class Seq:
+    """An immutable int32 sequence kept as segments that later turns share.
+
+    A turn's ids are its base's first k ids plus a few hundred new ones: building them
+    as (shared segments + a copied partial segment + the new segment) costs O(new), where
+    copying two 200K-entry arrays per turn cost ~1 ms. Past `max_segments` segments a
+    sequence is compacted into one array (one copy every few dozen turns).
+    Supports len, indexing, slicing (to an array), iteration and `tolist`.
+    """
+
+    __slots__ = ("segs", "starts", "n")
+    max_segments = 64
+
+    def __init__(self, segs: list[array]) -> None:
+        self.segs = [x for x in segs if len(x)]
+        self.starts: list[int] = []
+        n = 0
+        for x in self.segs:
+            self.starts.append(n)
+            n += len(x)
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def _locate(self, i: int) -> tuple[int, int]:
+        j = bisect_right(self.starts, i) - 1
+        return j, i - self.starts[j]
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            a, b, step = i.indices(self.n)
+            if step != 1:
+                return array("i", self.tolist()[i])
+            return self._slice(a, b)
+        if i < 0:
+            i += self.n
+        if not 0 <= i < self.n:
+            raise IndexError("Seq index out of range")
+        j, o = self._locate(i)
+        return self.segs[j][o]
+
+    def _slice(self, a: int, b: int) -> array:
+        out = array("i")
+        if a >= b:
+            return out
+        j, o = self._locate(a)
+        while a < b:
+            seg = self.segs[j]
+            take = min(len(seg) - o, b - a)
+            out += seg[o:o + take] if (o or take < len(seg)) else seg
+            a, j, o = a + take, j + 1, 0
+        return out
+
+    def __iter__(self) -> Any:
+        return chain.from_iterable(self.segs)
+
+    def __eq__(self, other: object) -> bool:
+        return self.tolist() == list(other)  # type: ignore[call-overload]
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def tolist(self) -> list[int]:
+        return self._slice(0, self.n).tolist()
+
+    def prefix_plus(self, k: int, tail: array) -> Seq:
+        """The first `k` items followed by `tail` (shared segments are not copied)."""
+        if k >= self.n:
+            segs = list(self.segs)
+        else:
+            j, o = self._locate(k)
+            segs = self.segs[:j]
+            if o:
+                segs.append(self.segs[j][:o])
+        segs.append(tail)
+        if len(segs) > self.max_segments:
+            whole = array("i")
+            for x in segs:
+                whole += x
+            segs = [whole]
+        return Seq(segs)
+
+    def bisect_right(self, x: int) -> int:
+        """bisect_right for a non-decreasing sequence (the char end offsets), looking at
+        the last segments first (the cut is almost always near the end)."""
+        j = len(self.segs) - 1
+        while j >= 0 and self.segs[j][0] > x:
+            j -= 1
+        if j < 0:
+            return 0
+        return self.starts[j] + bisect_right(self.segs[j], x)
+
+
 @dataclass(slots=True)
 class Entry:
     """A tokenized prompt: text, ids, char end offset of each id, hashes by hasher id.
 
-    ids and ends are int32 arrays (4 bytes a token instead of ~36 for a list of ints).
+    ids and ends are `Seq`s of int32 (4 bytes a token instead of ~36 for a list of
+    ints, and segments shared with the entry they extend).
     """
 
     text: str
-    ids: array
-    ends: array
+    ids: Seq
+    ends: Seq
     hashes: dict[Any, Any] = field(default_factory=dict)
     messages: list[Any] | None = None  # chat: the rendered messages (shared with later turns)
     body: int = -1  # chat: length of the rendering without the generation prompt (-1: unknown)
@@ -70,7 +164,7 @@ class Entry:
 class Tokenized:
     """A prompt's ids; `base` shares its first `shared` ids with this prompt."""
 
-    ids: array
+    ids: Seq
     entry: Entry
     base: Entry | None = None
     shared: int = 0
@@ -138,7 +232,8 @@ class IncrementalTokenizer:
         for s in _SELF_CHECK:
             full = list(self._encode(s, False)[0])
             for cut in range(1, len(s)):
-                if self._extend(Entry(s[:cut], *self._encode(s[:cut], False)), s) != full:
+                ids, ends = self._encode(s[:cut], False)
+                if self._extend(Entry(s[:cut], Seq([ids]), Seq([ends])), s) != full:
                     return False
         return True
 
@@ -152,7 +247,7 @@ class IncrementalTokenizer:
     def _keep(self, base: Entry, text: str, common: int = 0) -> int:
         """How many of base's ids to keep: never split the tokens of one character."""
         cut = common_prefix_len(base.text, text, lo=common)
-        keep, ends = max(0, bisect_right(base.ends, cut) - self.backoff), base.ends
+        keep, ends = max(0, base.ends.bisect_right(cut) - self.backoff), base.ends
         while 0 < keep < len(ends) and ends[keep] == ends[keep - 1]:
             keep -= 1  # byte-level BPE: several tokens of one multi-byte char share an end
         return keep
@@ -161,14 +256,11 @@ class IncrementalTokenizer:
                        common: int = 0) -> tuple[Entry, int]:
         if base is None or not self.incremental:
             ids, ends = self._encode(text, add_special)
-            return Entry(text, ids, ends), 0
+            return Entry(text, Seq([ids]), Seq([ends])), 0
         keep = self._keep(base, text, common)
         start = base.ends[keep - 1] if keep else 0
         ids, ends = self._encode(text[start:], add_special and keep == 0, start)
-        new_ids, new_ends = base.ids[:keep], base.ends[:keep]
-        new_ids.extend(ids)
-        new_ends.extend(ends)
-        return Entry(text, new_ids, new_ends), keep
+        return Entry(text, base.ids.prefix_plus(keep, ids), base.ends.prefix_plus(keep, ends)), keep
 
     def _remember(self, fp: int, entry: Entry) -> None:
         self._by_fp[fp] = entry
@@ -258,7 +350,11 @@ class IncrementalTokenizer:
                 and base.text.endswith(d[len(h):], 0, base.body)):
             self.renders["fallback"] += 1  # the template is not append-only here
             return None, -1, 0
-        text = base.text[:base.body] + c[len(d):]
+        gen = base.text[base.body:]  # base's generation prompt: often the new text has it too
+        if c.startswith(gen, len(d)):  # then one copy of the prefix instead of two
+            text = base.text + c[len(d) + len(gen):]
+        else:
+            text = base.text[:base.body] + c[len(d):]
         body = base.body + len(b) - len(d)
         shape = tuple(_shape(m) for m in messages[s:])
         if shape not in self._verified and len(self._verified) < self._verify_shapes:

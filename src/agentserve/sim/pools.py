@@ -7,7 +7,6 @@ lasts as long as `PerfModel` says its slowest rank plus the shared MoE work take
 from __future__ import annotations
 
 import abc
-
 from collections.abc import Callable
 
 from agentserve.kv.manager import cdiv
