@@ -7,7 +7,8 @@ server) runs in a child process, every receiver in this one, as two engines woul
 * ``kv pull``: the real `TcpBackend` end to end - request, per-chunk sums, the prefill
   side's pinned cache blocks -> socket -> the decode side's destination cache blocks
   (``pull_into``; the caches are allocated once and reused, like an engine's KV cache).
-  ``zero-copy`` is the CPU path; ``staged`` forces the device path (gather into a reused
+  ``zero-copy`` is the CPU path (``no-checksum``: without the per-chunk sums, for
+  reference; the engine default keeps them); ``staged`` forces the device path (gather into a reused
   staging buffer on a helper thread, pipelined with the send; receive into reused
   buffers, scatter pipelined with the next receive).
 * ``raw socket``: the same number of bytes per round over one persistent loopback
@@ -93,6 +94,7 @@ def sender(conn, shape: tuple[int, ...], max_bytes: int) -> None:
     conn.recv()  # stop
     for be in servers.values():
         be.close()
+    os._exit(0)  # skip interpreter teardown under live server threads
 
 
 class RawPair:
@@ -126,9 +128,10 @@ def dst_ids(blocks: int, layout: str) -> list[int]:
 class KvPair:
     """The decode side: a client backend pulling into its own (reused) cache."""
 
-    def __init__(self, port: int, shape: tuple[int, ...], staged: bool, chunk: int, layout: str) -> None:
+    def __init__(self, port: int, shape: tuple[int, ...], staged: bool, chunk: int, layout: str,
+                 checksum: bool = True) -> None:
         self.port, self.layout = port, layout
-        self.cli = TcpBackend("tok", staged=staged, chunk_blocks=chunk)
+        self.cli = TcpBackend("tok", staged=staged, chunk_blocks=chunk, checksum=checksum)
         self.dk, self.dv = torch.zeros(shape), torch.zeros(shape)  # the decode side's cache
 
     def round(self, blocks: int) -> tuple[float, int]:
@@ -171,6 +174,8 @@ def main() -> None:
     raw = RawPair(ports["raw"], max_bytes)
     kvs = {f"{name} {layout}": KvPair(ports[name], shape, name == "staged", a.chunk_blocks, layout)
            for name in ("zero-copy", "staged") for layout in ("contiguous", "fragmented")}
+    kvs["zero-copy contiguous no-checksum"] = KvPair(ports["zero-copy"], shape, False, a.chunk_blocks,
+                                                     "contiguous", checksum=False)
     k, v = make_cache(shape)  # the child's cache, to check what arrived
     rows = []
     try:

@@ -1,15 +1,22 @@
 """`agentserve demo`: the main job on the embedded tiny model, CPU only, no network.
 
-Starts an engine, replays bundled agent sessions (a few Claude Code sessions from
-the Weka sample, tokens scaled down so a 2-core CPU finishes in about a minute)
-with `agentserve bench --mode sessions`, and prints the per-turn table of the
-first session (prefix cache at work) plus the summary and the report's path.
+Starts a local prefill/decode cluster with `agentserve.launch` (the same code as
+`agentserve up --topology 1P1D`: one prefill engine, one decode engine and the router,
+each its own process, logs in a temporary folder), replays bundled agent sessions (a few
+Claude Code sessions from the Weka sample, tokens scaled down so a 2-core CPU finishes
+in about a minute) through the router with `agentserve bench --mode sessions`, stops
+the cluster (no processes left), and prints the per-turn table of the first session
+(prefix cache at work), the P/D split (requests whose uncached prompt on the decode
+engine reached the router's threshold were prefilled on the prefill engine and their KV
+pulled; mostly cached turns stay on the decode engine), the summary and the report path.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import tempfile
+import urllib.request
 from importlib import resources
 from pathlib import Path
 
@@ -24,32 +31,66 @@ def bundled_trace() -> Path:
 
 def demo(
     out: Path = typer.Option(Path("out/demo"), help="Where the report goes."),
-    sessions: int = typer.Option(3, help="Bundled sessions to replay at once."),
-    max_turns: int = typer.Option(8, help="Main-agent turns per session."),
+    sessions: int = typer.Option(2, help="Bundled sessions to replay at once."),
+    max_turns: int = typer.Option(6, help="Main-agent turns per session."),
     token_scale: int = typer.Option(4, help="Tokens per trace block (64 -> K)."),
+    topology: str = typer.Option("1P1D", help="`agentserve up` topology to run the replay on."),
 ) -> None:
-    """Serve the tiny model and replay bundled agent sessions against it."""
-    from agentserve.procs import start_engine
+    """Start a 1P1D cluster (prefill + decode engines + router) on the tiny model and
+    replay bundled agent sessions through the router."""
+    from agentserve.launch import Cluster, parse_topology, status_table
+    from agentserve.procs import free_port
     from agentserve.workload.replay import BenchConfig, run_bench
 
     console = Console()
-    logs = Path(tempfile.mkdtemp(prefix="agentserve-demo-"))
-    console.print("[bold]agentserve demo[/]: starting the engine on the built-in tiny model (CPU)...")
-    engine = start_engine(logs, extra=["--kv-cache-tokens", "32768"])
+    run_dir = Path(tempfile.mkdtemp(prefix="agentserve-demo-"))
+    topo = parse_topology(topology)
+    console.print(f"[bold]agentserve demo[/]: `agentserve up --topology {topology}` on the built-in "
+                  f"tiny model (CPU): {len(topo.roles)} engines + router, logs in {run_dir}...")
+    cluster = Cluster(run_dir, port=free_port(), engine_args=["--kv-cache-tokens", "32768"])
     try:
-        engine.wait_healthy(180)
-        console.print(f"engine up at {engine.url} (log {engine.log_path})")
-        cfg = BenchConfig(url=engine.url, trace=str(bundled_trace()), mode="sessions", sessions=sessions,
+        cluster.start(topo, health_timeout=180)
+        console.print(status_table(cluster))
+        url = cluster.state()["router"]
+        cfg = BenchConfig(url=url, trace=str(bundled_trace()), mode="sessions", sessions=sessions,
                           max_turns=max_turns, token_scale=token_scale, gap_cap=0.5, max_output=32,
                           out=str(out))
         stages = run_bench(cfg)
+        pd = _pd_summary(url, [s.url for s, _ in cluster.engines if s.role in ("decode", "both")])
     finally:
-        engine.stop()
+        cluster.stop()
+    console.print("cluster stopped")
     _turn_table(console, out / "requests.jsonl")
     console.print(f"\nreport: [bold]{(out / 'report.html').resolve()}[/]  summary: {out / 'summary.json'}")
     s = stages[0]
     console.print(f"requests ok {s['requests_ok']} failed {s['requests_failed']}, cached/input "
                   f"{s['cached_token_ratio']:.1%}, captured reuse {s['captured_reuse']:.1%}")
+    if pd:
+        console.print(pd)
+
+
+def _metric(text: str, name: str, label: str = "") -> float:
+    pat = re.escape(name) + (r"\{[^}]*" + re.escape(label) + r"[^}]*\}" if label else r"(?:\{[^}]*\})?")
+    return sum(float(m) for m in re.findall(r"^" + pat + r" ([0-9.e+-]+)$", text, re.MULTILINE))
+
+
+def _pd_summary(router: str, decode_urls: list[str]) -> str:
+    """One line: requests by P/D path (router) and KV pulled by the decode engines."""
+    try:
+        r = urllib.request.urlopen(router + "/metrics", timeout=10).read().decode()
+        d = "".join(urllib.request.urlopen(u + "/metrics", timeout=10).read().decode()
+                    for u in decode_urls)
+    except OSError:
+        return ""
+    paths = {p: int(_metric(r, "agentserve_router_pd_requests_total", f'path="{p}"'))
+             for p in ("disaggregated", "aggregated", "fallback")}
+    mib = _metric(d, "agentserve:kv_transfer_received_bytes_total") / 2**20
+    secs = _metric(d, "agentserve:kv_transfer_pull_seconds_total")
+    blocks = int(_metric(d, "agentserve:kv_transfer_blocks_pulled_total"))
+    local = int(_metric(d, "agentserve:kv_transfer_blocks_local_total"))
+    return (f"P/D: {paths['disaggregated']} requests prefilled remotely, {paths['aggregated']} on the "
+            f"decode engine (mostly cached), {paths['fallback']} fallbacks; KV pulled {blocks} blocks "
+            f"({mib:.1f} MiB in {secs * 1e3:.0f} ms), {local} prompt blocks already on the decode engine")
 
 
 def _turn_table(console: Console, requests_jsonl: Path) -> None:

@@ -7,6 +7,8 @@ into a run folder, starts `agentserve route` on it, waits for every /health, pri
 status table and, with `--state FILE`, writes
 ``{"router": URL, "engines": [{"url", "role", "pid"}]}``. SIGINT/SIGTERM stop the router
 first, then the engines (SIGTERM to each group, SIGKILL after a bound): no orphans.
+An engine that dies is reported and routed around; the cluster stops by itself only when
+the router or every decode-capable engine is gone.
 """
 
 from __future__ import annotations
@@ -131,6 +133,21 @@ class Cluster:
         procs = [p for _, p in self.engines] + ([self.router] if self.router else [])
         return all(p.alive() for p in procs)
 
+    def exited(self) -> list[str]:
+        """Names of the processes that are no longer running."""
+        procs = [(s.name, p) for s, p in self.engines] + ([("router", self.router)] if self.router else [])
+        return [name for name, p in procs if not p.alive()]
+
+    def serving(self) -> bool:
+        """The router and at least one engine that can decode are up.
+
+        A dead prefill engine (or a dead one of several decoders) does not stop the
+        cluster: the router routes around it (prefill legs fall back to local prefill on
+        the decode engine), as in a real deployment where one replica fails."""
+        if self.router is None or not self.router.alive():
+            return False
+        return any(s.role in ("decode", "both") and p.alive() for s, p in self.engines)
+
 
 def _tiny_dir() -> str:
     from agentserve.engine.tiny import default_model_dir
@@ -177,9 +194,14 @@ def up(topology: str, model: str | None, host: str, port: int, state: Path | Non
         if state is not None:
             cluster.write_state(state)
         console.print(f"router ready at [bold]{cluster.state()['router']}[/bold] (Ctrl-C stops all)")
+        reported: set[str] = set()
         while not stop.wait(1.0):
-            if not cluster.all_alive():
-                console.print("[red]a process exited; stopping the cluster[/red]")
+            for name in sorted(set(cluster.exited()) - reported):
+                reported.add(name)
+                console.print(f"[yellow]{name} exited; the router routes around it[/yellow]")
+            if not cluster.serving():
+                console.print("[red]the router or every decode engine exited; stopping the "
+                              "cluster[/red]")
                 return 1
         return 0
     finally:

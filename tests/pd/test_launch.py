@@ -63,6 +63,8 @@ def test_up_1p1d_pd_fallback_and_clean_stop(tmp_path: Path) -> None:
         params = leg["kv_transfer_params"]
         assert params["remote_port"] and params["remote_block_ids"]
         os.kill(eng["prefill"]["pid"], signal.SIGKILL)  # prefill engine dies before the pull
+        time.sleep(2.5)  # the launcher has seen it die: the cluster must keep serving
+        assert up.poll() is None, "launcher stopped the cluster when one prefill engine died"
         got = post(eng["decode"]["url"], {**body, "kv_transfer_params": params})
         assert got["choices"][0]["text"] == via_router  # decode recomputed locally
         again = post(st["router"], {**body, "prompt": list(range(9, 309))})  # prefill down:

@@ -210,3 +210,16 @@ def test_bad_token_is_refused(pd: tuple[ServerThread, ServerThread]) -> None:
     k = torch.zeros(1, 4, 16, 1, 8)
     with pytest.raises(TransferError, match="token"):
         TcpBackend("wrong").pull_into(spec, k, k.clone(), [0])
+
+
+def test_release_endpoint_frees_pins_at_once(pd: tuple[ServerThread, ServerThread]) -> None:
+    """What the router calls when its client left between the legs (timeout here: 30 s)."""
+    p, _ = pd
+    before = transfer(p)["pins_released"]
+    params = prefill_leg(p, {"prompt": list(range(40, 140)), "temperature": 0})
+    assert p.engine.core.remote.num_pinned == 1
+    out = post(p.url, {"remote_request_id": params["remote_request_id"]}, "/v1/kv_transfer/release")
+    assert out == {"released": params["remote_request_id"]}
+    wait_clean(p, timeout=3)
+    assert transfer(p)["pins_released"] == before + 1
+    post(p.url, {"remote_request_id": "unknown"}, "/v1/kv_transfer/release")  # a no-op

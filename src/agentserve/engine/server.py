@@ -10,6 +10,7 @@ disturbs others. With an API key, /v1/* needs `Authorization: Bearer KEY`;
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
@@ -119,6 +120,21 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+async def kv_transfer_release(request: web.Request) -> web.Response:
+    """Drop the pins of a finished prefill leg nobody will pull (the router's client left)."""
+    try:
+        rid = json.loads(await request.read() or b"{}").get("remote_request_id")
+    except (ValueError, AttributeError):
+        rid = None
+    if not isinstance(rid, str) or not rid:
+        return json_response(APIError(400, "remote_request_id (string) is required").body(), 400)
+    remote = getattr(getattr(_engine(request), "core", None), "remote", None)
+    if remote is None:
+        return json_response(APIError(404, "this engine has no KV transfer (--role both)").body(), 404)
+    remote.release(rid)  # thread-safe; unknown or already pulled ids are a no-op
+    return json_response({"released": rid})
+
+
 def build_app(engine: EngineClient, api_key: str | None = None,
               max_body_bytes: int = 32 << 20) -> web.Application:
     """The aiohttp app for one engine; the caller runs it (and starts the engine)."""
@@ -134,4 +150,5 @@ def build_app(engine: EngineClient, api_key: str | None = None,
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/kv_transfer/release", kv_transfer_release)
     return app

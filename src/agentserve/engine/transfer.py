@@ -26,7 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -228,7 +228,7 @@ class RemoteKV:
                 return
             try:
                 job()
-            except Exception:  # noqa: BLE001 - a release that failed is logged by the backend
+            except Exception:
                 log.exception("kv-pull job failed")
 
     def close(self) -> None:

@@ -4,7 +4,7 @@ Wire format (one request, one reply per round trip; connections are pooled and r
 
     frame  = u32 header_len | msgpack header
     pull   -> {"op": "pull", "token", "rid", "idx": [block index], "hashes": [bytes], "release",
-               "chunk_blocks"}
+               "chunk_blocks", "checksum"}
     reply  <- {"ok", "error", "n", "nbytes", "block_shape": [2, L, bs, H, D], "dtype",
                "chunk_blocks"}
               then per chunk of up to chunk_blocks blocks: its bytes in ``gather_blocks``
@@ -31,8 +31,8 @@ checksums segments; content identity is checked separately by block hash.
 from __future__ import annotations
 
 import hmac
-import os
 import logging
+import os
 import socket
 import struct
 import threading
@@ -45,7 +45,12 @@ import msgspec
 import numpy as np
 import torch
 
-from agentserve.kv.transfer import StagingBuffer, block_runs, gather_blocks, scatter_blocks
+from agentserve.kv.transfer import (
+    StagingBuffer,
+    block_runs,
+    gather_blocks,
+    scatter_blocks,
+)
 
 log = logging.getLogger("agentserve.transfer")
 
@@ -55,7 +60,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 MAX_HEADER = 16 << 20
 CHUNK_BLOCKS = 64
 # Bytes per send/recv syscall group and checksum pass: about L2, so the sum reads hot bytes.
-PIECE_BYTES = int(os.environ.get("AGENTSERVE_KV_PIECE_BYTES", 1 << 20))
+PIECE_BYTES = int(os.environ.get("AGENTSERVE_KV_PIECE_BYTES") or 1 << 20)
 _MAX_IOV = 512
 _MASK = 0xFFFFFFFFFFFFFFFF
 
@@ -260,15 +265,17 @@ class TcpBackend:
     """Raw TCP, one thread per connection on the server, pooled connections on the client.
 
     ``staged``: None picks zero-copy for CPU caches and staging otherwise; True forces
-    staging (tests run the staged path on CPU)."""
+    staging (tests run the staged path on CPU). ``checksum`` (the puller's choice, sent
+    with each pull): per-chunk sums; off, the trailer is 0 and nothing is summed (TCP's
+    own checksums and the size checks remain) - about 10% more throughput on 2 cores."""
 
     name = "tcp"
 
     def __init__(self, token: str = "", timeout: float = 30.0, chunk_blocks: int = CHUNK_BLOCKS,
-                 staged: bool | None = None) -> None:
+                 staged: bool | None = None, checksum: bool = True) -> None:
         self.token, self.timeout = token, timeout
         self.chunk_blocks, self.staged = max(1, chunk_blocks), staged
-        self.overlap_sums = os.environ.get("AGENTSERVE_KV_OVERLAP_SUMS", "1") != "0"
+        self.checksum = checksum
         self._listener: socket.socket | None = None
         self._pool: dict[tuple[str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
@@ -342,28 +349,23 @@ class TcpBackend:
             for d in shape:
                 bb *= d
             cb = max(1, min(int(req.get("chunk_blocks") or self.chunk_blocks), 1 << 16))
+            check = bool(req.get("checksum", True))
             send_frame(conn, {"ok": True, "n": len(ids), "nbytes": len(ids) * bb,
                               "block_shape": shape, "dtype": dtype_name(k.dtype), "chunk_blocks": cb})
             chunks = _chunks(ids, cb)
             if self._staged(k):
-                self._send_staged(conn, k, v, chunks, stages)
+                self._send_staged(conn, k, v, chunks, stages, check)
             else:
                 for chunk in chunks:  # zero-copy: straight from the pinned cache blocks
-                    pieces = cache_pieces(k, v, chunk)
-                    if self.overlap_sums:  # the sum reads alongside the send, on a helper
-                        fut = self._copy_pool().submit(lambda p=pieces: sum(map(_piece_sum, p)))
-                        for g in _groups(pieces):
-                            send_pieces(conn, g, False)
-                        s = fut.result()
-                    else:
-                        s = sum(send_pieces(conn, g) for g in _groups(pieces))
+                    s = sum(send_pieces(conn, g, check) for g in _groups(cache_pieces(k, v, chunk)))
                     conn.sendall(_SUM.pack(s & _MASK))
         finally:
             source.checkin(rid, bool(req.get("release", True)))
         self.on_sent(len(ids) * bb)
 
     def _send_staged(self, conn: socket.socket, k: torch.Tensor, v: torch.Tensor,
-                     chunks: list[list[int]], stages: tuple[StagingBuffer, StagingBuffer]) -> None:
+                     chunks: list[list[int]], stages: tuple[StagingBuffer, StagingBuffer],
+                     check: bool) -> None:
         """Gather chunk j+1 into the other staging buffer while chunk j is being sent."""
         L, _, bs, H, D = k.shape
         unit = bs * H * D * k.element_size()
@@ -372,7 +374,7 @@ class TcpBackend:
             out = stages[j % 2].get(len(chunks[j]) * bs * L * H * D * 2 * k.element_size(),
                                     k.dtype, (2, L, len(chunks[j]) * bs, H, D))
             gather_blocks(k, v, chunks[j], out=out)
-            return out, _staged_sum(out, unit)
+            return out, _staged_sum(out, unit) if check else 0
 
         pool = self._copy_pool()
         fut = pool.submit(gather, 0)
@@ -418,6 +420,8 @@ class TcpBackend:
         if len(block_ids) != len(spec.idx):
             raise TransferError(f"{len(spec.idx)} remote blocks for {len(block_ids)} local ones")
 
+        check = self.checksum
+
         def body(s: socket.socket, head: dict[str, Any]) -> int:
             shape, want = head.get("block_shape"), block_shape(k)
             if (shape != want or head.get("dtype") != dtype_name(k.dtype)
@@ -427,31 +431,23 @@ class TcpBackend:
                                     f"{dtype_name(k.dtype)}")
             chunks = _chunks(block_ids, max(1, int(head.get("chunk_blocks") or 1)))
             if self._staged(k):
-                self._recv_staged(s, k, v, chunks)
+                self._recv_staged(s, k, v, chunks, check)
             else:
                 for chunk in chunks:  # zero-copy: straight into the destination blocks
-                    if self.overlap_sums:  # group g is summed while g+1 arrives
-                        pool = self._copy_pool()
-                        futs = []
-                        for g in _groups(cache_pieces(k, v, chunk)):
-                            recv_pieces(s, g, False)
-                            futs.append(pool.submit(lambda g=g: sum(map(_piece_sum, g))))
-                        got = sum(f.result() for f in futs)
-                    else:
-                        got = sum(recv_pieces(s, g) for g in _groups(cache_pieces(k, v, chunk)))
-                    if got & _MASK != _recv_sum(s):
+                    got = sum(recv_pieces(s, g, check) for g in _groups(cache_pieces(k, v, chunk)))
+                    if got & _MASK != _recv_sum(s):  # both 0 without checksums
                         raise TransferError("payload checksum mismatch")
             return int(head["nbytes"])
 
         try:
             return self._call(spec.host, spec.port, {
                 "op": "pull", "rid": spec.rid, "idx": spec.idx, "hashes": spec.hashes,
-                "release": spec.release, "chunk_blocks": self.chunk_blocks}, body)
+                "release": spec.release, "chunk_blocks": self.chunk_blocks, "checksum": check}, body)
         except (OSError, msgspec.DecodeError) as e:
             raise TransferError(f"pull from {spec.host}:{spec.port} failed: {e!r}") from e
 
     def _recv_staged(self, s: socket.socket, k: torch.Tensor, v: torch.Tensor,
-                     chunks: list[list[int]]) -> None:
+                     chunks: list[list[int]], check: bool) -> None:
         """Receive chunk j+1 into one reused buffer while chunk j is scattered from the other."""
         L, _, bs, H, D = k.shape
         unit = bs * H * D * k.element_size()
@@ -468,7 +464,7 @@ class TcpBackend:
                 buf = stages[slot].get(len(chunk) * bs * L * H * D * 2 * k.element_size(),
                                        k.dtype, (2, L, len(chunk) * bs, H, D))
                 _recv_exact(s, memoryview(_bytes(buf).numpy()))
-                if _staged_sum(buf, unit) != _recv_sum(s):
+                if (_staged_sum(buf, unit) if check else 0) != _recv_sum(s):
                     raise TransferError("payload checksum mismatch")
                 pending[slot] = pool.submit(scatter_blocks, k, v, buf, chunk)
         finally:

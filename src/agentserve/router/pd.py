@@ -15,14 +15,18 @@ Per request, when the fleet has prefill endpoints:
 Field names are vLLM's, so a vLLM P/D pair (NIXL connector) can sit behind this too. A
 prefill endpoint that is down, slow or answers without params makes the decode endpoint
 prefill locally (``agentserve_router_pd_fallbacks``). A client that disconnects cancels
-the leg in flight (aiohttp cancels the handler; the engine aborts and frees its blocks;
-pins of a finished prefill leg are released by the decode engine or expire).
+the leg in flight (aiohttp cancels the handler; the engine aborts and frees its blocks).
+Pins of a finished prefill leg are released by the decode engine's pull; when the client
+left between the legs, or the decode leg failed or was cancelled before its engine
+answered, the router frees them at once (``POST /v1/kv_transfer/release`` on the prefill
+engine, ``agentserve_router_pd_releases``); otherwise they expire.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -35,6 +39,7 @@ from agentserve.router.proxy import Upstream, forward, forward_headers
 from agentserve.router.scorers import weighted_scores
 
 _MAX_OUTPUT_CHARGE = 4096
+RELEASE_PATH = "/v1/kv_transfer/release"  # agentserve engines; vLLM's pins expire instead
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -72,10 +77,20 @@ class PDOrchestrator:
                                  "locally)", ["reason"], registry=r)
         self.prefill_seconds = Histogram(p + "prefill_leg_seconds", "Prefill leg latency",
                                          registry=r)
+        self.releases = Counter(p + "releases", "Prefill pins released by the router (no decode "
+                                "leg will pull them)", ["reason"], registry=r)
+        self._tasks: set[asyncio.Task] = set()
 
     def enabled(self) -> bool:
-        roles = {ep.cfg.role for ep in self.gw.router.endpoints.values() if ep.available()}
-        return "prefill" in roles and bool(roles & {"decode", "both"})
+        """The fleet has a prefill pool (healthy or not) and a decode endpoint up.
+
+        Configured, not healthy, prefill endpoints count: with the whole prefill pool down
+        or ejected, requests still take the P/D path and fall back visibly
+        (``fallbacks{reason="no_prefill_endpoint"}``) instead of silently turning into
+        aggregated traffic."""
+        eps = self.gw.router.endpoints.values()
+        return (any(ep.cfg.role == "prefill" for ep in eps)
+                and any(ep.cfg.role in ("decode", "both") and ep.available() for ep in eps))
 
     async def route(self, request: web.Request, body: bytes,
                     route: RouteInput) -> web.StreamResponse | None:
@@ -90,26 +105,71 @@ class PDOrchestrator:
             if d.uncached < self.threshold or not isinstance(req, dict) or req.get("kv_transfer_params"):
                 self.legs.labels("aggregated").inc()
                 return await self._decode_leg(request, d, body, headers)
-            params, info = await self._prefill_leg(request, route, req)
+            params, info, prefill_url = await self._prefill_leg(request, route, req)
             headers["x-agentserve-pd"] = info
-            if params is not None:
-                self.legs.labels("disaggregated").inc()
-                body = msgspec.json.encode({**req, "kv_transfer_params": params})
-            else:
+            if params is None:
                 self.legs.labels("fallback").inc()
-            return await self._decode_leg(request, d, body, headers)
+                return await self._decode_leg(request, d, body, headers)
+            self.legs.labels("disaggregated").inc()
+            if request.transport is None or request.transport.is_closing():
+                # the client left between the legs: no decode leg will pull these pins
+                self._release(request, prefill_url, params, "client_gone")
+                return web.Response(status=499)
+            body = msgspec.json.encode({**req, "kv_transfer_params": params})
+            started = False
+
+            def first_byte() -> None:
+                nonlocal started
+                started = True
+                router.first_byte(d)
+
+            try:
+                resp = await self._decode_leg(request, d, body, headers, first_byte)
+            except asyncio.CancelledError:  # client gone before the decode engine answered
+                if not started:
+                    self._release(request, prefill_url, params, "client_gone")
+                raise
+            if not started:  # the decode leg failed: its engine may never have seen the params
+                self._release(request, prefill_url, params, "decode_failed")
+            return resp
         finally:
             router.finish(d)
 
+    def _release(self, request: web.Request, prefill_url: str, params: dict[str, Any],
+                 reason: str) -> None:
+        """Free the prefill engine's pins now, in a task of its own (survives cancellation).
+
+        Harmless when the decode engine already pulled them (an unknown id is a no-op); a
+        prefill engine without the endpoint (e.g. vLLM) lets its pins expire instead."""
+        rid = params.get("remote_request_id")
+        if not rid:
+            return
+        self.releases.labels(reason).inc()
+        headers = {k: v for k, v in forward_headers(request).items()
+                   if k.lower() in ("authorization", "x-api-key")}
+        task = asyncio.get_running_loop().create_task(self._post_release(prefill_url, str(rid), headers))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _post_release(self, prefill_url: str, rid: str, headers: dict[str, str]) -> None:
+        try:
+            assert self.gw.session is not None
+            async with self.gw.session.post(prefill_url + RELEASE_PATH, json={"remote_request_id": rid},
+                                            headers=headers,
+                                            timeout=aiohttp.ClientTimeout(total=10)) as r:
+                await r.read()
+        except (TimeoutError, aiohttp.ClientError, OSError):
+            pass  # the pins expire after --kv-transfer-timeout anyway
+
     async def _prefill_leg(self, request: web.Request, route: RouteInput,
-                           req: dict[str, Any]) -> tuple[dict | None, str]:
-        """Run the prefill leg; (params, timing header) or (None, why) on any failure."""
+                           req: dict[str, Any]) -> tuple[dict | None, str, str]:
+        """Run the prefill leg; (params, timing header, prefill URL), params None on failure."""
         router: Router = self.gw.router
         try:
             p = pick(router, route, ("prefill",), False)
         except NoEndpoint:
             self.fallbacks.labels("no_prefill_endpoint").inc()
-            return None, "fallback=no_prefill_endpoint"
+            return None, "fallback=no_prefill_endpoint", ""
         leg = {**req, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
         leg.pop("stream_options", None)
         leg.pop("max_completion_tokens", None)
@@ -123,7 +183,7 @@ class PDOrchestrator:
                                             headers=forward_headers(request), timeout=timeout) as r:
                 out = await r.json(content_type=None) if r.status == 200 else None
                 reason = f"http_{r.status}" if out is None else reason
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:
             out, reason = None, type(e).__name__
             if router.endpoints.get(p.url) is not None:
                 router.endpoints[p.url].record_failure(self.gw.opts)
@@ -133,17 +193,22 @@ class PDOrchestrator:
         params = (out or {}).get("kv_transfer_params") if isinstance(out, dict) else None
         if not params:
             self.fallbacks.labels(reason if reason != "ok" else "no_params").inc()
-            return None, f"fallback={reason};prefill={p.url}"
+            return None, f"fallback={reason};prefill={p.url}", p.url
         self.prefill_seconds.observe(secs)
-        return params, f"prefill={p.url};prefill_ms={secs * 1e3:.1f};route_ms={p.seconds * 1e3:.2f}"
+        return (params, f"prefill={p.url};prefill_ms={secs * 1e3:.1f};route_ms={p.seconds * 1e3:.2f}",
+                p.url)
 
     async def _decode_leg(self, request: web.Request, d: Decision, body: bytes,
-                          headers: dict[str, str]) -> web.StreamResponse:
+                          headers: dict[str, str],
+                          first_byte: Callable[[], None] | None = None) -> web.StreamResponse:
         timeout = aiohttp.ClientTimeout(total=self.gw.opts.request_timeout_s,
                                         sock_connect=self.gw.opts.connect_timeout_s)
         try:
             resp, _ = await forward(request, self.gw.session, d.url + request.path, body, timeout,
-                                    lambda: self.gw.router.first_byte(d), headers)
+                                    first_byte or (lambda: self.gw.router.first_byte(d)), headers)
         except Upstream as e:
+            ep = self.gw.router.endpoints.get(d.url)
+            if ep is not None and ep.record_failure(self.gw.opts):
+                self.gw.metrics.ejections.labels(d.url).inc()
             return self.gw._upstream_error(e)
         return resp
