@@ -21,7 +21,7 @@ def register(app: typer.Typer) -> None:
     def sim(
         model: str = typer.Option("glm-5.2-fp8", help="model spec: glm-5.2-fp8, tiny, small"),
         gpu: str = typer.Option("h200", help="hardware spec: h200, cpu-local"),
-        topology: str = typer.Option("3P1D", help="xPyD: prefill and decode instances"),
+        topology: str = typer.Option("3P1D", help="xPyD (prefill and decode instances) or N aggregated engines"),
         prefill_width: int = typer.Option(16, help="DEP width of each prefill instance"),
         decode_width: int = typer.Option(16, help="DEP width of each decode instance"),
         concurrency: int = typer.Option(128, help="closed-loop clients (AIPerf concurrency)"),
@@ -37,7 +37,7 @@ def register(app: typer.Typer) -> None:
         cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
                         decode_width=decode_width, concurrency=concurrency, mtp=mtp,
                         cpu_offload_gib=cpu_offload_gib, workload=workload, duration=duration,
-                        seed=seed)
+                        seed=seed, aggregated=d if p == 0 else 0)
         s = simulate(cfg)
         if as_json:
             typer.echo(json.dumps(s, default=float))

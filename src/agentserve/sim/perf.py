@@ -226,6 +226,27 @@ class PerfModel:
         per += self.a2a_time(reqs_per_rank, layers=1) + self.eff.step_overhead_s / 4
         return k * per
 
+    # -- measured linear model (cpu-local, our engine) ------------------------------------------
+    @property
+    def linear(self) -> bool:
+        """The profile carries the fitted linear step model of `benchmarks/sim_calibrate_cpu.py`."""
+        m = self.hw.measured
+        return bool(m) and "tok_s" in m
+
+    def measured_step(self, prefill: list[tuple[int, int]], decode_ctx: float, decode_n: int) -> float:
+        """One engine step of a mixed batch from the calibrated profile (no roofline):
+        `step_overhead_s + per_seq_s x seqs + tok_s x tokens + attn_prefill_s x sum(new x mean
+        context) + attn_decode_s x sum(decode context)`; `prefill` = (new, prefix) chunks,
+        `decode_ctx` = summed context of the `decode_n` decoding requests."""
+        m = self.hw.measured
+        seqs = decode_n + len(prefill)
+        if seqs == 0:
+            return 0.0
+        tokens = decode_n + sum(n for n, _ in prefill)
+        pairs = sum(n * (p + n / 2) for n, p in prefill)
+        return (m["step_overhead_s"] + m["per_seq_s"] * seqs + m["tok_s"] * tokens
+                + m["attn_prefill_s"] * pairs + m["attn_decode_s"] * decode_ctx)
+
     # -- transfers -------------------------------------------------------------------------------
     def kv_transfer_time(self, tokens: int, same_node: bool = False) -> float:
         """P->D KV pull of `tokens` (NIXL over InfiniBand, or NVLink within a node)."""

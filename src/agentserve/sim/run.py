@@ -21,6 +21,7 @@ from agentserve.sim.perf import PerfModel
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.specs import GiB, hardware_spec, model_spec
+from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
 from agentserve.workload.report import summarize
 from agentserve.workload.schema import Session, TraceRequest
@@ -49,11 +50,25 @@ class SimConfig:
     # have the trace's input distribution (SPEC: median 47K-57K), not that of session starts;
     # joining only the first C sessions biased long stages toward short early-turn contexts.
     join_midway: bool = True
+    # Aggregated engines ("both" role, `agentserve up --topology N`): when > 0 the deployment is
+    # `aggregated` one-rank engines that prefill and decode in the same step (agg.py); the
+    # prefill/decode fields are then unused, `chunk` is the engine's max_num_batched_tokens.
+    aggregated: int = 0
+    kv_tokens: int | None = None  # KV capacity per engine (None: the memory model's)
+    # As `agentserve bench`: tokens per trace block (inputs scale by token_scale/block_size;
+    # then `block_size` should equal it) and the output cap.
+    token_scale: int | None = None
+    max_output: int | None = None
+    # Client -> router -> engine and back, per request, outside engine steps (HTTP, routing,
+    # tokenization, stream setup); None: the hardware profile's `request_overhead_s` or 0.
+    request_overhead_s: float | None = None
 
 
 def parse_topology(s: str) -> tuple[int, int]:
-    """"3P1D" -> (3, 1)."""
-    u = s.upper()
+    """"3P1D" -> (3, 1); "2" (aggregated engines, as `agentserve up`) -> (0, 2)."""
+    u = s.strip().upper()
+    if u.isdigit() and int(u) > 0:
+        return 0, int(u)
     if not (u.endswith("D") and "P" in u):
         raise ValueError(f"topology {s!r}: expected xPyD, e.g. 3P1D")
     p, d = u[:-1].split("P")
@@ -106,6 +121,17 @@ class Simulation:
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
         self.router = Router(cfg.seed)
+        self.aggs: list = []
+        self.prefills, self.decodes, self.p_ranks, self.d_ranks = [], [], [], []
+        ov = cfg.request_overhead_s
+        self.overhead = ov if ov is not None else float((hw.measured or {}).get("request_overhead_s", 0.0))
+        self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
+        self.records: list[RequestRecord] = []
+        self.seen: dict[int, set[int]] = {}
+        self._ids = 0
+        if cfg.aggregated:
+            self._build_aggregated(m, hw)
+            return
         pt = Topology("dep", cfg.prefill_width, "prefill")
         dt = Topology("dep", cfg.decode_width, "decode", mtp=cfg.mtp)
         pm = plan_memory(m, hw, pt, block_size=cfg.block_size)
@@ -122,10 +148,16 @@ class Simulation:
         w = cfg.decode_width
         self.decodes = [DecodeInstance(self.clock, self.dperf, self.d_ranks[i * w:(i + 1) * w],
                                        cfg.max_seqs, self.rng) for i in range(cfg.decode)]
-        self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
-        self.records: list[RequestRecord] = []
-        self.seen: dict[int, set[int]] = {}
-        self._ids = 0
+
+    def _build_aggregated(self, m, hw) -> None:
+        from agentserve.sim.agg import AggInstance
+
+        cfg = self.cfg
+        topo = Topology("dep", 1, "decode")
+        kv = cfg.kv_tokens or plan_memory(m, hw, topo, block_size=cfg.block_size).kv_blocks * cfg.block_size
+        self.p_ranks = [Rank(i, kv // cfg.block_size, 0, cfg.block_size) for i in range(cfg.aggregated)]
+        self.pperf = self.dperf = PerfModel(m, hw, topo)
+        self.aggs = [AggInstance(self.clock, self.pperf, r, cfg.chunk, cfg.max_seqs) for r in self.p_ranks]
 
     def _owner(self, ranks: list[Rank], instances: list, r: Rank):
         return instances[ranks.index(r) // len(instances[0].ranks)]
@@ -137,22 +169,38 @@ class Simulation:
             if nxt is None:
                 return
             si, s = nxt
-            queue, sid = flatten(s), s.id
+            queue, sid = [(*x, s.block_size) for x in flatten(s)], s.id
             if self.cfg.join_midway and len(queue) > 1:  # stationary inputs (see SimConfig)
                 del queue[: int(self.rng.integers(len(queue)))]
-        turn, agent, tr = queue.pop(0)
+        turn, agent, tr, sbs = queue.pop(0)
         base = si << 32
         hashes = [base + h for h in tr.hash_ids]
         seen = self.seen.setdefault(si, set())
         reuse = _bisect_prefix(seen, hashes, 0, len(hashes))  # ids are prefix-chained
         seen.update(hashes)
         self._ids += 1
+        cfg = self.cfg
+        n_in = (scaled_length(tr.input_tokens, sbs, min(cfg.token_scale, sbs)) if cfg.token_scale
+                else tr.input_tokens)
+        n_out = max(1, tr.output_tokens)
+        if cfg.max_output is not None:
+            n_out = min(n_out, cfg.max_output)
         rec = RequestRecord(f"sim-{self._ids}", sid, turn, agent, start=self.clock.now,
-                            input_tokens=tr.input_tokens, max_tokens=tr.output_tokens,
-                            reusable_tokens=min(reuse * self.cfg.block_size, tr.input_tokens))
-        req = SimRequest(rec, hashes, tr.input_tokens, max(1, tr.output_tokens),
-                         lambda q: self._finished(q, queue, si, sid))
-        self._route_prefill(req)
+                            input_tokens=n_in, max_tokens=n_out,
+                            reusable_tokens=min(reuse * cfg.block_size, n_in))
+        req = SimRequest(rec, hashes, n_in, n_out, lambda q: self._finished(q, queue, si, sid))
+        route = self._route_agg if cfg.aggregated else self._route_prefill
+        if self.overhead > 0:
+            self.clock.at(self.clock.now + self.overhead, lambda: route(req))
+        else:
+            route(req)
+
+    def _route_agg(self, req: SimRequest) -> None:
+        r = self.router.pick(self.p_ranks, req, decode=False)
+        req.rank = r
+        r.inflight_tokens += req.n_in + req.n_out
+        r.waiting.append(req)
+        self.aggs[self.p_ranks.index(r)].kick()
 
     def _finished(self, req: SimRequest, queue: list, si: int, sid: str) -> None:
         self.records.append(req.rec)
@@ -193,6 +241,8 @@ class Simulation:
     def summary(self) -> dict:
         cfg = self.cfg
         done = [r for r in self.records if r.end <= cfg.duration]
+        if cfg.aggregated:
+            return self._summary_agg(done)
         gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width
         s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=gpus_p + gpus_d)
         cost = pool_cost(gpus_p, gpus_d, s["input_tok_s"], s["output_tok_s"],
@@ -212,6 +262,22 @@ class Simulation:
             "decode_preemptions": sum(d.preemptions for d in self.decodes),
             "prefill_busy_frac": sum(p.busy_s for p in self.prefills) / cfg.duration / cfg.prefill,
             "decode_busy_frac": sum(d.busy_s for d in self.decodes) / cfg.duration / cfg.decode,
+        })
+        return s
+
+
+    def _summary_agg(self, done: list[RequestRecord]) -> dict:
+        cfg = self.cfg
+        s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=cfg.aggregated)
+        prompt = sum(a.prompt_tokens for a in self.aggs)
+        s.update({
+            "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+            "request_overhead_s": self.overhead, "cpu_restore_gib": 0.0,
+            "cost_per_m_input": None, "cost_per_m_output": None,
+            "prefill_gpu_hit_rate": _share(sum(a.hit_tokens for a in self.aggs), prompt),
+            "queue": sum(len(r.waiting) for r in self.p_ranks),
+            "preemptions": sum(a.preemptions for a in self.aggs),
+            "busy_frac": sum(a.busy_s for a in self.aggs) / cfg.duration / cfg.aggregated,
         })
         return s
 

@@ -1,0 +1,177 @@
+"""SIM-1 small-scale check: does the simulator (cpu-local) predict `agentserve bench` on our stack?
+
+1. calibrate the `cpu-local` profile right before the real run (`sim_calibrate_cpu.calibrate`,
+   the engine core in-process with the threads one engine of `up --topology 2` gets);
+2. measure the per-request overhead outside engine steps (client -> router -> engine -> SSE):
+   1-token requests through the router, minus the profile's step time for them;
+3. the real thing: `agentserve up --topology 2` (tiny model, `--kv-cache-tokens`), then
+   `run_bench` in concurrency mode on a synthesized `sweep` corpus written to a file,
+   `--token-scale` K so prompts are a few hundred to a few thousand tokens;
+4. the simulator: 2 aggregated engines (`SimConfig.aggregated`), the same file, concurrency,
+   token scale, output cap, KV size, chunk budget;
+5. compare output tok/s and TTFT p50 (target +-20%); JSON + a rich table; load average recorded.
+
+    .venv/bin/python benchmarks/sim_vs_bench.py --out benchmarks/results/sim_vs_bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _calibrator():
+    spec = importlib.util.spec_from_file_location("sim_calibrate_cpu", HERE / "sim_calibrate_cpu.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def probe_overhead(url: str, profile: dict, n: int = 8, prompt: int = 16) -> float:
+    """Median wall time of 1-token requests through the router minus the modelled engine step."""
+    from agentserve.sim.memory import Topology
+    from agentserve.sim.perf import PerfModel
+    from agentserve.sim.specs import cpu_local, model_spec
+
+    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    step = perf.measured_step([(prompt, 0)], 0.0, 0)
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    times = []
+    for i in range(n):
+        body = json.dumps({"prompt": [17 + (i * 7 + j) % 3000 for j in range(prompt)], "max_tokens": 1,
+                           "model": model, "stream": True, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        t0 = time.perf_counter()
+        with urllib.request.urlopen(req, timeout=60) as r:
+            r.read()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return max(times[len(times) // 2] - step, 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--concurrency", default="4,8")
+    ap.add_argument("--stage", type=float, default=45.0)
+    ap.add_argument("--sessions", type=int, default=96)
+    ap.add_argument("--profile", default="sweep")
+    ap.add_argument("--token-scale", type=int, default=2)
+    ap.add_argument("--max-output", type=int, default=128)
+    ap.add_argument("--kv-tokens", type=int, default=65_536)
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--port", type=int, default=18_480)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--reuse-profile", action="store_true", help="skip calibration if a profile exists")
+    ap.add_argument("--out", default="benchmarks/results/sim_vs_bench.json")
+    args = ap.parse_args()
+    conc = [int(x) for x in args.concurrency.split(",")]
+    work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_"))
+
+    from agentserve.workload.synth import synthesize
+    from agentserve.workload.traces import load_sessions, write_sessions
+
+    trace = work / f"{args.profile}.jsonl"
+    write_sessions(synthesize(args.profile, args.sessions, args.seed), trace)
+    sessions = load_sessions(trace).sessions
+
+    # 1. calibrate right before the real run
+    prof_path = Path("benchmarks/results/sim_cpu_profile.json")
+    if not (args.reuse_profile and prof_path.is_file()):
+        profile = _calibrator().calibrate("tiny", chunk=args.chunk)
+    else:
+        profile = json.loads(prof_path.read_text())
+
+    # 3. the real thing
+    from agentserve.launch import Cluster, parse_topology
+    from agentserve.workload.replay import BenchConfig, run_bench
+
+    load_before = os.getloadavg()
+    cluster = Cluster(work / "run", port=args.port,
+                      engine_args=["--kv-cache-tokens", str(args.kv_tokens),
+                                   "--max-num-batched-tokens", str(args.chunk)])
+    (work / "run").mkdir(parents=True, exist_ok=True)
+    url = f"http://127.0.0.1:{args.port}"
+    cluster.start(parse_topology("2"))
+    try:
+        # 2. overhead outside engine steps (needs the profile's step model: write it first)
+        prof_path.parent.mkdir(parents=True, exist_ok=True)
+        prof_path.write_text(json.dumps(profile, indent=2))
+        os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
+        try:
+            profile["request_overhead_s"] = probe_overhead(url, profile)
+        except Exception as e:  # noqa: BLE001 - recorded, the comparison still runs
+            profile["request_overhead_s"], profile["request_overhead_error"] = 0.0, repr(e)
+        prof_path.write_text(json.dumps(profile, indent=2))
+        t0 = time.time()
+        stages = run_bench(BenchConfig(url=url, trace_sessions=sessions, mode="concurrency",
+                                       concurrency=conc, stage_duration=args.stage,
+                                       token_scale=args.token_scale, max_output=args.max_output,
+                                       out=str(work / "bench"), progress=False, plots=False,
+                                       seed=args.seed))
+        bench_wall = time.time() - t0
+    finally:
+        cluster.stop()
+    load_after = os.getloadavg()
+
+    # 4. the simulator, same workload and knobs
+    from agentserve.sim.run import SimConfig, simulate
+
+    rows = []
+    for c, real in zip(conc, stages):
+        cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=c,
+                        duration=args.stage, mtp=False, cpu_offload_gib=0, chunk=args.chunk,
+                        max_seqs=128, block_size=args.token_scale, token_scale=args.token_scale,
+                        kv_tokens=args.kv_tokens, max_output=args.max_output, seed=args.seed,
+                        join_midway=False, workload=str(trace))
+        t = time.time()
+        sim = simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50)))
+        row = {"concurrency": c, "sim_wall_s": time.time() - t}
+        for key, get in (("output_tok_s", lambda s: s["output_tok_s"]),
+                         ("ttft_p50_s", lambda s: s["ttft_s"]["p50"]),
+                         ("itl_p50_ms", lambda s: s["itl_ms"]["p50"]),
+                         ("input_tok_s", lambda s: s["input_tok_s"]),
+                         ("requests_ok", lambda s: s["requests_ok"])):
+            p, m = get(sim), get(real)
+            row[key] = {"sim": p, "bench": m,
+                        "err": (p - m) / m if (p is not None and m) else None}
+        row["sim_extra"] = {k: sim.get(k) for k in ("prefill_gpu_hit_rate", "busy_frac", "preemptions",
+                                                    "queue")}
+        row["bench_cached_frac"] = (real.get("cached_tokens", 0) / real["input_tokens"]
+                                    if real.get("input_tokens") else None)
+        rows.append(row)
+
+    result = {"args": vars(args), "profile": profile, "loadavg_before": load_before,
+              "loadavg_after": load_after, "bench_wall_s": bench_wall, "rows": rows,
+              "target": "output tok/s and TTFT p50 within +-20%"}
+    Path(args.out).write_text(json.dumps(result, indent=2, default=float))
+
+    from rich.console import Console
+    from rich.table import Table
+
+    tab = Table(title=f"sim vs bench, 2 aggregated tiny engines, load {load_before[0]:.1f}->{load_after[0]:.1f}")
+    for col in ("C", "metric", "sim", "bench", "err"):
+        tab.add_column(col, justify="right")
+    for r in rows:
+        for k in ("output_tok_s", "ttft_p50_s", "itl_p50_ms", "input_tok_s", "requests_ok"):
+            v = r[k]
+            ok = v["err"] is not None and abs(v["err"]) <= 0.2
+            err = "-" if v["err"] is None else f"[{'green' if ok else 'red'}]{v['err']:+.0%}[/]"
+            tab.add_row(str(r["concurrency"]), k, f"{v['sim']:.3g}" if v["sim"] is not None else "-",
+                        f"{v['bench']:.3g}" if v["bench"] is not None else "-", err)
+    Console().print(tab)
+    print(f"wrote {args.out}; work dir {work}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

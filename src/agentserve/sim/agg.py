@@ -1,0 +1,126 @@
+"""Aggregated engines ("both" role, `agentserve up --topology N`): prefill and decode in one step.
+
+Mirrors our engine's scheduler (engine/scheduler.py, vLLM V1 style): each step first serves
+the running requests in order (a decoding request takes 1 token, a prefilling one the rest of
+its prompt up to the budget), then admits waiting requests FCFS while the
+`max_num_batched_tokens` budget and `max_num_seqs` last; a new request starts after its GPU
+prefix hit. The step that computes a prompt's last token also samples its first output token
+(TTFT). Blocks come from the real pool; when a decoding request needs a block and none is
+free, the newest running request is preempted (freed, back to the queue head, recomputed).
+
+Stepped per step (one event per step), which is cheap at the scale this is used for (one or
+a few engines, tiny models on a CPU). Step time: `PerfModel.measured_step` when the hardware
+profile is calibrated (cpu-local), else prefill_step + decode_step of the roofline.
+"""
+
+from __future__ import annotations
+
+from agentserve.kv.manager import cdiv
+from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
+from agentserve.sim.perf import PerfModel
+from agentserve.sim.pools import Instance
+
+
+class AggInstance(Instance):
+    """One aggregated engine over one rank (width 1)."""
+
+    def __init__(self, clock: Clock, perf: PerfModel, rank: Rank, budget: int, max_seqs: int) -> None:
+        super().__init__(clock, perf, [rank])
+        self.rank, self.budget, self.max_seqs = rank, budget, max_seqs
+        self.preemptions = 0
+        self.hit_tokens = self.prompt_tokens = 0
+
+    def _admit(self, req: SimRequest) -> bool:
+        r = self.rank
+        bs = r.pool.block_size
+        hits = r.pool.match_prefix(req.hashes[: max(0, (req.n_in - 1) // bs)])
+        need = cdiv(req.n_in + req.out_done, bs) - len(hits)
+        if not fits(r.pool, hits, need):
+            return False
+        r.pool.touch(hits)
+        req.blocks = hits + r.pool.allocate(need)
+        req.computed = req.cached = len(hits) * bs
+        if req.out_done == 0:  # count a prompt once, as the engine does
+            self.hit_tokens += req.cached
+            self.prompt_tokens += req.n_in
+        return True
+
+    def _preempt(self) -> SimRequest:
+        r = self.rank
+        victim = r.running.pop()
+        r.pool.free(list(reversed(victim.blocks)))
+        victim.blocks, victim.computed = [], 0
+        r.waiting.appendleft(victim)
+        self.preemptions += 1
+        return victim
+
+    def _step(self) -> None:
+        r, bs = self.rank, self.rank.pool.block_size
+        budget, plan = self.budget, []
+        i = 0
+        while i < len(r.running) and budget > 0:
+            req = r.running[i]
+            prompt_left = req.n_in - req.computed
+            n = min(prompt_left, budget) if prompt_left > 0 else 1
+            if prompt_left <= 0:  # decoding: the next token's KV slot
+                while cdiv(req.n_in + req.out_done + 1, bs) > len(req.blocks):
+                    if r.pool.num_free_blocks:
+                        req.blocks += r.pool.allocate(1)
+                    elif self._preempt() is req:
+                        n = 0
+                        break
+                if n == 0:
+                    continue  # preempted itself; the loop index now points past the list
+            plan.append((req, n))
+            budget -= n
+            i += 1
+        while (r.waiting and budget > 0 and len(r.running) < self.max_seqs
+               and self._admit(r.waiting[0])):
+            req = r.waiting.popleft()
+            req.rank = r
+            r.running.append(req)
+            n = min(req.n_in - req.computed, budget)
+            if n <= 0:  # whole prompt cached: the engine still recomputes its last token
+                req.computed, n = req.n_in - 1, 1
+            plan.append((req, n))
+            budget -= n
+        if not plan:
+            self.busy = False
+            return
+        pre = [(n, q.computed) for q, n in plan if q.computed < q.n_in]
+        dec = [q for q, n in plan if q.computed >= q.n_in]
+        ctx = float(sum(q.n_in + q.out_done for q in dec))
+        if self.perf.linear:
+            dt = self.perf.measured_step(pre, ctx, len(dec))
+        else:
+            dt = (self.perf.prefill_step([pre]) if pre else 0.0) + (
+                self.perf.decode_step([[q.n_in + q.out_done for q in dec]], 0) if dec else 0.0)
+        self._run(dt, lambda: self._done(plan))
+
+    def _done(self, plan: list[tuple[SimRequest, int]]) -> None:
+        r, bs, now = self.rank, self.rank.pool.block_size, self.clock.now
+        for req, n in plan:
+            if req.rank is not r or req not in r.running:
+                continue  # preempted during planning of this step
+            rec = req.rec
+            if req.computed < req.n_in:
+                before = req.computed // bs
+                req.computed += n
+                cache_computed(r.pool, req, before, req.computed // bs)
+                if req.computed < req.n_in:
+                    continue
+            req.out_done += 1
+            rec.chunk_times.append(now - rec.start)
+            rec.chunk_tokens.append(1)
+            if rec.ttft is None:
+                rec.ttft = now - rec.start
+            if req.out_done >= req.n_out:
+                r.running.remove(req)
+                r.inflight_tokens -= req.n_in + req.n_out
+                r.pool.free(list(reversed(req.blocks)))
+                req.blocks = []
+                rec.cached_tokens = req.cached
+                rec.e2e, rec.output_tokens = now - rec.start, req.out_done
+                req.on_done(req)
+        self.busy = False
+        self._step()
