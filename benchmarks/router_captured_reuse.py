@@ -33,8 +33,13 @@ POLICIES = {
     # the previous default: precise + speculative, max picker, affinity as tie-break
     "precise+speculative (max)": {"policy": "precise-prefix", "scorers": {"session": 0.1},
                                   "options": {"speculative_ttl_s": 2.0}},
-    # default: precise + speculative + sticky until saturated (wait) + session balance
+    # default: precise + speculative + sticky until saturated (wait, penalty 2 s) +
+    # session balance .5 + prefix 2 (see config.PRESETS)
     "default": {"policy": "default"},
+    # tuning variants of default that lost (README)
+    "sticky 1 s, prefix 1, balance 1": {"policy": "default", "scorers": {"prefix": 1.0,
+                                        "balance": 1.0}, "picker": {"penalty_s": 1.0}},
+    "sticky 2 s, prefix 2, balance 1": {"policy": "default", "scorers": {"balance": 1.0}},
 }
 
 

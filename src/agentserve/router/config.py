@@ -51,9 +51,9 @@ PRESETS: dict[str, dict[str, Any]] = {
     # wait is queued uncached prefill over the endpoint's learned prefill speed); new
     # sessions go where the fewest sessions are active (balance), prefix share and load
     # break ties.
-    "default": {"scorers": {"prefix": 1.0, "balance": 1.0, "session": 0.1, "queue": 0.5,
+    "default": {"scorers": {"prefix": 2.0, "balance": 0.5, "session": 0.1, "queue": 0.5,
                             "inflight": 0.5, "kv_util": 0.25},
-                "picker": {"type": "sticky", "penalty_s": 1.0, "min_share": 0.5},
+                "picker": {"type": "sticky", "penalty_s": 2.0, "min_share": 0.5},
                 "index": "precise",
                 "options": {"speculative_ttl_s": 2.0}},
 }

@@ -7,7 +7,8 @@ on its own clock. It
    reusing the hashes of the prompt's cached prefix (`prefix.HashCache`);
 2. looks the keys up in the index in one pass (`PrefixIndex.match`);
 3. fills a `Candidate` per available endpoint: prefix run, predicted cached tokens,
-   scraped load (if fresh) and router-known load;
+   scraped load (if fresh), router-known load, active sessions, and the estimated wait
+   (queued uncached prefill / the endpoint's prefill speed, learned at first byte);
 4. filters, scores (weighted sum of plugins), picks;
 5. books the decision: in-flight counts, session affinity, speculative index entries
    (precise mode) or LRU entries (approximate mode).

@@ -111,6 +111,7 @@ class PDOrchestrator:
                 self.legs.labels("fallback").inc()
                 return await self._decode_leg(request, d, body, headers)
             self.legs.labels("disaggregated").inc()
+            headers["x-agentserve-pd"] = f"{info};decode_route_ms={d.seconds * 1e3:.2f}"
             if request.transport is None or request.transport.is_closing():
                 # the client left between the legs: no decode leg will pull these pins
                 self._release(request, prefill_url, params, "client_gone")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from operator import add
 from typing import Any, Protocol
 
 SCORERS: dict[str, type] = {}
@@ -175,8 +176,10 @@ def build_scorers(weights: dict[str, float]) -> list[tuple[float, Any]]:
 
 def weighted_scores(scorers: list[tuple[float, Any]], cands: list[Candidate]) -> list[float]:
     """Sum of weight * score per candidate."""
-    total = [0.0] * len(cands)
+    total: list[float] | None = None
     for w, s in scorers:
-        for i, v in enumerate(s.score(cands)):
-            total[i] += w * v
-    return total
+        vals = s.score(cands)
+        if w != 1.0:
+            vals = [w * v for v in vals]
+        total = vals if total is None else list(map(add, total, vals))
+    return [0.0] * len(cands) if total is None else total

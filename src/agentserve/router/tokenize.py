@@ -61,7 +61,7 @@ class Seq:
     Supports len, indexing, slicing (to an array), iteration and `tolist`.
     """
 
-    __slots__ = ("segs", "starts", "n")
+    __slots__ = ("n", "segs", "starts")
     max_segments = 64
 
     def __init__(self, segs: list[array]) -> None:
