@@ -117,7 +117,7 @@ def main() -> None:
         res["store_overhead"] = store_overhead(a.model, 8, 512, 64, a.rounds)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
-    print(f"| benchmark | figure |\n|---|---|")
+    print("| benchmark | figure |\n|---|---|")
     if "restore_vs_recompute" in res:
         r = res["restore_vs_recompute"]
         print(f"| restore vs recompute, {a.prefix} tokens | restore {r['always']['ttft_s']:.3f} s, "

@@ -16,7 +16,6 @@ It is what the client and loopback add to the server's own TTFT.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import resource

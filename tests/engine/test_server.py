@@ -192,7 +192,7 @@ def test_models_health_metrics(client: openai.OpenAI, served: ServerThread) -> N
     for name in names:
         assert f"\n{name}{{" in text, name
     assert f'model_name="{served.engine.model_name}"' in text
-    assert f'block_size="16"' in text and "num_gpu_blocks=" in text
+    assert 'block_size="16"' in text and "num_gpu_blocks=" in text
 
 
 def test_draining(served: ServerThread) -> None:

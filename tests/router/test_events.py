@@ -3,7 +3,6 @@
 import asyncio
 import time
 
-import pytest
 import zmq.asyncio
 
 from agentserve.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,

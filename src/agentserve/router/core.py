@@ -30,7 +30,7 @@ from agentserve.router.config import EndpointConfig, RouterConfig
 from agentserve.router.endpoints import Endpoint
 from agentserve.router.index import Match, PrefixIndex
 from agentserve.router.picker import build_picker
-from agentserve.router.prefix import HashCache, PromptHashes
+from agentserve.router.prefix import HashCache
 from agentserve.router.scorers import (Candidate, ModelFilter, RoleFilter, build_scorers,
                                        weighted_scores)
 from agentserve.router.tokenize import Tokenized
