@@ -99,8 +99,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: BatchMeta,
-                kv: KVCache, layer: int) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, kv, layer)
+                kv: KVCache, layer: int, keep: torch.Tensor | None = None) -> torch.Tensor:
+        """h: [T, hidden] -> [T, hidden], or [len(keep), hidden] when only rows `keep` matter."""
+        a = self.self_attn(self.input_layernorm(h), cos, sin, meta, kv, layer)
+        if keep is not None:  # K/V of every row are written above; the rest is per row
+            h, a = h[keep], a[keep]
+        h = h + a
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -121,8 +125,11 @@ class LlamaForCausalLM(nn.Module):
         """Logits [num_need_logits, vocab] float32, in chunk order."""
         h = self.embed_tokens(meta.input_ids)  # [T, hidden]
         cos, sin = rope_cos_sin(meta.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, meta, kv, i)
-        h = self.norm(h[meta.logits_idx])  # [N, hidden]
+            # The last layer's MLP only matters for rows whose logits we return: in a
+            # prefill chunk that skips all but one row (~1/L of the MLP FLOPs).
+            h = layer(h, cos, sin, meta, kv, i, keep=meta.logits_idx if i == last else None)
+        h = self.norm(h)  # [N, hidden]
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, w).float()  # [N, vocab]
