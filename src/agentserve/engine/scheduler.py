@@ -173,26 +173,35 @@ class Scheduler:
             seq = self.loading.pop(d.request_id, None)
             if seq is None:
                 continue
-            if seq.status.finished:  # aborted while loading: its blocks were busy until now
-                self.kv.free(seq)
-                continue
-            if not d.ok:
-                self.kv.free(seq)
+            first = seq.num_cached_tokens < 0
+            if self._admit_loaded(seq, d.ok, d.plan.num_blocks if d.ok else 0):
+                if first:
+                    seq.cached_by_tier = {"gpu": seq.device_hit_tokens, **d.plan.tokens_by_tier}
+                self.stats.restored_tokens += d.plan.num_blocks * self.kv.block_size
+            elif not d.ok and not seq.status.finished:
                 seq.kv_restore_failed = True
-                seq.status = RequestStatus.WAITING
-                self.waiting.appendleft(seq)
-                continue
-            restored = d.plan.num_blocks * self.kv.block_size
-            seq.num_computed_tokens = seq.device_hit_tokens + restored
-            self.kv.cache_blocks(seq)  # restored blocks are device-cached again
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = seq.num_computed_tokens
-                seq.cached_by_tier = {"gpu": seq.device_hit_tokens, **d.plan.tokens_by_tier}
-                self.stats.prefix_queries_tokens += seq.num_prompt_tokens
-                self.stats.prefix_hits_tokens += seq.device_hit_tokens
-            self.stats.restored_tokens += restored
-            seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
+
+    def _admit_loaded(self, seq: Sequence, ok: bool, num_blocks: int) -> bool:
+        """A request whose KV arrived (restore or pull) joins ``running``, its loaded blocks
+        counted as computed and cached; on failure it goes back to the queue head to
+        recompute. Returns True when admitted."""
+        if seq.status.finished:  # aborted while loading: its blocks were busy until now
+            self.kv.free(seq)
+            return False
+        if not ok:
+            self.kv.free(seq)
+            seq.status = RequestStatus.WAITING
+            self.waiting.appendleft(seq)
+            return False
+        seq.num_computed_tokens = seq.device_hit_tokens + num_blocks * self.kv.block_size
+        self.kv.cache_blocks(seq)  # loaded blocks are device-cached again
+        if seq.num_cached_tokens < 0:  # as vLLM: externally loaded tokens count as cached
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.stats.prefix_queries_tokens += seq.num_prompt_tokens
+            self.stats.prefix_hits_tokens += seq.device_hit_tokens
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+        return True
 
     def _try_pull(self, seq: Sequence, computed: list) -> bool | None:
         """Start pulling the head's missing blocks: True started, False none, None wait."""
@@ -218,25 +227,9 @@ class Scheduler:
         """Pulled requests join ``running`` (blocks registered as cached); failures recompute."""
         for d in done:
             seq = self.pulling.pop(d.request_id, None)
-            if seq is None:
-                continue
-            if seq.status.finished:  # aborted while pulling
-                self.kv.free(seq)
-                continue
-            if not d.ok:
-                self.kv.free(seq)
-                seq.kv_pull_failed = True
-                seq.status = RequestStatus.WAITING
-                self.waiting.appendleft(seq)
-                continue
-            seq.num_computed_tokens = seq.device_hit_tokens + d.num_blocks * self.kv.block_size
-            self.kv.cache_blocks(seq)
-            if seq.num_cached_tokens < 0:  # as vLLM: externally loaded tokens count as cached
-                seq.num_cached_tokens = seq.num_computed_tokens
-                self.stats.prefix_queries_tokens += seq.num_prompt_tokens
-                self.stats.prefix_hits_tokens += seq.device_hit_tokens
-            seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
+            if seq is not None and not self._admit_loaded(seq, d.ok, d.num_blocks if d.ok else 0):
+                if not d.ok and not seq.status.finished:
+                    seq.kv_pull_failed = True
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
