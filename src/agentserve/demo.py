@@ -67,6 +67,10 @@ def demo(
                   f"{s['cached_token_ratio']:.1%}, captured reuse {s['captured_reuse']:.1%}")
     if pd:
         console.print(pd)
+        # vLLM's convention, which we follow: KV pulled from the prefill engine counts as
+        # cached on the decode engine, so a turn's first prefill shows up as cached too.
+        console.print("(cached tokens include KV pulled from the prefill engine, as vLLM reports "
+                      "them; captured reuse can therefore exceed 100%)")
 
 
 def _metric(text: str, name: str, label: str = "") -> float:
