@@ -71,7 +71,7 @@ def run_policy(name: str, raw: dict, a: argparse.Namespace, tmp: Path) -> dict:
     cfg.write_text(yaml.safe_dump({**raw, "endpoints": [
         {"url": u, "kv_events": f"tcp://127.0.0.1:{e}", "block_size": 16,
          "capacity_blocks": a.kv_tokens // 16} for u, e in zip(urls, evs)]}))
-    procs = [our_engine(p, e, tmp / f"e{i}.log", a.kv_tokens)
+    procs = [our_engine(p, e, tmp / f"e{i}.log", a.kv_tokens, a.engine_args.split())
              for i, (p, e) in enumerate(zip(ports, evs))]
     rport = free_port()
     try:
@@ -119,6 +119,8 @@ def main() -> None:
     ap.add_argument("--gap-cap", type=float, default=1.0)
     ap.add_argument("--duration", type=float, default=180.0)
     ap.add_argument("--policies", nargs="*", default=list(POLICIES))
+    ap.add_argument("--engine-args", default="", help="extra `agentserve serve` flags, e.g. "
+                    "'--kv-cpu-gib 1 --kv-cpu-policy session' for a CPU tier below each engine")
     ap.add_argument("--out", default="bench-out/router_captured_reuse.json")
     a = ap.parse_args()
     rows = []

@@ -146,9 +146,12 @@ def test_server_usage_breakdown_session_header_and_metrics() -> None:
                                                   "x-session-id": "sess-1"})
             with urllib.request.urlopen(req, timeout=60) as r:
                 return json.loads(r.read())
-        complete(A)
-        complete(B)
-        details = complete(A)["usage"]["prompt_tokens_details"]
+        usages = [complete(A)["usage"], complete(B)["usage"], complete(A)["usage"]]
+        details = usages[-1]["prompt_tokens_details"]
+        # vllm:prefix_cache_hits / _queries count every tier, as usage.cached_tokens does
+        st = served.engine.stats()
+        assert st.prefix_hits_tokens == sum(u["prompt_tokens_details"]["cached_tokens"] for u in usages)
+        assert st.prefix_queries_tokens == sum(u["prompt_tokens"] for u in usages)
         assert details["cached_tokens"] == sum(details["cached_tokens_by_tier"].values())
         assert details["cached_tokens_by_tier"]["cpu"] > 0
         assert "sess-1" in served.engine.core.tiers.mgr.cpu.policy.sessions

@@ -60,10 +60,11 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait(timeout=5)
 
 
-def our_engine(port: int, ev_port: int, log: Path, kv_tokens: int = 16384) -> subprocess.Popen:
+def our_engine(port: int, ev_port: int, log: Path, kv_tokens: int = 16384,
+               extra: list[str] | None = None) -> subprocess.Popen:
     return start([PY, "-m", "agentserve.cli", "serve", "--port", str(port), "--block-size", "16",
                   "--kv-cache-tokens", str(kv_tokens),
-                  "--kv-events-endpoint", f"tcp://*:{ev_port}"], log)
+                  "--kv-events-endpoint", f"tcp://*:{ev_port}", *(extra or [])], log)
 
 
 def router(port: int, config: Path, log: Path, tokenizer: str | None = None) -> subprocess.Popen:

@@ -142,7 +142,7 @@ class AsyncEngine:
         out = {f: getattr(s, f) for f in s.__slots__}
         out = {k: (dict(v) if isinstance(v, dict) else list(v) if isinstance(v, list) else v)
                for k, v in out.items()}
-        out["hit_tokens"]["gpu"] = self.core.scheduler.stats.prefix_hits_tokens
+        out["hit_tokens"]["gpu"] = self.core.scheduler.stats.device_hits_tokens
         out["usage"] = {"cpu": t.mgr.cpu.usage}
         out["loads_in_flight"] = len(t.loads)
         out["prefill_tokens_per_s"] = t.est.prefill_tps or 0.0

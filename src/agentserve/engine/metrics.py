@@ -28,7 +28,8 @@ E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 # (stats field, metric name without _total, help)
 COUNTERS = [
     ("prefix_queries_tokens", "vllm:prefix_cache_queries", "Prefix cache queries, in tokens."),
-    ("prefix_hits_tokens", "vllm:prefix_cache_hits", "Prefix cache hits, in tokens."),
+    ("prefix_hits_tokens", "vllm:prefix_cache_hits",
+     "Prefix cache hits, in tokens (every tier, as usage.prompt_tokens_details.cached_tokens)."),
     ("num_preemptions", "vllm:num_preemptions", "Cumulative number of preemptions."),
     ("prompt_tokens", "vllm:prompt_tokens", "Number of prefill tokens processed."),
     ("generation_tokens", "vllm:generation_tokens", "Number of generation tokens processed."),

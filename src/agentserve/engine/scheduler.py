@@ -55,7 +55,8 @@ class SchedulerOutput:
 @dataclass(slots=True)
 class SchedulerStats:
     prefix_queries_tokens: int = 0
-    prefix_hits_tokens: int = 0
+    prefix_hits_tokens: int = 0  # every cached prompt token, all tiers: what usage reports
+    device_hits_tokens: int = 0  # of which found in the device tier
     num_preemptions: int = 0
     restored_tokens: int = 0
 
@@ -143,6 +144,7 @@ class Scheduler:
                 seq.num_cached_tokens = num_cached
                 self.stats.prefix_queries_tokens += seq.num_prompt_tokens
                 self.stats.prefix_hits_tokens += num_cached
+                self.stats.device_hits_tokens += num_cached
                 seq.cached_by_tier = {"gpu": num_cached}
             seq.status = RequestStatus.RUNNING
             self.running.append(seq)
@@ -198,7 +200,10 @@ class Scheduler:
         if seq.num_cached_tokens < 0:  # as vLLM: externally loaded tokens count as cached
             seq.num_cached_tokens = seq.num_computed_tokens
             self.stats.prefix_queries_tokens += seq.num_prompt_tokens
-            self.stats.prefix_hits_tokens += seq.device_hit_tokens
+            # Restored / pulled tokens are reported as cached, so they count as hits too:
+            # hits / queries then equals the clients' cached-token ratio.
+            self.stats.prefix_hits_tokens += seq.num_cached_tokens
+            self.stats.device_hits_tokens += seq.device_hit_tokens
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
         return True
