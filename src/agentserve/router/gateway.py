@@ -16,9 +16,9 @@ next-best endpoint.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import signal
+import threading
 from typing import Any
 
 import aiohttp
@@ -87,8 +87,12 @@ class Gateway:
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for ep in list(self.router.endpoints.values()):
             self._spawn(ep.cfg)
-        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+        # SIGHUP reload needs the main thread's loop (not so when embedded, e.g. in tests);
+        # POST /admin/reload works everywhere.
+        if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
             asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, self._on_sighup)
+        else:
+            logger.info("SIGHUP reload not installed (not the main thread); use POST /admin/reload")
 
     async def _stop(self, app: web.Application) -> None:
         for url in list(self.tasks):
