@@ -26,7 +26,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentserve.kv.policies import Key
+from agentserve.kv.policies import Key, PinCounts
 
 log = logging.getLogger("agentserve.kv.disk")
 
@@ -60,7 +60,7 @@ class DiskTier:
         self.index: dict[Key, Loc] = {}
         self.segments: dict[int, list[Key]] = {}  # segment id -> keys written there (ordered)
         self.pending: set[Key] = set()  # reserved, write not finished
-        self.pins: dict[Key, int] = {}
+        self.pins = PinCounts()
         self.writable, self.corrupt_at_scan = True, 0
         self._open_seg, self._next_index = -1, self.slots_per_segment
 
@@ -69,14 +69,10 @@ class DiskTier:
         return key in self.index and key not in self.pending
 
     def pin(self, key: Key) -> None:
-        self.pins[key] = self.pins.get(key, 0) + 1
+        self.pins.pin(key)
 
     def unpin(self, key: Key) -> None:
-        n = self.pins.get(key, 0) - 1
-        if n <= 0:
-            self.pins.pop(key, None)
-        else:
-            self.pins[key] = n
+        self.pins.unpin(key)
 
     def reserve(self, key: Key) -> tuple[Loc | None, list[Key], int | None]:
         """A location for ``key``: (loc or None, evicted keys, segment to delete or None)."""

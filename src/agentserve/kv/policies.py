@@ -22,6 +22,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 Key = bytes
+
+
+class PinCounts(dict):
+    """Key -> number of pins held (a key is pinned while its count is positive)."""
+
+    def pin(self, key: Key) -> None:
+        self[key] = self.get(key, 0) + 1
+
+    def unpin(self, key: Key) -> None:
+        n = self.get(key, 0) - 1
+        if n <= 0:
+            self.pop(key, None)
+        else:
+            self[key] = n
 Pinned = Callable[[Key], bool]
 
 

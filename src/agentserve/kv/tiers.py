@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentserve.kv.policies import BlockInfo, Key, RetentionPolicy
+from agentserve.kv.policies import BlockInfo, Key, PinCounts, RetentionPolicy
 
 MEDIUM_CPU, MEDIUM_DISK = "CPU", "DISK"
 TIERS = ("gpu", "cpu", "disk")
@@ -89,7 +89,7 @@ class CPUTier:
         self.num_slots, self.policy = num_slots, policy
         self.slots: dict[Key, int] = {}
         self.ready: set[Key] = set()
-        self.pins: dict[Key, int] = {}
+        self.pins = PinCounts()
         self.free_slots = list(range(num_slots - 1, -1, -1))
 
     @property
@@ -107,14 +107,10 @@ class CPUTier:
         return self.pins.get(key, 0) > 0 or (key in self.slots and key not in self.ready)
 
     def pin(self, key: Key) -> None:
-        self.pins[key] = self.pins.get(key, 0) + 1
+        self.pins.pin(key)
 
     def unpin(self, key: Key) -> None:
-        n = self.pins.get(key, 0) - 1
-        if n <= 0:
-            self.pins.pop(key, None)
-        else:
-            self.pins[key] = n
+        self.pins.unpin(key)
 
     def reserve(self, key: Key, info: BlockInfo) -> tuple[int | None, list[Key]]:
         """A slot for ``key`` (evicting if needed) and the keys evicted; slot None if full."""

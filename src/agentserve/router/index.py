@@ -109,15 +109,7 @@ class PrefixIndex:
             d[k] = get(k, 0) | b
 
     def remove(self, holder: Holder, keys: list[int], medium: str | None = "GPU") -> None:
-        d, nb = self._tier(medium), ~self.bit(holder)
-        for k in keys:
-            m = d.get(k)
-            if m is not None:
-                m &= nb
-                if m:
-                    d[k] = m
-                else:
-                    del d[k]
+        _drop_bits(self._tier(medium), keys, ~self.bit(holder))
 
     def clear(self, mask: int, medium: str | None = None) -> int:
         """Drop the holders in `mask` from one tier (None: all tiers); O(index size)."""
@@ -165,15 +157,7 @@ class PrefixIndex:
         q, d = self._spec_q, self._spec
         while q and q[0][0] <= now:
             _, b, keys = q.popleft()
-            nb = ~b
-            for k in keys:
-                m = d.get(k)
-                if m is not None:
-                    m &= nb
-                    if m:
-                        d[k] = m
-                    else:
-                        del d[k]
+            _drop_bits(d, keys, ~b)
 
     # ---- lookup -----------------------------------------------------------------------
     def _ordered_tiers(self) -> list[str]:
@@ -286,3 +270,15 @@ class PrefixIndex:
             for k, m in d.items():
                 total += sys.getsizeof(k) + (sys.getsizeof(m) if m > 256 else 0)
         return total
+
+
+def _drop_bits(d: dict[int, int], keys: list[int], keep_mask: int) -> None:
+    """Clear holder bits (`keep_mask` = ~bits) from `keys`; a key left with none is deleted."""
+    for k in keys:
+        m = d.get(k)
+        if m is not None:
+            m &= keep_mask
+            if m:
+                d[k] = m
+            else:
+                del d[k]
