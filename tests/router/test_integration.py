@@ -1,5 +1,8 @@
 """Two of our engines behind `agentserve route` (real processes, real KV events)."""
 
+import random
+import re
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -30,6 +33,8 @@ def test_two_engines_precise_routing(tmp_path: Path):
         procs.append(router(rport, cfg, tmp_path / "router.log", model))
         wait_http(f"http://127.0.0.1:{rport}/health", procs[-1], 60)
         rows = run_sessions(f"http://127.0.0.1:{rport}", n_sessions=4, turns=4)
+        id_rows = token_id_sessions(f"http://127.0.0.1:{rport}")
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{rport}/metrics", timeout=10).read()
     finally:
         stop(procs)
     later = [r for r in rows if r["turn"] > 0]
@@ -39,3 +44,33 @@ def test_two_engines_precise_routing(tmp_path: Path):
     assert all(r["predicted"] == r["cached"] for r in rows), rows
     assert sum(r["cached"] for r in later) > 0.8 * sum(r["prompt"] for r in later)
     assert len({r["endpoint"] for r in rows}) == 2  # sessions spread over both engines
+    # token-id prompts (the openai client), read incrementally from the body bytes
+    assert all(r["predicted"] == r["cached"] for r in id_rows), \
+        [r for r in id_rows if r["predicted"] != r["cached"]]
+    later = [r for r in id_rows if r["turn"] > 0]
+    assert sum(r["cached"] for r in later) > 0.8 * sum(r["prompt"] for r in later)
+    m = re.search(rb'agentserve_router_token_id_parses{mode="incremental"} (\S+)', metrics)
+    assert m and float(m.group(1)) >= len(later), metrics[-2000:]
+
+
+def token_id_sessions(base: str, n: int = 3, turns: int = 4) -> list[dict]:
+    """Growing token-id prompts through the official client; predicted vs reported."""
+    import openai
+
+    client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 500) for _ in range(700)] for _ in range(n)]
+    out = []
+    for turn in range(turns):
+        for i, p in enumerate(prompts):
+            raw = client.completions.with_raw_response.create(
+                model=model, prompt=p, max_tokens=4, temperature=0,
+                extra_headers={"x-session-id": f"ids{i}"})
+            c = raw.parse()
+            out.append({"session": i, "turn": turn,
+                        "predicted": int(raw.headers["x-agentserve-predicted-cached"]),
+                        "cached": c.usage.prompt_tokens_details.cached_tokens,
+                        "prompt": c.usage.prompt_tokens})
+            p += [rng.randrange(1, 500) for _ in range(rng.randrange(20, 200))]
+    return out

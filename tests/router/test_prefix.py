@@ -26,8 +26,10 @@ def test_keys_match_vllm_reference_and_external():
     toks = [rng.randrange(100000) for _ in range(5000)]
     cache = HashCache(BlockHasher("sha256_cbor", 16, "0"), chunk_blocks=8)
     ph = cache.keys_for_tokens(toks)
-    assert ph.keys == ref_keys(toks, 16, "0")
-    assert ph.keys == [block_key(to_external(h, as_int=True)) for h in ph.raw]
+    assert list(ph.keys) == ref_keys(toks, 16, "0")
+    digests = [ph.parent(i) for i in range(len(ph))]
+    assert digests == cache.hasher.hash_blocks(toks)
+    assert list(ph.keys) == [block_key(to_external(h, as_int=True)) for h in digests]
 
 
 def test_growth_hashes_only_new_blocks():
@@ -41,7 +43,7 @@ def test_growth_hashes_only_new_blocks():
     ph = cache.keys_for_tokens(grown)
     assert ph.keys[: len(first.keys)] == first.keys
     assert cache.hashed_blocks - n0 < 16 + 700 // 16 + 2
-    assert ph.keys == [block_key(h) for h in cache.hasher.hash_blocks(grown)]
+    assert list(ph.keys) == [block_key(h) for h in cache.hasher.hash_blocks(grown)]
 
 
 def test_edit_in_middle_rehashes_from_edit():
@@ -52,7 +54,7 @@ def test_edit_in_middle_rehashes_from_edit():
     edited = list(toks)
     edited[5000] += 1
     ph = cache.keys_for_tokens(edited)
-    assert ph.keys == [block_key(h) for h in cache.hasher.hash_blocks(edited)]
+    assert list(ph.keys) == [block_key(h) for h in cache.hasher.hash_blocks(edited)]
 
 
 def test_extend_from_shared_prefix():
@@ -62,4 +64,4 @@ def test_extend_from_shared_prefix():
     prev = cache.keys_for_tokens(toks)
     new = toks[:900] + [1, 2, 3] * 50
     ph = cache.extend(prev, 900, new)
-    assert ph.keys == [block_key(h) for h in cache.hasher.hash_blocks(new)]
+    assert list(ph.keys) == [block_key(h) for h in cache.hasher.hash_blocks(new)]

@@ -106,6 +106,7 @@ class Options:
     prefill_tok_per_s: float = 20000.0  # for wait estimates before the engine tells us
     block_size: int = 16  # until an endpoint says otherwise
     tokenizer_cache_entries: int = 128
+    raw_prompt_cache_mb: float = 256.0  # token-id bodies read incrementally (0: off)
     hash_cache_chunks: int = 8192  # ~14 KB each (2048 tokens at block 16)
     session_entries: int = 100000
     session_active_s: float = 60.0  # a session counts as active on its endpoint this long

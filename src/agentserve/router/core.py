@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,11 +53,12 @@ class NoEndpoint(Exception):
 class RouteInput:
     """What the router needs to know about one request."""
 
-    token_ids: list[int]
+    token_ids: Sequence[int]
     model: str | None = None
     session: str | None = None
     max_tokens: int = 256
-    tokenized: Tokenized | None = None  # chat/text prompts: the tokenizer's cache entry
+    tokenized: Tokenized | None = None  # text/chat/token-id bodies: the parse cache's entry
+    parse_seconds: float = 0.0  # body decode + tokenization, part of the decision latency
 
 
 @dataclass(slots=True)
@@ -72,7 +74,7 @@ class Decision:
     uncached: int
     seconds: float
     scores: dict[str, float] = field(default_factory=dict)
-    keys: list[int] = field(default_factory=list)
+    keys: Sequence[int] = field(default_factory=list)
     started: bool = False
     sent_at: float = 0.0  # monotonic time of booking
     ahead: int = 0  # uncached prompt tokens queued on the endpoint before this one
@@ -125,7 +127,7 @@ class Router:
         return c
 
     # ---- hashing ----------------------------------------------------------------------
-    def keys_for(self, hid: HasherId, req: RouteInput) -> list[int]:
+    def keys_for(self, hid: HasherId, req: RouteInput) -> Sequence[int]:
         """The prompt's block keys for one hasher, hashing only blocks not seen before."""
         cache = self.cache_for(hid)
         tk = req.tokenized
@@ -156,7 +158,7 @@ class Router:
             else:
                 eps.append(ep)
         cands: list[Candidate] = []
-        keys: dict[HasherId, list[int]] = {}
+        keys: dict[HasherId, Sequence[int]] = {}
         plen, model = len(req.token_ids), req.model
         sess_url = self.sessions.get(req.session) \
             if req.session is not None and self.opts.session_affinity else None

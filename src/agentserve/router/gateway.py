@@ -31,6 +31,7 @@ from agentserve.router.endpoints import cancel, poll_loop
 from agentserve.router.events import EventApplier, subscribe
 from agentserve.router.metrics import RouterMetrics
 from agentserve.router.proxy import Upstream, forward
+from agentserve.router.rawprompt import RawPromptCache
 from agentserve.router.requests import BadRequest, parse_request
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ class Gateway:
         self.router = Router(cfg)
         self.metrics = RouterMetrics()
         self.tokenizer = tokenizer  # IncrementalTokenizer or None (token-id prompts only)
+        mb = self.opts.raw_prompt_cache_mb
+        self.raw_prompts = RawPromptCache(int(mb * 2**20)) if mb > 0 else None
         self.session: aiohttp.ClientSession | None = None
         self.zctx: Any = None
         self.tasks: dict[str, list[asyncio.Task]] = {}
@@ -189,7 +192,8 @@ class Gateway:
         except web.HTTPRequestEntityTooLarge:
             return self._count(error(413, f"body larger than {self.opts.max_body_mb} MB"))
         try:
-            route = parse_request(request.path, body, request.headers, self.tokenizer)
+            route = parse_request(request.path, body, request.headers, self.tokenizer,
+                                  self.raw_prompts)
         except BadRequest as e:
             return self._count(error(400, str(e)))
         if not await self._admit():
@@ -247,7 +251,7 @@ class Gateway:
 
     def _observe_decision(self, d: Any, route: RouteInput, attempt: int) -> None:
         self.metrics.decisions.labels(d.url, d.reason).inc()
-        self.metrics.decision_seconds.observe(d.seconds)
+        self.metrics.decision_seconds.observe(d.seconds + route.parse_seconds)
         self.metrics.prompt_tokens.inc(d.prompt_len)
         if attempt:
             self.metrics.retries.inc()
@@ -283,6 +287,8 @@ class Gateway:
         m.queue.set(self.waiting)
         for mode, n in getattr(self.tokenizer, "renders", {}).items():
             m.chat_renders.labels(mode).set(n)
+        for mode, n in getattr(self.raw_prompts, "parses", {}).items():
+            m.token_id_parses.labels(mode).set(n)
         for url, ep in self.router.endpoints.items():
             m.inflight.labels(url).set(ep.inflight)
             m.healthy.labels(url).set(1 if ep.available() else 0)

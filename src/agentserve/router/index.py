@@ -25,6 +25,7 @@ import sys
 import time
 from bisect import bisect_right
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, repeat
 from operator import and_, neg, or_
@@ -76,7 +77,7 @@ class PrefixIndex:
         self._bits: dict[Holder, int] = {}
         self._holders: dict[int, Holder] = {}
         self._spec: dict[int, int] = {}
-        self._spec_q: deque[tuple[float, int, list[int]]] = deque()
+        self._spec_q: deque[tuple[float, int, Sequence[int]]] = deque()
 
     # ---- holders ------------------------------------------------------------------
     def bit(self, holder: Holder) -> int:
@@ -139,7 +140,7 @@ class PrefixIndex:
             del self._holders[self._bits.pop(h)]
 
     # ---- speculation ----------------------------------------------------------------
-    def speculate(self, holder: Holder, keys: list[int], ttl_s: float,
+    def speculate(self, holder: Holder, keys: Sequence[int], ttl_s: float,
                   now: float | None = None) -> None:
         """Pretend `holder` has `keys` on GPU until `ttl_s` from now."""
         if ttl_s <= 0 or not keys:
@@ -166,7 +167,7 @@ class PrefixIndex:
             live.insert(0, "GPU")
         return sorted(live, key=lambda t: -self.tier_weights.get(t, 0.5))
 
-    def match(self, keys: list[int], now: float | None = None) -> Match:
+    def match(self, keys: Sequence[int], now: float | None = None) -> Match:
         """Leading blocks of `keys` held by each holder, per tier-or-better."""
         if self._spec:
             self.expire(now)

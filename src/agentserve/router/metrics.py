@@ -20,8 +20,8 @@ class RouterMetrics:
         p = "agentserve_router_"
         self.decisions = Counter(p + "decisions", "Routing decisions", ["endpoint", "reason"],
                                  registry=r)
-        self.decision_seconds = Histogram(p + "decision_seconds", "Time to decide (tokenize, "
-                                          "hash, look up, score, pick)",
+        self.decision_seconds = Histogram(p + "decision_seconds", "Time to decide (parse the "
+                                          "body, tokenize, hash, look up, score, pick)",
                                           buckets=_LATENCY_BUCKETS, registry=r)
         self.requests = Counter(p + "requests", "Requests answered", ["code"], registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens routed", registry=r)
@@ -34,6 +34,9 @@ class RouterMetrics:
                                         "tokens equal the prediction", registry=r)
         self.prediction_total = Counter(p + "prediction_checked", "Responses with usage",
                                         registry=r)
+        self.token_id_parses = Gauge(p + "token_id_parses", "Token-id prompt bodies by parse "
+                                     "mode (full decode, incremental: shared bytes with a "
+                                     "cached body); counts since start", ["mode"], registry=r)
         self.retries = Counter(p + "retries", "Requests retried on another endpoint",
                                registry=r)
         self.ejections = Counter(p + "ejections", "Endpoint ejections", ["endpoint"],

@@ -12,30 +12,70 @@ must hash only the new blocks. Two ways in:
 - `extend` (chat prompts): the tokenizer cache already knows how many leading tokens a
   prompt shares with a cached one; reuse that many full blocks and hash the rest.
 
-Keys are `index.block_key(to_external(hash))`: what the engines publish in KV events.
+Keys are `index.block_key(hash)` (the digest's low 64 bits, `to_external`): what the
+engines publish in KV events.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import chain
 from dataclasses import dataclass
 
 import msgspec
+import numpy as np
 
 from agentserve.kv.hashing import BlockHasher
-from agentserve.router.index import block_key
 
 _ENC = msgspec.msgpack.Encoder()
 
 
 @dataclass(slots=True)
 class PromptHashes:
-    """Full-block hashes of one prompt: raw (chain parents) and index keys."""
+    """Full-block hashes of one prompt: raw digests back to back (chain parents) and the
+    index keys as an unsigned 64-bit array.
 
-    raw: list[bytes]
-    keys: list[int]
+    Flat buffers rather than lists of objects: 40 bytes a block instead of ~110, and
+    nothing for the garbage collector to walk (a young list of 12,500 hashes per 200K-token
+    turn made gen-0 collections take up to 10 ms inside a decision)."""
+
+    raw: bytes
+    keys: array
+    size: int = 32  # digest bytes
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def parent(self, i: int) -> bytes:
+        """Digest of block `i` (the chain parent of block i + 1)."""
+        return self.raw[i * self.size:(i + 1) * self.size]
+
+    def prefix(self, k: int) -> PromptHashes:
+        return PromptHashes(self.raw[:k * self.size], self.keys[:k], self.size)
+
+    def __add__(self, other: PromptHashes) -> PromptHashes:
+        return PromptHashes(self.raw + other.raw, self.keys + other.keys, self.size)
+
+    @classmethod
+    def of(cls, digests: list[bytes]) -> PromptHashes:
+        """From the hasher's digests; keys are `index.block_key`: the low 64 bits."""
+        if not digests:
+            return cls(b"", array("Q"))
+        size = len(digests[0])
+        raw = b"".join(digests)
+        low = np.frombuffer(raw, np.uint8).reshape(-1, size)[:, size - 8:]
+        keys = array("Q", np.ascontiguousarray(low).view(">u8").astype(np.uint64).tobytes())
+        return cls(raw, keys, size)
+
+    @classmethod
+    def join(cls, parts: list[PromptHashes]) -> PromptHashes:
+        if not parts:
+            return cls(b"", array("Q"))
+        keys = array("Q")
+        for p in parts:
+            keys += p.keys
+        return cls(b"".join(p.raw for p in parts), keys, parts[0].size)
 
 
 def hasher_id(algo: str, block_size: int, seed: str | None) -> tuple[str, int, str | None]:
@@ -56,10 +96,10 @@ class HashCache:
         self._tails: OrderedDict[int, tuple[list[int], PromptHashes]] = OrderedDict()
         self.hashed_blocks = 0  # blocks actually hashed (cache misses), for tests/metrics
 
-    def _hash(self, tokens: list[int], parent: bytes | None) -> PromptHashes:
+    def _hash(self, tokens: Sequence[int], parent: bytes | None) -> PromptHashes:
         raw = self.hasher.hash_blocks(tokens, parent=parent)
         self.hashed_blocks += len(raw)
-        return PromptHashes(raw, [block_key(h) for h in raw])
+        return PromptHashes.of(raw)
 
     def keys_for_tokens(self, tokens: Sequence[int]) -> PromptHashes:
         """Hashes of every full block of `tokens`, reusing cached chunks."""
@@ -82,13 +122,11 @@ class HashCache:
             else:
                 chunks.move_to_end(fp)
             nodes.append(node)
-            parent = node.raw[-1]
+            parent = node.parent(len(node) - 1)
         tail = tokens[n_full * ct:]
         if len(tail) >= self.block_size:
             nodes.append(self._tail(fp, tail, parent))
-        # One C-level concatenation instead of growing two lists chunk by chunk.
-        return PromptHashes(list(chain.from_iterable(n.raw for n in nodes)),
-                            list(chain.from_iterable(n.keys for n in nodes)))
+        return PromptHashes.join(nodes)
 
     def _tail(self, fp: int, tail: list[int], parent: bytes | None) -> PromptHashes:
         """Blocks of a partial last chunk; a grown tail reuses the last one's blocks."""
@@ -99,8 +137,7 @@ class HashCache:
             n = min(len(old_tokens), len(tail)) // bs * bs
             if n and tail[:n] == old_tokens[:n]:
                 keep = n // bs
-                rest = self._hash(tail[n:], old.raw[keep - 1])
-                node = PromptHashes(old.raw[:keep] + rest.raw, old.keys[:keep] + rest.keys)
+                node = old.prefix(keep) + self._hash(tail[n:], old.parent(keep - 1))
                 self._tails[fp] = (tail, node)
                 return node
         node = self._hash(tail, parent)
@@ -115,14 +152,12 @@ class HashCache:
         """Hashes of `tokens` given that its first `shared_tokens` equal `prev`'s prompt."""
         if prev is None:
             return self.keys_for_tokens(tokens)
-        keep = min(shared_tokens // self.block_size, len(prev.raw))
-        raw, keys = prev.raw[:keep], prev.keys[:keep]
+        keep = min(shared_tokens // self.block_size, len(prev))
+        out = prev.prefix(keep)
         rest = tokens[keep * self.block_size:]
         if len(rest) >= self.block_size:
-            node = self._hash(rest, raw[-1] if raw else None)
-            raw += node.raw
-            keys += node.keys
-        return PromptHashes(raw, keys)
+            out = out + self._hash(rest, prev.parent(keep - 1) if keep else None)
+        return out
 
     def __len__(self) -> int:
         return len(self._chunks)

@@ -11,6 +11,7 @@ The session key is the `x-session-id` header, else the body's `user` field.
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,8 @@ import msgspec
 
 from agentserve.router.config import RouterConfig
 from agentserve.router.core import RouteInput
-from agentserve.router.tokenize import IncrementalTokenizer
+from agentserve.router.rawprompt import RawParse, RawPromptCache
+from agentserve.router.tokenize import IncrementalTokenizer, Tokenized
 
 logger = logging.getLogger(__name__)
 _DECODER = msgspec.json.Decoder()
@@ -38,7 +40,10 @@ def _max_tokens(req: dict[str, Any]) -> int:
 
 
 def _prompt_input(req: dict[str, Any], tok: IncrementalTokenizer | None,
-                  session: str | None) -> RouteInput:
+                  session: str | None, raw: RawParse | None = None) -> RouteInput:
+    if raw is not None and raw.entry is not None:  # token ids read incrementally from bytes
+        e = raw.entry
+        return RouteInput(e.ids, tokenized=Tokenized(e.ids, e, raw.base, raw.shared))
     prompt = req.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
@@ -81,10 +86,21 @@ def _chat_input(req: dict[str, Any], tok: IncrementalTokenizer | None) -> RouteI
 
 
 def parse_request(path: str, body: bytes, headers: Any,
-                  tok: IncrementalTokenizer | None) -> RouteInput:
-    """Validate an OpenAI completions/chat body and build the routing input."""
+                  tok: IncrementalTokenizer | None,
+                  raw_cache: RawPromptCache | None = None) -> RouteInput:
+    """Validate an OpenAI completions/chat body and build the routing input.
+
+    With `raw_cache`, completions bodies whose prompt is a list of token ids are read
+    incrementally from their bytes (`rawprompt.py`)."""
+    t0 = time.perf_counter()
+    chat = path.endswith("/chat/completions")
+    raw: RawParse | None = None
     try:
-        req = _DECODER.decode(body)
+        if raw_cache is not None and not chat:
+            raw = raw_cache.parse(body, headers.get("x-session-id"))
+            req = raw.req
+        else:
+            req = _DECODER.decode(body)
     except msgspec.DecodeError as e:
         raise BadRequest(f"body is not valid JSON: {e}") from e
     if not isinstance(req, dict):
@@ -96,11 +112,12 @@ def parse_request(path: str, body: bytes, headers: Any,
         raise BadRequest("stream must be a boolean")
     user = req.get("user")
     session = headers.get("x-session-id") or (user if isinstance(user, str) else None)
-    if path.endswith("/chat/completions"):
+    if chat:
         route = _chat_input(req, tok)
     else:
-        route = _prompt_input(req, tok, session)
+        route = _prompt_input(req, tok, session, raw)
     route.model, route.session, route.max_tokens = model, session, _max_tokens(req)
+    route.parse_seconds = time.perf_counter() - t0
     return route
 
 

@@ -38,11 +38,14 @@ from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from itertools import chain
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from agentserve.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from agentserve.router.rawprompt import RawEntry
 
 logger = logging.getLogger(__name__)
 
@@ -165,8 +168,8 @@ class Tokenized:
     """A prompt's ids; `base` shares its first `shared` ids with this prompt."""
 
     ids: Seq
-    entry: Entry
-    base: Entry | None = None
+    entry: Entry | RawEntry
+    base: Entry | RawEntry | None = None
     shared: int = 0
 
 
