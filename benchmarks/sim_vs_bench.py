@@ -1,10 +1,11 @@
 """SIM-1 small-scale check: does the simulator (cpu-local) predict `agentserve bench` on our stack?
 
-1. calibrate the `cpu-local` profile right before the real run (`sim_calibrate_cpu.calibrate`,
-   the engine core in-process with the threads one engine of `up --topology 2` gets);
-2. measure the per-request overhead outside engine steps (client -> router -> engine -> SSE):
-   1-token requests through the router, minus the profile's step time for them;
-3. the real thing: `agentserve up --topology 2` (tiny model, `--kv-cache-tokens`), then
+1. start `agentserve up --topology 2` (tiny model, `--kv-cache-tokens`);
+2. calibrate the `cpu-local` profile on it right before the real run
+   (`sim_calibrate_cpu.calibrate_server`: synthetic fixed-shape requests through the router,
+   client timings, so the steps carry the serving cost of these shared cores; `--calibration
+   core` fits the engine core in-process instead and probes the per-request overhead);
+3. the real thing: then
    `run_bench` in concurrency mode on a synthesized `sweep` corpus written to a file,
    `--token-scale` K so prompts are a few hundred to a few thousand tokens;
 4. the simulator: 2 aggregated engines (`SimConfig.aggregated`), the same file, concurrency,
@@ -73,6 +74,9 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18_480)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--reuse-profile", action="store_true", help="skip calibration if a profile exists")
+    ap.add_argument("--calibration", choices=["server", "core"], default="server",
+                    help="fit the cpu-local profile from client timings through the running "
+                         "cluster (server) or from the engine core in-process (core)")
     ap.add_argument("--out", default="benchmarks/results/sim_vs_bench.json")
     args = ap.parse_args()
     conc = [int(x) for x in args.concurrency.split(",")]
@@ -85,17 +89,11 @@ def main() -> None:
     write_sessions(synthesize(args.profile, args.sessions, args.seed), trace)
     sessions = load_sessions(trace).sessions
 
-    # 1. calibrate right before the real run
-    prof_path = Path("benchmarks/results/sim_cpu_profile.json")
-    if not (args.reuse_profile and prof_path.is_file()):
-        profile = _calibrator().calibrate("tiny", chunk=args.chunk)
-    else:
-        profile = json.loads(prof_path.read_text())
-
-    # 3. the real thing
+    # the cluster (calibrated, then benchmarked)
     from agentserve.launch import Cluster, parse_topology
     from agentserve.workload.replay import BenchConfig, run_bench
 
+    prof_path = Path("benchmarks/results/sim_cpu_profile.json")
     load_before = os.getloadavg()
     cluster = Cluster(work / "run", port=args.port,
                       engine_args=["--kv-cache-tokens", str(args.kv_tokens),
@@ -104,15 +102,23 @@ def main() -> None:
     url = f"http://127.0.0.1:{args.port}"
     cluster.start(parse_topology("2"))
     try:
-        # 2. overhead outside engine steps (needs the profile's step model: write it first)
+        # 1-2. calibrate right before the real run, on the same processes
+        if args.reuse_profile and prof_path.is_file():
+            profile = json.loads(prof_path.read_text())
+        elif args.calibration == "server":
+            profile = _calibrator().calibrate_server(url, chunk=args.chunk)
+        else:
+            profile = _calibrator().calibrate("tiny", chunk=args.chunk)
+            prof_path.parent.mkdir(parents=True, exist_ok=True)
+            prof_path.write_text(json.dumps(profile, indent=2))  # probe_overhead reads it
+            os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
+            try:
+                profile["request_overhead_s"] = probe_overhead(url, profile)
+            except Exception as e:  # noqa: BLE001 - recorded, the comparison still runs
+                profile["request_overhead_s"], profile["request_overhead_error"] = 0.0, repr(e)
         prof_path.parent.mkdir(parents=True, exist_ok=True)
         prof_path.write_text(json.dumps(profile, indent=2))
         os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
-        try:
-            profile["request_overhead_s"] = probe_overhead(url, profile)
-        except Exception as e:  # noqa: BLE001 - recorded, the comparison still runs
-            profile["request_overhead_s"], profile["request_overhead_error"] = 0.0, repr(e)
-        prof_path.write_text(json.dumps(profile, indent=2))
         t0 = time.time()
         stages = run_bench(BenchConfig(url=url, trace_sessions=sessions, mode="concurrency",
                                        concurrency=conc, stage_duration=args.stage,
