@@ -53,10 +53,17 @@ TIER_COUNTERS = [
     ("store_blocks", "agentserve:kv_store_blocks", "tier", "Offload blocks stored."),
     ("evictions", "agentserve:kv_tier_evictions", "tier", "Offload blocks evicted per tier."),
     ("decisions", "agentserve:kv_restore_decisions", "choice", "Restore vs recompute decisions."),
+    ("restore_outcome", "agentserve:kv_restore_outcome_blocks", "outcome",
+     "Restored offload blocks by outcome: used, or wasted (repeat, device_held, aborted, failed)."),
+    ("restore_sizes", "agentserve:kv_restore_size", "blocks", "Restores by size in offload blocks."),
+    ("restore_device_age", "agentserve:kv_restore_device_age_blocks", "age",
+     "Restored offload blocks by how long ago the device evicted them."),
 ]
 TIER_SCALARS = [
     ("restore_failures", "agentserve:kv_restore_failures", True, "Restores that fell back to recompute."),
     ("disk_corrupt_blocks", "agentserve:kv_disk_corrupt_blocks", True, "Corrupt/truncated disk blocks."),
+    ("restore_preempted_blocks", "agentserve:kv_restore_preempted_blocks", True,
+     "Restored blocks whose request was preempted before its first token."),
     ("stores_skipped", "agentserve:kv_stores_skipped", True, "Blocks not offloaded (tier pinned full)."),
     ("disk_disabled", "agentserve:kv_disk_tier_disabled", False, "1 once the disk tier disabled itself."),
     ("last_restore_estimate_s", "agentserve:kv_restore_estimate_seconds", False,

@@ -98,6 +98,10 @@ class Scheduler:
         if not out.preempted:  # a full pool admits nobody new this step
             self._schedule_waiting(out, budget)
         out.num_tokens = sum(s.num_tokens for s in out.scheduled)
+        if self.tiers is not None:
+            for s in out.scheduled:
+                if s.completes_prompt:
+                    self.tiers.on_first_token(s.seq)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -139,6 +143,8 @@ class Scheduler:
             if not self.kv.allocate_slots(seq, n, computed):
                 break  # FCFS: the head waits for memory; nobody overtakes it
             self.waiting.popleft()
+            if self.tiers is not None:
+                self.tiers.trace_admit(seq, len(computed), 0)
             seq.num_computed_tokens = num_cached
             if fresh:  # count a prompt once, as the client sees it in usage.cached_tokens
                 seq.num_cached_tokens = num_cached
@@ -165,6 +171,7 @@ class Scheduler:
         seq.status = RequestStatus.WAITING_FOR_KV
         seq.device_hit_tokens = len(computed) * self.kv.block_size
         ids = self.kv.block_ids(seq.request_id)
+        self.tiers.trace_admit(seq, len(computed), plan.num_blocks)
         self.tiers.start_load(seq, plan, ids[plan.first_block:plan.first_block + plan.num_blocks])
         self.loading[seq.request_id] = seq
         return True
@@ -176,7 +183,9 @@ class Scheduler:
             if seq is None:
                 continue
             first = seq.num_cached_tokens < 0
-            if self._admit_loaded(seq, d.ok, d.plan.num_blocks if d.ok else 0):
+            admitted = self._admit_loaded(seq, d.ok, d.plan.num_blocks if d.ok else 0)
+            self.tiers.account(seq, d.plan, d.ok, admitted)
+            if admitted:
                 if first:
                     seq.cached_by_tier = {"gpu": seq.device_hit_tokens, **d.plan.tokens_by_tier}
                 self.stats.restored_tokens += d.plan.num_blocks * self.kv.block_size
@@ -239,6 +248,8 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.kv.free(seq)
+        if self.tiers is not None:
+            self.tiers.on_preempt(seq)
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
         seq.num_preemptions += 1

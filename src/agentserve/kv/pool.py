@@ -10,7 +10,7 @@ when it is evicted. Eviction order is the free queue order, head first.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -121,6 +121,9 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[BlockHash, Block] = {}
+        # Called with each hash the device evicts (the offload tiers account restores by
+        # how recently the device dropped a block); None: nobody listens.
+        self.on_evict: Callable[[BlockHash], None] | None = None
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -184,6 +187,8 @@ class BlockPool:
         block.block_hash = None
         if self.cached.get(h) is block:
             del self.cached[h]
+            if self.on_evict is not None:
+                self.on_evict(h)
             if self.events is not None:
                 self.events.append(BlockRemoved([self._ext(h)], self.medium, group_idx=0))
 

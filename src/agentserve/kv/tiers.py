@@ -55,6 +55,20 @@ class TierStats:
     store_blocks: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
     evictions: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
     decisions: dict[str, int] = field(default_factory=lambda: {"restore": 0, "recompute": 0})
+    # Where each restored offload block went (disjoint): ``used`` by the request that
+    # triggered it; wasted as ``repeat`` (restored again for the same request, e.g. after
+    # a preemption), ``device_held`` (the device still held that block, just not as part
+    # of the consecutive prefix), ``aborted`` (request ended while loading) or ``failed``.
+    restore_outcome: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("used", "repeat", "device_held", "aborted", "failed"), 0))
+    restore_preempted_blocks: int = 0  # "used" blocks whose request was then preempted
+    # before its first token (freed on the device; a later re-restore counts as "repeat")
+    # Restores by size (offload blocks) and restored blocks by how long ago the device
+    # evicted them ("older": a minute or more ago, or never by this process, e.g. disk).
+    restore_sizes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("1", "2-3", "4-7", "8-15", "16+"), 0))
+    restore_device_age: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("<2s", "2-10s", "10-60s", "older"), 0))
     restore_failures: int = 0
     disk_corrupt_blocks: int = 0
     disk_disabled: int = 0
