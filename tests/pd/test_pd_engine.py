@@ -150,14 +150,50 @@ def _truncating_server(nbytes: int) -> tuple[int, threading.Thread]:
     return lst.getsockname()[1], t
 
 
-@pytest.mark.parametrize("fault", ["dies_mid_transfer", "refused", "hash_mismatch"])
+def pinned_sums(p: ServerThread, rid: str, timeout: float = 10.0) -> list[int]:
+    """The block sums the prefill engine took off the pull path after pinning ``rid``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        pin = p.engine.core.remote.pins.get(rid)
+        if pin is not None and pin.sums is not None:
+            return pin.sums
+        time.sleep(0.01)
+    raise AssertionError(f"no pinned sums for {rid}")
+
+
+def test_pins_are_checksummed_once_off_the_pull_path(pd: tuple[ServerThread, ServerThread]) -> None:
+    from agentserve.engine.transfer_frames import block_sums
+
+    p, d = pd
+    prompt = [random.Random(7).randint(3, 500) for _ in range(200)]
+    body = {"prompt": prompt, "max_tokens": 4, "temperature": 0}
+    ref = post(p.url, body)["choices"][0]["text"]
+    params = prefill_leg(p, body)
+    rid = params["remote_request_id"]
+    sums = pinned_sums(p, rid)
+    remote = p.engine.core.remote
+    pin = remote.pins[rid]
+    assert len(sums) == len(pin.hashes) == len(params["remote_block_hashes"]) == 200 // 16
+    assert sums == block_sums(remote.k, remote.v, [b.block_id for b in pin.blocks[:len(sums)]])
+    assert remote.pinned_sums(rid, [1, 3]) == [sums[1], sums[3]]
+    assert remote.pinned_sums(rid, [len(sums)]) is None  # out of range: the server sums itself
+    fails = transfer(d)["pull_failures"]
+    assert post(d.url, {**body, "kv_transfer_params": params})["choices"][0]["text"] == ref
+    assert transfer(d)["pull_failures"] == fails
+    wait_clean(p, d)
+
+
+@pytest.mark.parametrize("fault", ["dies_mid_transfer", "refused", "hash_mismatch",
+                                   "corrupted_pinned_sum"])
 def test_failed_pull_recomputes(pd: tuple[ServerThread, ServerThread], fault: str) -> None:
     p, d = pd
     prompt = [random.Random(fault).randint(3, 500) for _ in range(300)]
     body = {"prompt": prompt, "max_tokens": 6, "temperature": 0}
     ref = post(p.url, body)["choices"][0]["text"]
     params = prefill_leg(p, body)
-    if fault == "dies_mid_transfer":
+    if fault == "corrupted_pinned_sum":  # the decode side sums what it gets: a mismatch
+        pinned_sums(p, params["remote_request_id"])[5] ^= 1 << 33
+    elif fault == "dies_mid_transfer":
         params["remote_port"], _ = _truncating_server(1 << 20)
     elif fault == "refused":
         with socket.socket() as s:

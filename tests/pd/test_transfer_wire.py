@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from agentserve.engine.transfer_frames import block_sums
 from agentserve.engine.transfer_wire import (
     PullSpec,
     TcpBackend,
@@ -126,3 +127,168 @@ def test_block_views_are_gather_order_and_staging_reuses() -> None:
     a = st.get(1024, torch.float32, (256,))
     b = st.get(512, torch.float32, (128,))
     assert a.data_ptr() == b.data_ptr()  # no new allocation when it fits
+
+
+class PinnedSource(Source):
+    """``Source`` whose pins were checksummed when pinned (as ``RemoteKV.pin`` does)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().__init__(k, v)
+        self.sums = block_sums(k, v, list(range(k.shape[1])))
+        self.asked = 0
+
+    def pinned_sums(self, rid: str, idx: list[int]) -> list[int] | None:
+        self.asked += 1
+        return [self.sums[i * 2] for i in idx]
+
+
+@pytest.mark.parametrize("staged", [False, True])
+def test_pinned_sums_are_sent_and_every_byte_is_checked(staged: bool) -> None:
+    """The sender trusts the sums taken at pin time; the receiver still sums every byte it
+    gets: a wrong precomputed sum, or a pinned block changed after it, fails the pull."""
+    k, v = cache()
+    src = PinnedSource(k, v)
+    srv = TcpBackend("t", staged=staged)
+    port = srv.serve(src, "127.0.0.1", 0)
+    cli = TcpBackend("t", chunk_blocks=4, staged=staged)
+    spec = PullSpec("127.0.0.1", port, "r", list(range(10)), [b""] * 10, release=False)
+    dst = [29, 3, 4, 5, 6, 0, 1, 2, 10, 11]
+    try:
+        dk, dv = torch.zeros(3, 30, 4, 2, 8), torch.zeros(3, 30, 4, 2, 8)
+        cli.pull_into(spec, dk, dv, dst)
+        assert src.asked == 1
+        assert torch.equal(gather_blocks(dk, dv, dst), gather_blocks(k, v, [i * 2 for i in range(10)]))
+        src.sums[6] ^= 1 << 40  # block 6 = index 3: a corrupted precomputed sum
+        with pytest.raises(TransferError, match="checksum"):
+            cli.pull_into(spec, dk, dv, dst)
+        src.sums[6] ^= 1 << 40
+        cli.pull_into(spec, dk, dv, dst)  # a fresh connection; sums right again
+        k[2, 14, 1, 1, 3] += 1.0  # the payload of a pinned block changed after its sums
+        with pytest.raises(TransferError, match="checksum"):
+            cli.pull_into(spec, dk, dv, dst)
+        # without checksums nothing is summed or compared (the trailer is 0)
+        TcpBackend("t", staged=staged, checksum=False).pull_into(spec, dk, dv, dst)
+        assert torch.equal(gather_blocks(dk, dv, dst), gather_blocks(k, v, [i * 2 for i in range(10)]))
+    finally:
+        cli.close()
+        srv.close()
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (3, 40, 4, 2, 8)),
+                                         (torch.float16, (3, 40, 3, 1, 1)),  # 6-byte units
+                                         (torch.bfloat16, (2, 40, 3, 1, 4))])
+def test_block_sums_agree_with_every_cut(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    from agentserve.engine.transfer_frames import (
+        MASK,
+        _block_sums_torch,
+        block_sums,
+        cache_spans,
+        span_groups,
+        spans_sum,
+        staged_sum,
+    )
+
+    g = torch.Generator().manual_seed(3)
+    k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    ids = [5, 6, 7, 1, 30, 31, 2, 39]
+    per_block = block_sums(k, v, ids)
+    assert per_block == _block_sums_torch(k, v, ids)  # the device path (run here on CPU)
+    assert per_block == [block_sums(k, v, [i])[0] for i in ids]
+    unit = shape[2] * shape[3] * shape[4] * k.element_size()
+    want = staged_sum(gather_blocks(k, v, ids), unit)
+    assert sum(per_block) & MASK == want
+    for limit in (8, 64, 1 << 20):
+        spans = cache_spans(k, v, ids, limit)
+        assert sum(spans_sum(grp) for grp in span_groups(spans, limit)) & MASK == want
+
+
+@pytest.mark.parametrize("dtype,shape", [(torch.float32, (3, 40, 4, 2, 8)),
+                                         (torch.float16, (3, 40, 3, 1, 1))])
+def test_receive_in_small_groups_and_sum_tasks(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                                               shape: tuple[int, ...]) -> None:
+    """Receive groups and sum tasks that cut layers and runs every which way still add up."""
+    import agentserve.engine.transfer_wire as wire
+
+    monkeypatch.setattr(wire, "RECV_GROUP_BYTES", 200)
+    monkeypatch.setattr(wire, "SUM_CALL_BYTES", 300)
+    g = torch.Generator().manual_seed(5)
+    k, v = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    srv = TcpBackend("t")
+    port = srv.serve(PinnedSource(k, v), "127.0.0.1", 0)
+    try:
+        for chunk in (1, 3, 7, 64):
+            cli = TcpBackend("t", chunk_blocks=chunk)
+            dk, dv = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+            dst = [29, 3, 4, 5, 6, 0, 1, 2, 10, 11, 12, 13, 14]
+            cli.pull_into(PullSpec("127.0.0.1", port, "r", list(range(13)), [b""] * 13, release=False),
+                          dk, dv, dst)
+            assert torch.equal(gather_blocks(dk, dv, dst), gather_blocks(k, v, [i * 2 for i in range(13)]))
+            cli.close()
+    finally:
+        srv.close()
+
+
+def test_stalled_reader_frees_the_pins() -> None:
+    """A decode side that asks for blocks and stops reading: the server's send times out
+    and checks the pin back in (it would otherwise be held forever)."""
+    from agentserve.engine.transfer_wire import send_frame
+
+    k, v = torch.randn(2, 32, 16, 8, 128), torch.randn(2, 32, 16, 8, 128)  # 256 KiB blocks
+    src = Source(k, v)
+    srv = TcpBackend("t", timeout=0.5)
+    port = srv.serve(src, "127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as c:
+            c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            send_frame(c, {"op": "pull", "token": "t", "rid": "r", "idx": list(range(16)),
+                           "hashes": [b""] * 16, "release": True, "checksum": True})
+            deadline = time.monotonic() + 10
+            while not src.released and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert src.released == ["r"] and src.busy == 0
+    finally:
+        srv.close()
+
+
+def test_stalled_sender_times_out() -> None:
+    """A prefill side that stops mid-payload (alive, silent): the pull fails in time."""
+    from agentserve.engine.transfer_wire import recv_header, send_frame
+
+    k, v = cache(blocks=4)
+    lst = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def run() -> None:
+        conn, _ = lst.accept()
+        with conn, lst:
+            recv_header(conn)
+            send_frame(conn, {"ok": True, "n": 2, "nbytes": 2 * 768, "block_shape": block_shape(k),
+                              "dtype": "float32", "chunk_blocks": 64})
+            conn.sendall(b"\1" * 700)
+            stop.wait(10)
+
+    threading.Thread(target=run, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(TransferError):
+            TcpBackend(timeout=0.5).pull_into(
+                PullSpec("127.0.0.1", lst.getsockname()[1], "r", [0, 1], [b"", b""]),
+                k.clone(), v.clone(), [0, 1])
+        assert time.monotonic() - t0 < 5
+    finally:
+        stop.set()
+
+
+def test_block_ids_out_of_the_cache_are_refused() -> None:
+    k, v = cache()
+    src = Source(k, v)  # maps index i to block 2i: index 20 is block 40, past the 40 blocks
+    srv = TcpBackend("t")
+    port = srv.serve(src, "127.0.0.1", 0)
+    cli = TcpBackend("t", timeout=5)
+    try:
+        with pytest.raises(TransferError, match="out of range"):
+            cli.pull_into(PullSpec("127.0.0.1", port, "r", [19, 20], [b"", b""]), k.clone(), v.clone(), [0, 1])
+        assert src.busy == 0
+    finally:
+        cli.close()
+        srv.close()

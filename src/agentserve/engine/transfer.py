@@ -2,9 +2,11 @@
 
 Prefill side (``kv_transfer_params.do_remote_decode``): when the prefill-only request
 finishes, ``pin`` takes an extra reference on its blocks and returns vLLM-style
-``kv_transfer_params`` for the decode side. The transfer server (``TransferBackend``)
-reads pinned blocks on its own threads; the pins are dropped on the core thread when the
-decode side has pulled them, asked to release them, or after ``timeout`` seconds.
+``kv_transfer_params`` for the decode side; the kv-pin-sum thread then checksums the full
+blocks once (``block_sums``: they are immutable while pinned), so that the transfer
+server only sends during a pull. The transfer server (``TransferBackend``) reads pinned
+blocks on its own threads; the pins are dropped on the core thread when the decode side
+has pulled them, asked to release them, or after ``timeout`` seconds.
 
 Decode side (``do_remote_prefill``): the scheduler asks ``plan`` which full prompt blocks
 are missing locally (prefix-aware: blocks after the local device hit, checked by chained
@@ -31,6 +33,7 @@ from typing import Any
 
 import torch
 
+from agentserve.engine.transfer_frames import block_sums
 from agentserve.engine.transfer_wire import PullSpec, TransferBackend, TransferError
 from agentserve.kv.pool import Block, BlockPool
 
@@ -57,6 +60,7 @@ class _Pin:
     deadline: float
     busy: int = 0
     released: bool = False
+    sums: list[int] | None = None  # block_sums of the full blocks, once computed
 
 
 @dataclass(slots=True)
@@ -73,6 +77,7 @@ class RemoteConfig:
     port: int = 0  # 0: any free port
     timeout: float = 120.0  # seconds a pin waits for its pull
     max_pulls: int = 4
+    presum: bool = True  # checksum pinned blocks once, off the pull path (kv-pin-sum thread)
 
 
 class RemoteKV:
@@ -88,12 +93,17 @@ class RemoteKV:
         self._lock = threading.Lock()
         self._done: queue.Queue[PullDone] = queue.Queue()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._sum_jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.pending = 0
         self.notify: Callable[[], None] = lambda: None  # wakes the core loop
         backend.on_sent = self._on_sent  # type: ignore[attr-defined]
         self.port = backend.serve(self, cfg.bind or cfg.host, cfg.port)
-        self._thread = threading.Thread(target=self._run, name="kv-pull", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(self._jobs,), name="kv-pull",
+                                        daemon=True)
         self._thread.start()
+        self._sum_thread = threading.Thread(target=self._run, args=(self._sum_jobs,),
+                                            name="kv-pin-sum", daemon=True)
+        self._sum_thread.start()
 
     # ---- prefill side: pins (core thread) ------------------------------------------------
     def pin(self, seq: Any, blocks: list[Block]) -> dict[str, Any]:
@@ -103,6 +113,13 @@ class RemoteKV:
         with self._lock:
             self.pins[seq.request_id] = _Pin(list(blocks), list(seq.block_hashes[:n_full]),
                                              time.monotonic() + self.cfg.timeout)
+        if self.cfg.presum and n_full:
+            event = None
+            if self.k.is_cuda:  # the sums must see the prefill's writes on the compute stream
+                event = torch.cuda.Event()
+                event.record()
+            rid = seq.request_id
+            self._sum_jobs.put(lambda: self._sum_pinned(rid, event))
         return {"do_remote_prefill": True, "do_remote_decode": False,
                 "remote_engine_id": self.engine_id, "remote_request_id": seq.request_id,
                 "remote_block_ids": [b.block_id for b in blocks],
@@ -158,6 +175,39 @@ class RemoteKV:
             if p is not None:
                 p.released = True
         self.notify()
+
+    def pinned_sums(self, rid: str, idx: list[int]) -> list[int] | None:
+        with self._lock:
+            p = self.pins.get(rid)
+            if p is None or p.sums is None or any(i < 0 or i >= len(p.sums) for i in idx):
+                return None
+            return [p.sums[i] for i in idx]
+
+    def _sum_pinned(self, rid: str, event: Any) -> None:
+        """kv-pin-sum thread: checksum a pin's full blocks once (they are immutable while
+        pinned; ``busy`` keeps them from being freed meanwhile). Pulls that come first sum
+        the bytes as they send them."""
+        with self._lock:
+            p = self.pins.get(rid)
+            if p is None or p.released or p.sums is not None:
+                return
+            p.busy += 1
+            ids = [b.block_id for b in p.blocks[:len(p.hashes)]]
+        sums = None
+        try:
+            if event is not None:
+                event.synchronize()
+            sums = block_sums(self.k, self.v, ids)
+        except Exception:
+            log.exception("checksumming pinned KV of %s failed", rid)
+        finally:
+            with self._lock:
+                p.busy -= 1
+                if sums is not None:
+                    p.sums = sums
+                released = p.released
+        if released:
+            self.notify()
 
     def _on_sent(self, n: int) -> None:
         self.stats.bytes_sent += n
@@ -221,9 +271,10 @@ class RemoteKV:
         self._done.put(PullDone(rid, True, len(block_ids)))
         self.notify()
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(jobs: queue.Queue[Callable[[], None] | None]) -> None:
         while True:
-            job = self._jobs.get()
+            job = jobs.get()
             if job is None:
                 return
             try:
@@ -233,7 +284,9 @@ class RemoteKV:
 
     def close(self) -> None:
         self._jobs.put(None)
+        self._sum_jobs.put(None)
         self._thread.join(5)
+        self._sum_thread.join(5)
         self.backend.close()
 
     def snapshot(self) -> dict[str, Any]:
