@@ -3,7 +3,13 @@
 Prints simulated vs reference output tok/s, ITL p50, TTFT p50 and cost with the relative error,
 and writes JSON. Two worker processes (the machine has two cores).
 
-    .venv/bin/python benchmarks/sim_calibration.py --duration 900 --out benchmarks/results/sim_calibration.json
+    .venv/bin/python benchmarks/sim_calibration.py --duration 600 --out benchmarks/results/sim_calibration.json
+
+`--trends` instead runs the kinds of configuration SPEC.md holds back (more decoders, narrower
+pools, MTP off, offload off, limited inputs) at c64/c128 with the same constants, for the
+direction of each change (no reference numbers are published for them):
+
+    .venv/bin/python benchmarks/sim_calibration.py --trends --out benchmarks/results/sim_trends.json
 """
 
 from __future__ import annotations
@@ -20,16 +26,32 @@ from agentserve.sim.run import SimConfig, simulate
 
 # SPEC.md "Reference scale", calibration run (None: not published)
 REFERENCE = {
-    16: {"output_tok_s": 1167, "itl_p50_ms": 11.7, "ttft_p50_s": 1.5, "input_tok_s": 86_000},
-    64: {"output_tok_s": 3679, "itl_p50_ms": 15.5, "ttft_p50_s": 1.71, "input_tok_s": None},
+    16: {"output_tok_s": 1167, "itl_p50_ms": 11.7, "ttft_p50_s": 1.5, "input_tok_s": 86_000,
+         "ttft_p90_s": 4.3, "itl_p90_ms": 14.4},
+    64: {"output_tok_s": 3679, "itl_p50_ms": 15.5, "ttft_p50_s": 1.71, "input_tok_s": None,
+         "ttft_p90_s": 6.36, "itl_p90_ms": 18.9, "e2e_p50_s": 9.6},
     128: {"output_tok_s": 6281, "itl_p50_ms": 19.1, "ttft_p50_s": 2.18, "input_tok_s": 431_000,
-          "cost_in": 0.08, "cost_out": 1.92},
+          "cost_in": 0.08, "cost_out": 1.92, "ttft_p90_s": 15.82, "itl_p90_ms": 23.1,
+          "e2e_p50_s": 14.0, "output_tok_s_per_user": 36.6},
 }
 
 
-def point(args: tuple[int, float, int]) -> dict:
-    c, duration, seed = args
-    s = simulate(SimConfig(concurrency=c, duration=duration, seed=seed))
+# name -> SimConfig overrides of the calibration deployment (3P1D DEP16, MTP, 100 GiB CPU tier)
+TRENDS = {
+    "3P1D (calibration)": {},
+    "3P2D (more decoders, 80 GPUs)": {"decode": 2},
+    "2P2D (more decoders, 64 GPUs)": {"prefill": 2, "decode": 2},
+    "6P2D DEP8 (narrower pools)": {"prefill": 6, "prefill_width": 8, "decode": 2, "decode_width": 8},
+    "MTP off": {"mtp": False},
+    "CPU offload off": {"cpu_offload_gib": 0.0},
+    "limited inputs (<142K)": {"workload": "sweep-limited"},
+}
+
+
+def point(args: tuple) -> dict:
+    c, duration, seed, warmup, *over = args
+    s = simulate(SimConfig(concurrency=c, duration=duration, seed=seed, warmup=warmup,
+                           **(over[0] if over else {})))
     return {"concurrency": c, "output_tok_s": s["output_tok_s"], "input_tok_s": s["input_tok_s"],
             "itl_p50_ms": s["itl_ms"]["p50"], "ttft_p50_s": s["ttft_s"]["p50"],
             "ttft_p90_s": s["ttft_s"]["p90"], "cost_in": s["cost_per_m_input"],
@@ -37,7 +59,23 @@ def point(args: tuple[int, float, int]) -> dict:
             "prefill_busy_frac": s["prefill_busy_frac"], "prefill_gpu_hit_rate": s["prefill_gpu_hit_rate"],
             "mean_input": s["input_tokens"] / max(1, s["requests_ok"]),
             "mean_output": s["output_tokens"] / max(1, s["requests_ok"]),
-            "cpu_write_tb": s.get("cpu_write_tb")}
+            "cpu_write_tb": s.get("cpu_write_tb"),
+            "itl_p90_ms": s["itl_ms"]["p90"], "e2e_p50_s": s["e2e_s"]["p50"],
+            "output_tok_s_per_user": s["output_tok_s_per_user"]["mean"],
+            "decode_preemptions": s["decode_preemptions"], "ttft_phases_s": s["ttft_phases_s"]}
+
+
+def _mean(runs: list[dict]) -> dict:
+    """Mean over seeds of every number (phases too); the per-seed values under `seeds`."""
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "concurrency":
+            out[k] = sum(r[k] for r in runs) / len(runs)
+    out["ttft_phases_s"] = {ph: {q: sum(r["ttft_phases_s"][ph][q] for r in runs) / len(runs)
+                                 for q in ("mean", "p50")} for ph in runs[0]["ttft_phases_s"]}
+    out["seeds"] = [{k: r[k] for k in ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s")}
+                    for r in runs]
+    return out
 
 
 def _err(sim: float, ref: float | None) -> str:
@@ -47,25 +85,58 @@ def _err(sim: float, ref: float | None) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--duration", type=float, default=900.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="first seed")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per point (a 600 s stage's heavy-tailed "
+                    "inputs move output tok/s by ~5% from seed to seed); the table shows their mean")
+    ap.add_argument("--warmup", type=float, default=None, help="simulated s before the stage (None: the default)")
     ap.add_argument("--out", default="benchmarks/results/sim_calibration.json")
+    ap.add_argument("--trends", action="store_true", help="run TRENDS at c64/c128 instead")
     a = ap.parse_args()
+    if a.trends:
+        return trends(a)
+    seeds = range(a.seed, a.seed + a.seeds)
     with Pool(2) as pool:
-        rows = pool.map(point, [(c, a.duration, a.seed) for c in (128, 64, 16)])
-    rows.sort(key=lambda r: r["concurrency"])
+        runs = pool.map(point, [(c, a.duration, sd, a.warmup) for c in (128, 64, 16) for sd in seeds])
+    rows = [_mean([r for r in runs if r["concurrency"] == c]) for c in (16, 64, 128)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"duration": a.duration, "rows": rows, "reference": REFERENCE},
+    Path(a.out).write_text(json.dumps({"duration": a.duration, "warmup": a.warmup, "seeds": list(seeds), "rows": rows,
+                                      "reference": REFERENCE},
                                       indent=2))
-    t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s")
-    keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out")
+    t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds")
+    keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out",
+            "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user")
     for col in ("c",) + keys:
         t.add_column(col, justify="right")
     for r in rows:
         ref = REFERENCE[r["concurrency"]]
         t.add_row(str(r["concurrency"]), *[f"{r[k]:,.3g} ({_err(r[k], ref.get(k))})" for k in keys])
-    Console(width=160).print(t)
+    Console(width=220).print(t)
     for r in rows:
-        print({k: r[k] for k in ('concurrency', 'mean_input', 'mean_output', 'prefill_gpu_hit_rate', 'decode_busy_frac', 'prefill_busy_frac', 'ttft_p90_s', 'cpu_write_tb')})
+        print({k: r[k] for k in ("concurrency", "mean_input", "mean_output", "prefill_gpu_hit_rate",
+                                 "decode_busy_frac", "prefill_busy_frac", "cpu_write_tb", "decode_preemptions")})
+        print("  TTFT phases (mean / p50 s):", {k: (round(v["mean"], 3), round(v["p50"], 3))
+                                                for k, v in r["ttft_phases_s"].items()})
+
+
+def trends(a: argparse.Namespace) -> None:
+    jobs = [(c, a.duration, a.seed, a.warmup, over) for over in TRENDS.values() for c in (128, 64)]
+    with Pool(2) as pool:
+        rows = pool.map(point, jobs)
+    out = []
+    for (c, *_, over), r in zip(jobs, rows):
+        name = next(k for k, v in TRENDS.items() if v is over)
+        out.append({"config": name, "overrides": over, **{k: v for k, v in r.items() if k != "ttft_phases_s"}})
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"duration": a.duration, "warmup": a.warmup, "rows": out}, indent=2))
+    t = Table(title=f"held-back kinds of configuration, {a.duration:.0f} simulated s (no reference numbers)")
+    keys = ("output_tok_s", "input_tok_s", "itl_p50_ms", "ttft_p50_s", "ttft_p90_s",
+            "output_tok_s_per_user", "prefill_gpu_hit_rate", "decode_preemptions")
+    for col in ("config", "c") + keys:
+        t.add_column(col, justify="right")
+    for r in out:
+        t.add_row(r["config"], str(r["concurrency"]),
+                  *[f"{r[k]:,.3g}" if isinstance(r[k], float) else str(r[k]) for k in keys])
+    Console(width=220).print(t)
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from agentserve.sim.perf import PerfModel
 from agentserve.sim.memory import Topology
+from agentserve.sim.perf import PerfModel
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 from agentserve.sim.specs import cpu_local, model_spec
 from agentserve.workload.schema import Session, TraceRequest

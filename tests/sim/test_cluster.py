@@ -28,7 +28,7 @@ def _session(i: int, turns: int = 4, blocks: int = 40, grow: int = 4) -> Session
 def _cfg(**kw) -> SimConfig:
     base = dict(model="tiny", gpu="cpu-local", prefill=1, decode=1, prefill_width=2,
                 decode_width=2, concurrency=2, duration=3600.0, mtp=False, cpu_offload_gib=0.01,
-                chunk=2048, join_midway=False)
+                chunk=2048, join_midway=False, warmup=0.0)
     base.update(kw)
     return SimConfig(**base)
 
@@ -82,7 +82,7 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     res = CliRunner().invoke(app, ["sim", "--model", "tiny", "--gpu", "cpu-local", "--topology",
                                    "1P1D", "--prefill-width", "1", "--decode-width", "1",
                                    "--concurrency", "2", "--no-mtp", "--cpu-offload-gib", "0",
-                                   "--duration", "600", "--json"])
+                                   "--duration", "600", "--warmup", "0", "--json"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output)
     for k in sim_cli.KEYS:
@@ -92,9 +92,20 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
 
 
 def test_decode_preempts_newest_when_blocks_run_out() -> None:
-    """A decode rank too small for two growing requests preempts one and still finishes both."""
+    """A decode rank too small for two growing requests preempts one and still finishes both;
+    the preempted one recomputes the KV it lost."""
     s = simulate(_cfg(decode_width=1, concurrency=2), [_session(i, turns=1, blocks=4) for i in range(2)])
     assert s["requests_ok"] == 2
+    assert (s["decode_recomputed_tokens"] > 0) == (s["decode_preemptions"] > 0)
+
+
+def test_warmup_excludes_requests_before_the_stage() -> None:
+    sessions = [_session(i, turns=8) for i in range(2)]
+    full = sim_run.Simulation(_cfg(), sessions)
+    a = full.run()
+    t = sorted(r.end for r in full.records)[len(full.records) // 2]
+    b = simulate(_cfg(warmup=t, duration=3600.0 - t), [_session(i, turns=8) for i in range(2)])
+    assert 0 < b["requests_ok"] < a["requests_ok"] and b["warmup_s"] == t
 
 
 def test_decode_chunks_sum_to_output_tokens() -> None:

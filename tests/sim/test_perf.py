@@ -83,3 +83,28 @@ def test_measured_profile_replaces_efficiency_factors() -> None:
     hw = replace(H200, name="cpu-local", measured={"step_overhead_s": 0.004, "per_request_s": 0.001})
     p = PerfModel(model_spec("tiny"), hw, Topology("dep", 1, "both"))
     assert p.eff.flops == 1.0 and p.eff.step_overhead_s == 0.004 and p.eff.per_request_s == 0.001
+
+
+def test_indexer_reads_keys_per_query_beyond_kernel_window() -> None:
+    """MTP verify (4 query tokens) > the logits kernel's 2: each query reads the key column."""
+    bw = H200.hbm_bw * DEC.eff.hbm
+    keys = 8 * 16 * (200_000 - 3_000)  # 8 requests per rank, all 16 ranks
+    grow = DEC.decode_step(_ranks(8, 200_000)) - DEC.decode_step(_ranks(8, 3_000))
+    assert grow > 4 * keys / 16 * M.indexer_bytes_per_token() / bw
+    off = PerfModel(M, H200, Topology("dep", 16, "decode", mtp=False))  # one query: one read
+    grow_off = off.decode_step(_ranks(8, 200_000)) - off.decode_step(_ranks(8, 3_000))
+    assert grow_off < grow / 2
+
+
+def test_streamed_weights_skip_input_embedding_and_fp8_kv_b() -> None:
+    from agentserve.sim.memory import weight_bytes_per_gpu
+
+    unread = M.vocab * M.hidden * M.embed_bytes + M.layers * M.kv_lora * M.n_heads * (
+        M.nope_dim + M.v_head_dim) * M.weight_bytes
+    assert DEC.rank_weight_bytes(1.0) == pytest.approx(weight_bytes_per_gpu(M, DEC.topo) - unread)
+
+
+def test_recompute_costs_prefill_compute() -> None:
+    assert DEC.recompute_time([[] for _ in range(16)]) == 0.0
+    t = DEC.recompute_time([[(50_000, 0)]] + [[] for _ in range(15)])
+    assert t > 50_000 * 2 * M.replicated_params() / (H200.fp8_flops * DEC.eff.flops)

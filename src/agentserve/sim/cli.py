@@ -29,6 +29,8 @@ def register(app: typer.Typer) -> None:
         cpu_offload_gib: float = typer.Option(100.0, help="CPU KV tier per prefill rank (0: off)"),
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
         duration: float = typer.Option(600.0, help="stage length, simulated seconds"),
+        warmup: float = typer.Option(None, help="simulated seconds before the stage (default: "
+                                     "120 for xPyD on a synthesized workload, else 0)"),
         seed: int = typer.Option(0),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
@@ -37,6 +39,7 @@ def register(app: typer.Typer) -> None:
         cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
                         decode_width=decode_width, concurrency=concurrency, mtp=mtp,
                         cpu_offload_gib=cpu_offload_gib, workload=workload, duration=duration,
+                        warmup=warmup,
                         seed=seed, aggregated=d if p == 0 else 0)
         s = simulate(cfg)
         if as_json:

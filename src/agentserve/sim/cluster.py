@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from agentserve.kv.pool import Block, BlockPool
-from agentserve.sim.fastpool import SimBlockPool
 from agentserve.router.picker import MaxScorePicker
 from agentserve.router.scorers import Candidate, build_scorers, weighted_scores
+from agentserve.sim.fastpool import SimBlockPool
 from agentserve.sim.perf import MTP_ACCEPT
 from agentserve.workload.record import RequestRecord
 
@@ -55,6 +55,14 @@ class SimRequest:
     gen: int = 0  # bumped on admission and preemption; stale events are skipped
     f_rows: float = 0.0  # this request's share of its rank's attention-row sum
     f_idx: float = 0.0  # and of its indexer-key sum
+    # phase times on the simulated clock (TTFT breakdown): routed to a prefill rank, admitted
+    # there, prefill done, KV arrived at the decode rank, admitted to the decode batch
+    t_route: float = 0.0
+    t_admit: float = 0.0
+    t_pdone: float = 0.0
+    t_arrive: float = 0.0
+    t_dadmit: float = -1.0
+    preempted: bool = False  # its decode KV was freed: re-admission recomputes it (decode.py)
 
 
 class Rank:

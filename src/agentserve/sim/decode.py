@@ -10,8 +10,11 @@ of every step; the step time comes from per-rank sums kept up to date at each ev
 
 Semantics are those of a per-step loop: blocks are allocated by the real pool when the next
 step's `context + 1 + drafts` tokens no longer fit; when a rank runs out, its newest request
-is preempted (vLLM's order), frees its blocks and waits at the queue head; a request's chunk
-times are the ends of the steps it took part in.
+is preempted (vLLM's order), frees its blocks and waits at the queue head; on re-admission it
+recomputes the KV it lost (prompt and output so far, less the prefix blocks still cached) on
+this instance, as vLLM's recompute preemption does (the prefill side has released its copy):
+a prefill that stretches the instance's next step (`PerfModel.recompute_time`). A request's
+chunk times are the ends of the steps it took part in.
 """
 
 from __future__ import annotations
@@ -21,7 +24,14 @@ from collections import defaultdict
 import numpy as np
 
 from agentserve.kv.manager import cdiv
-from agentserve.sim.cluster import Clock, Rank, SimRequest, _bisect_prefix, cache_computed, fits
+from agentserve.sim.cluster import (
+    Clock,
+    Rank,
+    SimRequest,
+    _bisect_prefix,
+    cache_computed,
+    fits,
+)
 from agentserve.sim.perf import MTP_ACCEPT, PerfModel
 from agentserve.sim.pools import Instance
 
@@ -42,6 +52,8 @@ class DecodeInstance(Instance):
         self.grow_at: dict[int, list[tuple[SimRequest, int]]] = defaultdict(list)
         self.finish_at: dict[int, list[tuple[SimRequest, int]]] = defaultdict(list)
         self.load = {r.idx: [0, 0.0, 0.0] for r in ranks}  # requests, rows, indexer keys
+        self.recompute: dict[int, list[tuple[int, int]]] = {}  # rank -> (new, prefix) chunks
+        self.recomputed_tokens = 0
 
     def local_prefix(self, r: Rank, req: SimRequest) -> int:
         """Prompt tokens this rank already holds (so need not be pulled); by bisection, as the
@@ -86,6 +98,14 @@ class DecodeInstance(Instance):
         r.pool.touch(hits)
         req.blocks = hits + r.pool.allocate(need)
         req.computed = req.n_in
+        if req.preempted:  # lost KV is recomputed here, in the next step
+            cached = len(hits) * bs
+            lost = req.n_in + req.out_done - cached
+            self.recompute.setdefault(r.idx, []).append((lost, cached))
+            self.recomputed_tokens += lost
+            req.preempted = False
+        if req.t_dadmit < 0:
+            req.t_dadmit = self.clock.now
         cache_computed(r.pool, req, len(hits), req.n_in // bs)
         rem = req.n_out - req.out_done
         u = self.rng.random(rem)
@@ -122,7 +142,8 @@ class DecodeInstance(Instance):
         victim.gen += 1  # its scheduled events are stale now
         self._sync(r, victim, None)
         r.pool.free(list(reversed(victim.blocks)))
-        victim.blocks = []  # recomputed/re-pulled on re-admission
+        victim.blocks = []  # recomputed on re-admission
+        victim.preempted = True
         r.waiting.appendleft(victim)
         self.preemptions += 1
         return victim
@@ -157,7 +178,11 @@ class DecodeInstance(Instance):
         if not any(ld[0] for ld in loads):
             self.busy = False
             return
-        self._run(self.perf.decode_step_agg(loads, self.draft), self._done)
+        dt = self.perf.decode_step_agg(loads, self.draft)
+        if self.recompute:
+            dt += self.perf.recompute_time([self.recompute.get(r.idx, []) for r in self.ranks])
+            self.recompute = {}
+        self._run(dt, self._done)
 
     def _done(self) -> None:
         now = self.clock.now

@@ -7,7 +7,8 @@ on both and compares every returned block id, the prefix map and the free-queue 
   blocks per rank, 2.8M objects for the 64-GPU deployment; most are never touched in a
   short stage);
 - `allocate`, `free` and `touch` are the base class's loops with the free-queue links
-  inlined (they run ~10^7 times in 30 simulated minutes).
+  inlined (they run ~10^7 times in 30 simulated minutes); `match_prefix` is its loop as
+  `takewhile` over the prefix map; never-used blocks are created in one batch per `allocate`.
 Never-used blocks always form one contiguous run of the queue, between uncached freed blocks
 (put at the head) and cached freed blocks (appended at the tail), so one marker node stands for
 the whole run. Prefix matching, caching, events and invariants are the base class's own code.
@@ -16,6 +17,7 @@ the whole run. Prefix matching, caching, events and invariants are the base clas
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from itertools import takewhile
 
 from agentserve.kv.events import MEDIUM_GPU
 from agentserve.kv.pool import Block, BlockPool, NoFreeBlocks
@@ -106,6 +108,13 @@ class SimBlockPool(BlockPool):
         self.free_queue = LazyFreeQueue(self, num_blocks)  # type: ignore[assignment]
         self.cached = {}
 
+    def match_prefix(self, hashes: Sequence) -> list[Block]:
+        """The base class's loop (longest cached prefix, no references) run in C."""
+        if not self.enable_caching:
+            return []
+        cached = self.cached
+        return list(map(cached.__getitem__, takewhile(cached.__contains__, hashes)))
+
     def touch(self, blocks: Sequence[Block]) -> None:
         q = self.free_queue
         for b in blocks:
@@ -120,20 +129,31 @@ class SimBlockPool(BlockPool):
         if n > q.n:
             raise NoFreeBlocks(f"asked for {n} KV blocks but only {q.n} of {self.num_blocks} are free")
         out, head, marker, cached = [], q.head, q.marker, self.cached
-        for _ in range(n):
+        i = 0
+        while i < n:  # each pass takes >= 1 block
             b = head.next
-            if b is marker:
-                b = q.materialize()
-            else:
-                b.prev.next, b.next.prev = b.next, b.prev
-                b.prev = b.next = None
-                h = b.block_hash
-                if h is not None:  # eviction (no events in the simulator)
-                    b.block_hash = None
-                    if cached.get(h) is b:
-                        del cached[h]
+            if b is marker:  # the never-used run: create all the blocks still needed at once
+                k = min(q.virgin, n - i)
+                base = len(self.blocks)
+                new = [Block(j, 1) for j in range(base, base + k)]
+                self.blocks.extend(new)
+                out.extend(new)
+                q.virgin -= k
+                if q.virgin == 0:
+                    marker.prev.next, marker.next.prev = marker.next, marker.prev
+                    marker.prev = marker.next = None
+                i += k
+                continue
+            b.prev.next, b.next.prev = b.next, b.prev
+            b.prev = b.next = None
+            h = b.block_hash
+            if h is not None:  # eviction (no events in the simulator)
+                b.block_hash = None
+                if cached.get(h) is b:
+                    del cached[h]
             b.ref_cnt = 1
             out.append(b)
+            i += 1
         q.n -= n
         return out
 

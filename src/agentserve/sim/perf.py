@@ -13,9 +13,13 @@ FLOPs per token (x2 for multiply-add):
 - sparse MLA attention (absorbed, as FlashMLA sparse): `2 H k (kv_lora+rope + kv_lora)` per
   layer with k = min(context, index_topk); dense models attend to the whole context.
 - lightning indexer: `2 x idx_heads x idx_dim x context` per layer at FP8.
-Bytes per decode step: the rank's replicated weights, the local experts touched by any token
-of the instance (`1 - (1 - top_k/E)^T` of them), each request's top-k KV rows and its full
-indexer-key column, and the LM head of each MTP draft pass.
+Bytes per decode step: the rank's replicated weights (less the input embedding and the FP8
+`kv_b_proj`, which no forward reads whole), the local experts touched by any token of the
+instance (`1 - (1 - top_k/E)^T` of them), each query token's top-k KV rows, the request's
+indexer-key column (once per query token when the verify window exceeds the logits kernel's 2,
+`MQA_LOGITS_MAX_NEXT_N`), the fp32 indexer logits (written, then read by top-k), and the LM
+head of each MTP draft pass. A decode step that re-admits preempted requests also pays their
+recompute (`recompute_time`).
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ class Efficiency:
     """Global efficiency factors and overheads; sources in the comments."""
 
     flops: float = 0.55  # GEMM MFU: DeepGEMM FP8 grouped ~1,100 of 1,980 TFLOP/s on H800/H200
-    attn_flops: float = 0.55  # FlashMLA sparse ~550-640 of 990 bf16 TFLOP/s (its README)
+    attn_flops: float = 0.55  # indexer logits (DeepGEMM fp8_mqa_logits) and dense attention
+    # FlashMLA's published best cases on H800 (989 bf16 TFLOP/s peak): sparse prefill up to 640
+    # TFLOP/s, sparse decode with FP8 KV up to 410 (dequantization on the fly); not fitted.
+    sparse_prefill: float = 640 / 989
+    sparse_decode: float = 410 / 989
     hbm: float = 0.80  # achieved / peak HBM bandwidth for weight and KV streaming
     link: float = 0.80  # achieved / peak NVLink or InfiniBand bandwidth in all-to-all
     a2a_latency_s: float = 60e-6  # one DeepEP low-latency dispatch or combine across nodes, small batch
@@ -42,6 +50,12 @@ class Efficiency:
 
 
 MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (unconditional)
+# Indexer decode kernel (DeepGEMM fp8_paged_mqa_logits) scores at most 2 query tokens of a
+# request per pass (`DG_HOST_ASSERT(next_n == 1 or next_n == 2)`); a wider MTP verify window
+# (1 + 3 drafts) is flattened to one query token per row (SGLang: "the next_n dim is 1 now"),
+# so each query token reads the request's indexer-key column itself.
+MQA_LOGITS_MAX_NEXT_N = 2
+LOGIT_BYTES = 8.0  # fp32 indexer logit per (query, key, layer): written once, read by top-k
 
 
 def mtp_tokens_per_step(accept: tuple[float, ...] = MTP_ACCEPT) -> float:
@@ -63,7 +77,8 @@ class PerfModel:
         """A measured profile (cpu-local) gives effective rates and overheads: no factors."""
         m = self.hw.measured
         if m and self.eff == Efficiency():
-            self.eff = Efficiency(flops=1.0, attn_flops=1.0, hbm=1.0,
+            self.eff = Efficiency(flops=1.0, attn_flops=1.0, hbm=1.0, sparse_prefill=1.0,
+                                  sparse_decode=1.0,
                                   step_overhead_s=m.get("step_overhead_s", self.eff.step_overhead_s),
                                   per_request_s=m.get("per_request_s", self.eff.per_request_s))
 
@@ -87,10 +102,15 @@ class PerfModel:
             core = 2.0 * m.n_heads * k * (2 * m.kv_lora + m.rope_dim)
         else:
             core = 2.0 * m.n_heads * ctx * 2 * m.head_dim
-        t = core * m.layers / self.hw.bf16_flops / self.eff.attn_flops
+        eff = self.eff.sparse_prefill if m.is_mla and m.index_topk else self.eff.attn_flops
+        t = core * m.layers / self.hw.bf16_flops / eff
         if m.indexer_heads and ctx > m.index_topk:
             idx = 2.0 * m.indexer_heads * m.indexer_dim * ctx * m.layers
             t += idx / self.hw.fp8_flops / self.eff.attn_flops
+            # the fp32 logits row (one per query token and layer) is written to HBM by the
+            # logits kernel and read back by the top-k kernel (vLLM: fp8_mqa_logits, then
+            # top_k_per_row_prefill)
+            t += LOGIT_BYTES * ctx * m.layers / (self.hw.hbm_bw * self.eff.hbm)
         return t / (self.topo.width if self.topo.kind == "tp" else 1)
 
     def _lin_rate(self) -> float:
@@ -139,14 +159,32 @@ class PerfModel:
         hidden = min(comm, compute) * self.eff.prefill_overlap
         return compute + comm - hidden + self.eff.step_overhead_s
 
+    def recompute_time(self, ranks: list[list[tuple[int, int]]]) -> float:
+        """Extra time of a decode step that also recomputes preempted requests' KV (chunks
+        `(new, prefix)` per rank): their compute on top of the step, whose weight streaming,
+        all-to-all latency and overhead are already paid."""
+        tok = sum(n for r in ranks for n, _ in r)
+        if tok == 0:
+            return 0.0
+        local = max(self.prefill_rank_time(r) for r in ranks)
+        return local + tok * self._routed_flops() / self.topo.width / self._lin_rate()
+
     # -- decode --------------------------------------------------------------------------------
     def rank_weight_bytes(self, touched: float) -> float:
-        """Weight bytes one rank streams when a fraction `touched` of its experts is used."""
+        """Weight bytes one rank streams per forward when a fraction `touched` of its experts is
+        used: the resident weights less what a forward never reads whole: the input embedding
+        (one row gathered per token) and, for MLA, the FP8 `kv_b_proj` (absorbed attention runs
+        on its bf16 W_UK / W_UV copies, which are counted)."""
         from agentserve.sim.memory import weight_bytes_per_gpu
 
         m, t = self.model, self.topo
         routed = m.routed_params() * m.weight_bytes / t.width
-        return weight_bytes_per_gpu(m, t) - routed * (1.0 - touched)
+        unread = (0.0 if m.tied_embeddings else m.vocab * m.hidden * m.embed_bytes)
+        if m.is_mla:
+            unread += m.layers * m.kv_lora * m.n_heads * (m.nope_dim + m.v_head_dim) * m.weight_bytes
+        if t.kind == "tp":
+            unread /= t.width
+        return weight_bytes_per_gpu(m, t) - unread - routed * (1.0 - touched)
 
     def _touched(self, tokens_total: float) -> float:
         m = self.model
@@ -171,7 +209,8 @@ class PerfModel:
             row = 2.0 * m.n_heads * 2 * m.head_dim * m.layers
         idx = 2.0 * m.indexer_heads * m.indexer_dim * m.layers
         split = self.topo.width if self.topo.kind == "tp" else 1
-        return (row / hw.bf16_flops / e.attn_flops / split, idx / hw.fp8_flops / e.attn_flops / split,
+        eff = e.sparse_decode if m.is_mla and m.index_topk else e.attn_flops
+        return (row / hw.bf16_flops / eff / split, idx / hw.fp8_flops / e.attn_flops / split,
                 m.kv_bytes_per_token() / split, m.indexer_bytes_per_token() / split)
 
     def decode_rank_mem(self, ctxs: list[int]) -> float:
@@ -204,13 +243,18 @@ class PerfModel:
         # A sparse kernel gathers each query token's own top-k rows; a dense one reads the
         # request's KV once for all its query tokens.
         gathers = q if self.model.index_topk else 1
+        # Indexer: the key column is read once per pass of the logits kernel (at most
+        # MQA_LOGITS_MAX_NEXT_N query tokens each); every query token's fp32 logits row is
+        # written and read back by top-k.
+        reads = q if q > MQA_LOGITS_MAX_NEXT_N else 1
+        b_logit = LOGIT_BYTES * self.model.layers / (self.topo.width if self.topo.kind == "tp" else 1)
         worst = 0.0
         for n, rows, idx in loads:
             # Kernels of a layer run back to back on one stream: each is bound by its own
             # bytes or FLOPs (roofline per kernel), and the step is their sum.
             gemm = max(wbytes / bw, (n * q * lin + moe) / rate)
             attn = max(gathers * rows * b_row / bw, q * rows * t_row)
-            index = max(idx * b_idx / bw, q * idx * t_idx)  # keys read once, logits per query
+            index = max(reads * idx * b_idx / bw, q * idx * t_idx) + q * idx * b_logit / bw
             worst = max(worst, gemm + attn + index + n * per_req)
         a2a = self.a2a_time(q * n_max)
         return worst + a2a + self.mtp_time(k, n_max) + self.eff.step_overhead_s

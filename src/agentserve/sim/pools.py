@@ -10,7 +10,14 @@ import abc
 from collections.abc import Callable
 
 from agentserve.kv.manager import cdiv
-from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits, store_cpu
+from agentserve.sim.cluster import (
+    Clock,
+    Rank,
+    SimRequest,
+    cache_computed,
+    fits,
+    store_cpu,
+)
 from agentserve.sim.perf import PerfModel
 
 
@@ -63,6 +70,7 @@ class PrefillInstance(Instance):
         req.blocks = hits + r.pool.allocate(need)
         req.computed = req.cached = (g + c) * bs
         req.restored = c * bs
+        req.t_admit = self.clock.now
         self.hit_tokens += g * bs
         self.cpu_hit_tokens += c * bs
         self.prompt_tokens += req.n_in
@@ -107,6 +115,7 @@ class PrefillInstance(Instance):
                 if req.computed >= req.n_in:
                     r.running.remove(req)
                     r.inflight_tokens -= req.n_in
+                    req.t_pdone = self.clock.now
                     self.handoff(req)
         self.busy = False
         self._step()
