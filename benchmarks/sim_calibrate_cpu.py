@@ -30,7 +30,9 @@ engine), not the trace the simulator is then checked against:
 - prefill: two cold prompts at once (one per engine) of `chunk` and `2 x chunk` tokens;
   TTFT(chunk) - TTFT(16) is one chunk at prefix 0; TTFT(2 chunk) - TTFT(chunk) one at
   prefix `chunk`;
-- `request_overhead_s`: TTFT of a 16-token prompt minus one modelled step.
+- `request_overhead_s`: TTFT of a 16-token prompt minus one modelled step;
+  `request_overhead_per_token_s`: (TTFT of a fully cached `4 x chunk`-token prompt - TTFT
+  of 16 tokens) per prompt token - what a cached prefix still costs outside the model.
 
     .venv/bin/python benchmarks/sim_calibrate_cpu.py --out benchmarks/results/sim_cpu_profile.json
     .venv/bin/python benchmarks/sim_calibrate_cpu.py --through-server --out ...
@@ -162,6 +164,13 @@ async def _wave(url: str, model: str, n: int, prompt: int, max_tokens: int, rng:
                                            for p in prompts)))
 
 
+async def _repeat(url: str, model: str, prompt: list[int]) -> float:
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        return (await _stream(session, url, model, prompt, 1))[0]
+
+
 def _itl(waves: list[list[float]]) -> float:
     """Median gap between tokens while every stream decodes: after the last first token
     (all prefills done) and before the first stream ends (the batch still full)."""
@@ -184,6 +193,13 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         return asyncio.run(_wave(url, model, n, p, m, rng))
 
     wave(2, 256, 4)  # warm up both engines and the router
+    # A fully cached prompt still costs per token outside the model (JSON, hashing, prefix
+    # lookup in router and engine): TTFT of a repeated long prompt vs a short one.
+    long = [rng.randrange(16, 4000) for _ in range(4 * chunk)]
+    cached = []
+    for _ in range(reps):
+        asyncio.run(_repeat(url, model, long))
+        cached.append(asyncio.run(_repeat(url, model, long)))
     ttft = {n: statistics.median(min(w[0] for w in wave(2, n, 1)) for _ in range(reps))
             for n in (16, chunk, 2 * chunk)}
     dec = {b: _itl(wave(2 * b, prompt, out_tokens)) for b in (1, 4, 16)}
@@ -209,6 +225,9 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
         "attn_prefill_s": attn_p, "attn_decode_s": attn_d,
         "request_overhead_s": max(ttft[16] - one_step, 0.0),
+        "cached_prompt_ttft_s": {str(len(long)): statistics.median(cached)},
+        "request_overhead_per_token_s": max((statistics.median(cached) - ttft[16])
+                                            / (len(long) - 16), 0.0),
         "flops": 2 * chunk / (t_p0 + t_p1) * 2 * m.total_params(),
         "mem_bw": (m.total_params() * m.weight_bytes + prompt * m.kv_bytes_per_token()) / dec[1],
         "per_request_s": max(slope, 0.0),

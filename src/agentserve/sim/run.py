@@ -74,6 +74,9 @@ class SimConfig:
     # Client -> router -> engine and back, per request, outside engine steps (HTTP, routing,
     # tokenization, stream setup); None: the hardware profile's `request_overhead_s` or 0.
     request_overhead_s: float | None = None
+    # ... and per prompt token, cached or not (JSON, block hashing, prefix lookup in router
+    # and engine); None: the profile's `request_overhead_per_token_s` or 0.
+    request_overhead_per_token_s: float | None = None
 
 
 def parse_topology(s: str) -> tuple[int, int]:
@@ -138,6 +141,9 @@ class Simulation:
         self.prefills, self.decodes, self.p_ranks, self.d_ranks = [], [], [], []
         ov = cfg.request_overhead_s
         self.overhead = ov if ov is not None else float((hw.measured or {}).get("request_overhead_s", 0.0))
+        ov = cfg.request_overhead_per_token_s
+        self.overhead_per_token = ov if ov is not None else float(
+            (hw.measured or {}).get("request_overhead_per_token_s", 0.0))
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES
@@ -204,8 +210,9 @@ class Simulation:
                             reusable_tokens=min(reuse * cfg.block_size, n_in))
         req = SimRequest(rec, hashes, n_in, n_out, lambda q: self._finished(q, queue, si, sid))
         route = self._route_agg if cfg.aggregated else self._route_prefill
-        if self.overhead > 0:
-            self.clock.at(self.clock.now + self.overhead, lambda: route(req))
+        delay = self.overhead + self.overhead_per_token * n_in
+        if delay > 0:
+            self.clock.at(self.clock.now + delay, lambda: route(req))
         else:
             route(req)
 
@@ -328,7 +335,8 @@ class Simulation:
         prompt = sum(a.prompt_tokens for a in self.aggs)
         s.update({
             "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-            "request_overhead_s": self.overhead, "cpu_restore_gib": 0.0,
+            "request_overhead_s": self.overhead,
+            "request_overhead_per_token_s": self.overhead_per_token, "cpu_restore_gib": 0.0,
             "cost_per_m_input": None, "cost_per_m_output": None,
             "prefill_gpu_hit_rate": _share(sum(a.hit_tokens for a in self.aggs), prompt),
             "queue": sum(len(r.waiting) for r in self.p_ranks),
