@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -23,7 +25,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.router.procs import PY, free_port, our_engine, router, stop, wait_http  # noqa: E402
+from tests.router.procs import PY, free_port, our_engine, router, stop, wait_http
 
 POLICIES = {
     "round-robin": {"policy": "round-robin"},
@@ -33,14 +35,107 @@ POLICIES = {
     # the previous default: precise + speculative, max picker, affinity as tie-break
     "precise+speculative (max)": {"policy": "precise-prefix", "scorers": {"session": 0.1},
                                   "options": {"speculative_ttl_s": 2.0}},
-    # default: precise + speculative + sticky until saturated (wait, penalty 2 s) +
-    # session balance .5 + prefix 2 (see config.PRESETS)
+    # default: precise + speculative + sticky until saturated (wait, penalty 2 s; a
+    # session moves only to an endpoint with >= 2 fewer active sessions) + session
+    # balance + prefix 2 (see config.PRESETS)
     "default": {"policy": "default"},
-    # tuning variants of default that lost (README)
+    # variants of default (README)
+    "default, moves by wait only": {"policy": "default",
+                                    "picker": {"moves_must_balance": False}},
+    "default, force moves 15 s": {"policy": "default", "picker": {"force_move_s": 15.0}},
+    "default + session tokens .5": {"policy": "default", "scorers": {"session_tokens": 0.5}},
+    "default, balance 1": {"policy": "default", "scorers": {"balance": 1.0}},
+    "default, balance .5": {"policy": "default", "scorers": {"balance": 0.5}},
     "sticky 1 s, prefix 1, balance 1": {"policy": "default", "scorers": {"prefix": 1.0,
                                         "balance": 1.0}, "picker": {"penalty_s": 1.0}},
     "sticky 2 s, prefix 2, balance 1": {"policy": "default", "scorers": {"balance": 1.0}},
 }
+
+
+# The router with every decision logged (one JSON line: session, prompt length, pick,
+# reason, and each candidate's prefix/wait/sessions/score), for the loss analysis below.
+_TRACED_ROUTER = r"""
+import json, os, sys, time, typer
+from agentserve.router import core
+from agentserve.router.cli import route
+log = open(os.environ["AGENTSERVE_DECISION_LOG"], "w", buffering=1)
+orig = core.Router.decide
+def decide(self, req, exclude=None):
+    if getattr(self.picker, "_traced", None) is not self:
+        p, pick = self.picker, self.picker.pick
+        def traced(cands, scores):
+            self._last = (cands, scores)
+            return pick(cands, scores)
+        p.pick, p._traced = traced, self
+    d = orig(self, req, exclude)
+    cands, scores = self._last
+    log.write(json.dumps({"t": time.monotonic(), "session": req.session, "len": d.prompt_len,
+        "url": d.url, "reason": d.reason, "pred": d.predicted_cached, "cands": [
+            {"url": c.url, "w": round(c.weighted_blocks, 1), "tot": c.total_blocks,
+             "wait": round(c.est_wait_s, 3), "sess": c.active_sessions, "tok": c.active_tokens,
+             "pend": c.pending_prefill, "score": round(s, 3)} for c, s in zip(cands, scores)]}) + "\n")
+    return d
+core.Router.decide = decide
+sys.argv = ["route", *sys.argv[1:]]
+typer.run(route)
+"""
+
+
+def traced_router(port: int, config: Path, log: Path, decisions_log: Path):
+    from tests.router.procs import start
+    return start([PY, "-c", _TRACED_ROUTER, "--config", str(config), "--port", str(port)], log,
+                 env={"AGENTSERVE_DECISION_LOG": str(decisions_log)})
+
+
+def loss_analysis(records: Path, decisions_log: Path) -> dict:
+    """Where reuse was lost: per request, reusable - cached, joined to its decision by
+    (session, prompt length) in order; summed by the decision's reason and by whether
+    the session moved away from its previous endpoint."""
+    decs: dict[tuple, list[dict]] = {}
+    for line in decisions_log.read_text().splitlines():
+        d = json.loads(line)
+        decs.setdefault((d["session"], d["len"]), []).append(d)
+    last: dict[str, str] = {}
+    out: dict[str, dict[str, float]] = {}
+    recs = [json.loads(x) for x in records.read_text().splitlines()]
+    for r in sorted(recs, key=lambda r: r["start"]):
+        if r.get("error"):
+            continue
+        sess = f"{r['stage']}/{r['session_id']}"
+        q = decs.get((sess, r["input_tokens"]))
+        d = q.pop(0) if q else None
+        if d is None:
+            key = "unmatched"
+        else:
+            moved = sess in last and last[sess] != d["url"] and r["agent"] == "main"
+            key = d["reason"] + ("+moved" if moved else "")
+            if r["agent"] == "main":
+                last[sess] = d["url"]
+        o = out.setdefault(key, {"requests": 0, "reusable": 0, "lost": 0})
+        o["requests"] += 1
+        o["reusable"] += r["reusable_tokens"]
+        o["lost"] += max(0, r["reusable_tokens"] - r["cached_tokens"])
+    return out
+
+
+def live_working_set(decisions_log: Path) -> dict[str, float]:
+    """Tokens of the live sessions' latest prompts (a session is live from its first to
+    its last routed request), sampled every second: mean (first 10 s and last 20 s left
+    out: ramp-up and drain) and max. Compare with the engines' total device KV."""
+    decs = [json.loads(x) for x in decisions_log.read_text().splitlines()]
+    if not decs:
+        return {}
+    last = {d["session"]: d["t"] for d in decs}
+    cur: dict[str, int] = {}
+    t, i, samples = decs[0]["t"], 0, []
+    while t < decs[-1]["t"]:
+        while i < len(decs) and decs[i]["t"] <= t:
+            cur[decs[i]["session"]] = decs[i]["len"]
+            i += 1
+        samples.append(sum(n for s, n in cur.items() if last[s] >= t))
+        t += 1.0
+    mid = samples[10:-20] if len(samples) > 60 else samples
+    return {"mean": sum(mid) / len(mid), "max": max(samples)}
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -49,7 +144,7 @@ def scrape(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for name in ("vllm:prefix_cache_hits_total", "vllm:prefix_cache_queries_total"):
         out[name] = sum(float(m) for m in re.findall(rf"^{re.escape(name)}{{[^}}]*}} (\S+)",
-                                                     text, re.M))
+                                                     text, re.MULTILINE))
     return out
 
 
@@ -58,7 +153,7 @@ def decisions(router_url: str) -> dict[str, float]:
         text = r.read().decode()
     per: dict[str, float] = {}
     for ep, v in re.findall(r'^agentserve_router_decisions_total{endpoint="([^"]+)"[^}]*} (\S+)',
-                            text, re.M):
+                            text, re.MULTILINE):
         per[ep] = per.get(ep, 0.0) + float(v)
     return per
 
@@ -77,21 +172,34 @@ def run_policy(name: str, raw: dict, a: argparse.Namespace, tmp: Path) -> dict:
     try:
         for u, pr in zip(urls, procs):
             wait_http(u + "/health", pr)
-        procs.append(router(rport, cfg, tmp / "router.log"))
+        dlog = tmp / "decisions.jsonl"
+        procs.append(traced_router(rport, cfg, tmp / "router.log", dlog) if a.keep
+                     else router(rport, cfg, tmp / "router.log"))
         rurl = f"http://127.0.0.1:{rport}"
         wait_http(rurl + "/health", procs[-1], 60)
         out = tmp / "bench"
+        load0 = os.getloadavg()
         subprocess.run([PY, "-m", "agentserve.cli", "bench", "--url", rurl, "--trace", a.trace,
                         "--mode", "sessions", "--sessions", str(a.sessions),
                         "--token-scale", str(a.token_scale), "--max-turns", str(a.max_turns),
                         "--gap-cap", str(a.gap_cap), "--max-output", str(a.max_output),
-                        "--duration", str(a.duration), "--out", str(out)],
+                        "--duration", str(a.duration), "--seed", str(a.seed),
+                        "--out", str(out)],
                        check=True, timeout=a.duration + 300, stdout=subprocess.DEVNULL)
         summ = json.loads((out / "summary.json").read_text())
         per = decisions(rurl)
         eng = [scrape(u) for u in urls]
+        load1 = os.getloadavg()
     finally:
         stop(procs)
+    extra = {}
+    if a.keep:
+        keep = Path(a.keep) / re.sub(r"[^A-Za-z0-9.+-]+", "_", name)
+        shutil.rmtree(keep, ignore_errors=True)
+        shutil.copytree(tmp, keep)
+        extra["lost_by_reason"] = loss_analysis(out / "requests.jsonl", dlog)
+        extra["live_working_set_tokens"] = live_working_set(dlog)
+        extra["device_kv_tokens_total"] = a.kv_tokens * a.engines
     s = summ[0] if isinstance(summ, list) else summ  # summary.json: one object per stage
     hits = sum(e["vllm:prefix_cache_hits_total"] for e in eng)
     queries = sum(e["vllm:prefix_cache_queries_total"] for e in eng)
@@ -103,7 +211,9 @@ def run_policy(name: str, raw: dict, a: argparse.Namespace, tmp: Path) -> dict:
             "balance_max_over_min": max(counts) / max(1.0, min(counts)), "requests": counts,
             "ttft_p50_s": (s.get("ttft_s") or {}).get("p50"),
             "ttft_p90_s": (s.get("ttft_s") or {}).get("p90"),
-            "output_tok_s": s.get("output_tok_s")}
+            "output_tok_s": s.get("output_tok_s"),
+            "requests_ok": s.get("requests_ok"), "sessions_started": s.get("sessions_started"),
+            "loadavg_1m_start_end": [load0[0], load1[0]], **extra}
 
 
 def main() -> None:
@@ -121,6 +231,9 @@ def main() -> None:
     ap.add_argument("--policies", nargs="*", default=list(POLICIES))
     ap.add_argument("--engine-args", default="", help="extra `agentserve serve` flags, e.g. "
                     "'--kv-cpu-gib 1 --kv-cpu-policy session' for a CPU tier below each engine")
+    ap.add_argument("--seed", type=int, default=0, help="prompt token seed of the replay")
+    ap.add_argument("--keep", default=None, help="keep each policy's bench output, router "
+                    "decision log and logs under this folder (and report lost reuse by reason)")
     ap.add_argument("--out", default="bench-out/router_captured_reuse.json")
     a = ap.parse_args()
     rows = []

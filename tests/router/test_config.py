@@ -41,3 +41,11 @@ def test_unknown_scorer_and_picker():
         build_scorers({"nope": 1})
     with pytest.raises(ValueError, match="unknown picker"):
         build_picker({"type": "nope"})
+
+
+def test_default_preset_moves_sessions_only_to_balance():
+    p = build_picker(build_config({}).picker)
+    assert p.moves_must_balance and p.force_move_s is None and p.penalty_s == 2.0
+    c = build_config({"scorers": {"session_tokens": 0.5}})
+    assert c.scorers["session_tokens"] == 0.5 and c.scorers["balance"] == 0.5
+    assert any(type(s).__name__ == "SessionTokensScorer" for _, s in build_scorers(c.scorers))

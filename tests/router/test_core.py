@@ -1,6 +1,7 @@
 """Router.decide without HTTP: prefix routing, predictions, speculation, affinity, modes."""
 
 import random
+import time
 
 import pytest
 
@@ -28,6 +29,13 @@ def toks(n, seed=0):
 def hold(r, url, tokens):
     keys = [block_key(h) for h in BlockHasher("sha256_cbor", BS).hash_blocks(tokens)]
     r.index.store((url, 0), keys)
+
+
+def busy(r, url, n):
+    """Give `url` n more active sessions (as if their latest turns went there now)."""
+    ep = r.endpoints[url]
+    for i in range(n):
+        ep.active[f"other-{url}-{len(ep.active)}-{i}"] = time.monotonic()
 
 
 def test_routes_to_prefix_holder_and_predicts_cached():
@@ -72,7 +80,11 @@ def test_sticky_until_saturated():
     hold(r, URLS[0], t)
     assert r.decide(RouteInput(t + [1] * 20)).url == URLS[0]
     r.endpoints[URLS[0]].pending_prefill = 5000  # 5 s of queued prefill there
+    # ... but no more sessions there than elsewhere: a move would not balance, stay
     d = r.decide(RouteInput(t + [2] * 20))
+    assert d.url == URLS[0] and d.reason == "prefix"
+    busy(r, URLS[0], 3)  # it also has the most sessions: saturated, shed this one
+    d = r.decide(RouteInput(t + [3] * 20))
     assert d.url != URLS[0] and d.reason == "saturated"
 
 
@@ -154,6 +166,7 @@ def test_a_session_that_moves_is_counted_on_its_new_endpoint():
     hold(r, URLS[0], t)
     assert r.decide(RouteInput(t + [1] * 20, session="a")).url == URLS[0]
     r.endpoints[URLS[0]].pending_prefill = 5000
+    busy(r, URLS[0], 2)
     d = r.decide(RouteInput(t + [2] * 20, session="a"))
     assert d.url != URLS[0] and d.reason == "saturated"
     assert "a" not in r.endpoints[URLS[0]].active and "a" in r.endpoints[d.url].active
@@ -168,3 +181,57 @@ def test_prefill_speed_is_learned_from_first_byte():
     assert 1500 < rate < 2100
     c = {c.url: c for c in r.candidates(RouteInput(toks(4000, 3)), 0.0)[0]}[d.url]
     assert c.est_wait_s == pytest.approx(4000 / rate)
+
+
+def test_prefix_in_the_cpu_tier_keeps_the_session_sticky():
+    """Evicted to the engine's CPU tier (BlockStored medium CPU, weight 0.8), the prefix
+    still holds the session: it is not re-placed by balance or load."""
+    r = make("default", options={"speculative_ttl_s": 0.0})
+    t = toks(1600, 9)
+    keys = [block_key(h) for h in BlockHasher("sha256_cbor", BS).hash_blocks(t)]
+    r.index.store((URLS[1], 0), keys, medium="CPU")
+    busy(r, URLS[1], 2)  # more sessions there than elsewhere
+    r.endpoints[URLS[1]].inflight_tokens = 50_000  # and busier right now
+    d = r.decide(RouteInput(t + [7] * 40, session="cpu"))
+    assert d.url == URLS[1] and d.predicted_cached == 1600
+    r.index.remove((URLS[1], 0), keys, medium="CPU")  # gone from the CPU tier as well
+    assert r.decide(RouteInput(t + [8] * 40, session="cpu2")).url != URLS[1]
+
+
+def test_session_tokens_spread_large_sessions():
+    """With the session_tokens scorer, a new session avoids the endpoint whose active
+    sessions are largest, though every endpoint has as many sessions."""
+    r = make("default", scorers={"session_tokens": 0.5},
+             options={"speculative_ttl_s": 0.0})
+    for s in range(4):  # one session per endpoint, the first one 20x larger
+        d = r.decide(RouteInput(toks(4000 if s == 0 else 200, 200 + s), session=f"s{s}"))
+        r.finish(d)
+    big = r.sessions["s0"]
+    assert sorted(len(r.endpoints[u].active) for u in URLS) == [1, 1, 1, 1]
+    c = {c.url: c for c in r.candidates(RouteInput(toks(300, 9), session="new"), 0.0)[0]}
+    assert c[big].active_tokens == 4000 and all(
+        c[u].active_tokens == 200 for u in URLS if u != big)
+    # the request's own session does not count against its endpoint
+    own = {c.url: c for c in r.candidates(RouteInput(toks(4100, 200), session="s0"), 0.0)[0]}
+    assert own[big].active_tokens == 0
+    placed = [r.decide(RouteInput(toks(300, 50 + i), session=f"n{i}")).url for i in range(3)]
+    assert big not in placed
+    # without the scorer, nothing is kept
+    r2 = make("default")
+    r2.decide(RouteInput(toks(100), session="x"))
+    assert r2.session_tokens == {}
+
+
+def test_prefill_speed_learning_is_not_fooled_by_work_ahead():
+    """A request booked behind partly-done prefills sees a short time to first byte for
+    a lot of 'ahead' work: that sample may raise the estimate at most 2x."""
+    r = Router(build_config({"policy": "default", "endpoints": [
+        {"url": "http://e0", "kv_events": "tcp://127.0.0.1:1", "block_size": 16}]}))
+    ep = r.endpoints["http://e0"]
+    ep.learn_prefill(2000, 1.0)  # alone in the queue: 2,000 tok/s
+    assert ep.prefill_tok_s == pytest.approx(2000)
+    ep.learn_prefill(200_000, 1.0, trusted=False)  # "200K tok/s": mostly done before
+    assert ep.prefill_tok_s <= 2000 * 1.2 + 1e-6  # EWMA step toward 4,000 at most
+    before = ep.prefill_tok_s
+    ep.learn_prefill(500, 1.0, trusted=False)  # slower samples always count, unclipped
+    assert ep.prefill_tok_s == pytest.approx(0.8 * before + 0.2 * 500)

@@ -47,13 +47,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                        "options": {"speculative_ttl_s": 0.0}},
     # The best on benchmarks/router_captured_reuse.py (see the router README): precise
     # prefix with speculative entries; "sticky until saturated" (keep the prefix holder
-    # unless its estimated wait exceeds the best other's by more than penalty_s; the
-    # wait is queued uncached prefill over the endpoint's learned prefill speed); new
-    # sessions go where the fewest sessions are active (balance), prefix share and load
-    # break ties.
+    # unless its estimated wait exceeds another's by more than penalty_s, and that other
+    # has at least two fewer active sessions, so that moves balance and cannot cascade;
+    # the wait is queued uncached prefill over the endpoint's learned prefill speed);
+    # new sessions go where the fewest sessions are active (balance), load breaks ties.
     "default": {"scorers": {"prefix": 2.0, "balance": 0.5, "session": 0.1, "queue": 0.5,
                             "inflight": 0.5, "kv_util": 0.25},
-                "picker": {"type": "sticky", "penalty_s": 2.0, "min_share": 0.5},
+                "picker": {"type": "sticky", "penalty_s": 2.0, "min_share": 0.5,
+                           "moves_must_balance": True},
                 "index": "precise",
                 "options": {"speculative_ttl_s": 2.0}},
 }

@@ -91,6 +91,10 @@ class Router:
         self.approx: dict[str, ApproxTracker] = {}
         self.caches: dict[HasherId, HashCache] = {}
         self.sessions: OrderedDict[str, str] = OrderedDict()
+        # session -> its latest prompt length, for Candidate.active_tokens (only kept
+        # when a scorer uses it: the sum costs one lookup per active session)
+        self.session_tokens: dict[str, int] = {}
+        self._count_tokens = bool(cfg.scorers.get("session_tokens"))
         self.scorers = build_scorers(cfg.scorers)
         self.picker = build_picker(cfg.picker)
         self.filters = [ModelFilter()]
@@ -199,6 +203,16 @@ class Router:
                               sess_url is not None and sess_url == url, c.role,
                               True if model is None else ep.serves(model),
                               ep.active_sessions(now, window) if ep.active else 0))
+                if self._count_tokens and ep.active:
+                    st = self.session_tokens
+                    own = st.get(req.session, 0) if sess_url == url else 0
+                    cands[-1].active_tokens = sum(st.get(s, 0) for s in ep.active) - own
+        if self._count_tokens and req.session is not None:
+            st = self.session_tokens
+            st.pop(req.session, None)
+            st[req.session] = plen
+            if len(st) > self.opts.session_entries:
+                del st[next(iter(st))]
         return cands, keys
 
     def _filter(self, cands: list[Candidate], model: str | None) -> list[Candidate]:
@@ -266,7 +280,7 @@ class Router:
                 ep.pending_prefill = max(0, ep.pending_prefill - d.uncached)
                 work = d.ahead + d.uncached
                 if work >= _MIN_LEARN_TOKENS and d.sent_at:
-                    ep.learn_prefill(work, time.monotonic() - d.sent_at)
+                    ep.learn_prefill(work, time.monotonic() - d.sent_at, trusted=not d.ahead)
 
     def finish(self, d: Decision) -> None:
         """The request ended (success or not): release what `decide` booked."""

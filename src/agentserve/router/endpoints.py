@@ -96,12 +96,19 @@ class Endpoint:
             del a[s]
         return len(a)
 
-    def learn_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
+    def learn_prefill(self, tokens: int, seconds: float, alpha: float = 0.2,
+                      trusted: bool = True) -> None:
         """Fold one observation (uncached tokens ahead + own, time to first byte) into
-        the prefill speed estimate (EWMA)."""
+        the prefill speed estimate (EWMA).
+
+        An observation with work queued ahead is not `trusted`: part of that work may have
+        been done before this request arrived, so tokens / seconds overstates the speed
+        (up to ~100x was seen); it may lower the estimate but raise it at most 2x."""
         if tokens <= 0 or seconds <= 0:
             return
         rate = tokens / seconds
+        if not trusted and self.prefill_tok_s:
+            rate = min(rate, 2 * self.prefill_tok_s)
         self.prefill_tok_s = rate if not self.prefill_tok_s else \
             (1 - alpha) * self.prefill_tok_s + alpha * rate
 

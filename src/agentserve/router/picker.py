@@ -66,16 +66,33 @@ class StickyPicker:
     The holder is the candidate with the longest (tier-weighted) prefix, ties broken by
     score. Stickiness applies only when the holder has at least `min_share` of the
     prompt's blocks (a shared system prompt alone must not pull every new session onto
-    one endpoint); the holder is then kept unless its estimated time to first token (queued prefill plus
-    this request's uncached prefill, `Candidate.est_wait_s`) exceeds the best other
-    candidate's by more than `penalty_s`; then the highest-scoring other candidate
+    one endpoint); the holder is then kept unless its estimated time to first token
+    (queued prefill plus this request's uncached prefill, `Candidate.est_wait_s`) exceeds
+    another candidate's by more than `penalty_s`; then the highest-scoring such candidate
     wins ("saturated"). With no prefix anywhere it is the max-score picker.
+
+    A move recomputes the whole prefix and takes the session's later turns along, so
+    with `moves_must_balance` (the default) a session only moves to an endpoint with at
+    least two fewer active sessions than its holder (the session itself not counted).
+    Each move then strictly lowers the sum of squared session counts: moves cannot
+    cascade (A's sessions fleeing to B, then B's back to A), and a holder that is only
+    briefly busy (one large new-session prefill queued ahead) keeps its sessions, since
+    the others have as many sessions as it has. A holder with more sessions than the
+    others, and a long queue, still sheds them. With `force_move_s` set, a holder whose
+    wait exceeds another's by more than that sheds the session to the fastest candidate
+    regardless of balance (an endpoint far slower than the rest). It is off by default:
+    the waits rest on learned prefill speeds, and on the captured-reuse benchmark a few
+    outlier estimates (100K+ tok/s learned for ~1.5K tok/s engines, from requests whose
+    queued work ahead was already partly done) made such forced moves cost 3% of reuse.
     """
 
     def __init__(self, penalty_s: float = 1.0, min_share: float = 0.5, eps: float = 1e-9,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, moves_must_balance: bool = True,
+                 force_move_s: float | None = None) -> None:
         self.penalty_s = penalty_s
         self.min_share = min_share
+        self.moves_must_balance = moves_must_balance
+        self.force_move_s = force_move_s
         self.fallback = MaxScorePicker(eps, seed)
 
     def pick(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
@@ -85,12 +102,25 @@ class StickyPicker:
         if c.weighted_blocks <= 0 or c.weighted_blocks < self.min_share * c.total_blocks \
                 or len(cands) == 1:
             return self.fallback.pick(cands, scores)
-        others = [i for i in idx if i != h]
-        cold = min(others, key=lambda i: cands[i].est_wait_s)
-        if cands[h].est_wait_s <= cands[cold].est_wait_s + self.penalty_s:
-            return h, _reason(cands[h])
+        limit = c.est_wait_s - self.penalty_s
+        others = [i for i in idx if i != h and cands[i].est_wait_s < limit]
+        if self.moves_must_balance and others:
+            n_h = _sessions(c)
+            balancing = [i for i in others if _sessions(cands[i]) < n_h - 1]
+            if not balancing and self.force_move_s is not None:
+                fast = min(others, key=lambda i: cands[i].est_wait_s)
+                if cands[fast].est_wait_s < c.est_wait_s - self.force_move_s:
+                    return fast, "saturated"
+            others = balancing
+        if not others:
+            return h, _reason(c)
         j, _ = self.fallback.pick([cands[i] for i in others], [scores[i] for i in others])
         return others[j], "saturated"
+
+
+def _sessions(c: Candidate) -> int:
+    """Active sessions on the candidate, not counting the request's own."""
+    return max(0, c.active_sessions - c.session_match)
 
 
 def build_picker(spec: dict[str, Any]) -> Any:

@@ -41,6 +41,7 @@ class Candidate:
     role: str = "both"
     model_ok: bool = True
     active_sessions: int = 0  # sessions whose latest turn went here (options.session_active_s)
+    active_tokens: int = 0  # their latest prompts' tokens, the request's own session not counted
 
 
 class Scorer(Protocol):
@@ -127,6 +128,26 @@ class BalanceScorer:
     def score(self, cands: list[Candidate]) -> list[float]:
         # The request's own session does not count against the endpoint it is on.
         n = [max(0, c.active_sessions - c.session_match) for c in cands]
+        lo, hi = min(n, default=0), max(n, default=0)
+        if hi == lo:
+            return [1.0] * len(cands)
+        return [(hi - x) / (hi - lo) for x in n]
+
+
+@scorer("session_tokens")
+class SessionTokensScorer:
+    """Spread session work: 1 for the fewest active session tokens, 0 for the most.
+
+    The active sessions' latest prompt lengths, summed per endpoint: what their next
+    turns will keep resident in KV (and restore or recompute if it does not fit), where
+    `balance` counts every session alike. Sessions of 25K and of 500 tokens differ 50x
+    in KV and first-turn prefill; placing new sessions by count alone stacked the large
+    ones on one endpoint in the captured-reuse benchmark (its live prompts reached 4x
+    the others', and it served the fewest requests).
+    """
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        n = [c.active_tokens for c in cands]
         lo, hi = min(n, default=0), max(n, default=0)
         if hi == lo:
             return [1.0] * len(cands)

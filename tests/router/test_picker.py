@@ -1,0 +1,102 @@
+"""Pickers on hand-made candidates: sticky until saturated, and its balance rule for moves."""
+
+import pytest
+
+from agentserve.router.picker import MaxScorePicker, StickyPicker, build_picker
+from agentserve.router.scorers import Candidate
+
+
+def cand(url, held=0.0, total=100, wait=0.5, sessions=0, own=False):
+    return Candidate(url, weighted_blocks=held, matched_blocks=int(held), total_blocks=total,
+                     est_wait_s=wait, active_sessions=sessions, session_match=own)
+
+
+def test_holder_kept_while_its_wait_is_within_the_penalty():
+    p = StickyPicker(penalty_s=2.0)
+    cs = [cand("a", 90, wait=2.4, sessions=5, own=True), cand("b", wait=0.5),
+          cand("c", wait=0.6)]
+    assert p.pick(cs, [3.0, 1.0, 1.0]) == (0, "session")
+
+
+def test_busy_holder_keeps_its_session_when_a_move_would_not_balance():
+    # The holder has a long queue (say a large new-session prefill) but no more sessions
+    # than the others: moving would only recompute the prefix and shift the imbalance.
+    p = StickyPicker(penalty_s=2.0)
+    cs = [cand("a", 90, wait=6.0, sessions=3, own=True), cand("b", wait=0.5, sessions=3),
+          cand("c", wait=0.3, sessions=2)]
+    i, reason = p.pick(cs, [3.0, 1.5, 1.2])
+    assert i == 0 and reason == "session"
+    # without the balance rule the same candidates move (the wait-only rule)
+    q = StickyPicker(penalty_s=2.0, moves_must_balance=False)
+    assert q.pick(cs, [3.0, 1.5, 1.2]) == (1, "saturated")
+
+
+def test_saturated_holder_sheds_to_an_endpoint_with_two_fewer_sessions():
+    p = StickyPicker(penalty_s=2.0)
+    cs = [cand("a", 90, wait=6.0, sessions=6, own=True), cand("b", wait=0.5, sessions=4),
+          cand("c", wait=4.5, sessions=1), cand("d", wait=0.4, sessions=3)]
+    # b: one fewer (a swap, not a gain); c: too slow to beat the penalty; d qualifies
+    assert p.pick(cs, [3.0, 2.0, 2.5, 1.0]) == (3, "saturated")
+
+
+def test_force_move_sheds_a_far_slower_holder_without_a_balance_gain():
+    cs = [cand("a", 90, wait=14.0, sessions=3, own=True), cand("b", wait=0.5, sessions=3),
+          cand("c", wait=0.3, sessions=3)]
+    assert StickyPicker(penalty_s=2.0).pick(cs, [3.0, 1.5, 1.2])[0] == 0  # off by default
+    p = StickyPicker(penalty_s=2.0, force_move_s=15.0)
+    assert p.pick(cs, [3.0, 1.5, 1.2])[0] == 0  # 13.7 s worse: wait it out
+    cs[0].est_wait_s = 20.0  # 19.7 s worse than c: move to the fastest
+    assert p.pick(cs, [3.0, 1.5, 1.2]) == (2, "saturated")
+    assert StickyPicker(penalty_s=2.0).pick(cs, [3.0, 1.5, 1.2])[0] == 0
+
+
+def test_own_session_does_not_count_on_the_holder():
+    p = StickyPicker(penalty_s=1.0)
+    # 3 active there, one of which is this session: 2 others vs 1 -> no gain in moving
+    cs = [cand("a", 90, wait=5.0, sessions=3, own=True), cand("b", wait=0.1, sessions=1)]
+    assert p.pick(cs, [3.0, 1.0])[0] == 0
+    cs[0].session_match = False  # a request of no session: 3 vs 1, move
+    assert p.pick(cs, [3.0, 1.0]) == (1, "saturated")
+
+
+def test_moves_cannot_cascade():
+    """Every move lowers the sum of squared session counts, so a run of saturated
+    decisions ends (here at most a few moves), however the waits look."""
+    p = StickyPicker(penalty_s=0.0, seed=3)
+    counts = [6, 0, 0, 0]
+    moves = 0
+    for step in range(100):
+        h = step % 4  # every endpoint in turn claims to be the swamped holder
+        cs = [cand(str(i), 90 if i == h else 0, wait=9.0 if i == h else 0.0,
+                   sessions=counts[i], own=(i == h and counts[i] > 0)) for i in range(4)]
+        i, reason = p.pick(cs, [0.0] * 4)
+        if reason == "saturated":
+            counts[h] -= 1
+            counts[i] += 1
+            moves += 1
+    # each move lowers sum(c^2) by >= 4 (from 36, to no less than 9): at most 6 moves;
+    # it stops once no endpoint has 2 fewer than a holder's other sessions
+    assert 0 < moves <= 6 and max(counts) - min(counts) <= 2
+
+
+def test_no_holder_or_small_share_falls_back_to_max_score():
+    p = StickyPicker(min_share=0.5, seed=1)
+    cs = [cand("a", 40, wait=0.1), cand("b", wait=0.2)]  # 40% held: below min_share
+    assert p.pick(cs, [0.5, 0.9]) == (1, "load")
+    cs = [cand("a"), cand("b")]
+    assert p.pick(cs, [0.2, 0.9]) == (1, "load")
+
+
+def test_cpu_tier_prefix_keeps_the_session_sticky():
+    # A prefix held only in the CPU tier (weight 0.8) is still the holder's.
+    p = StickyPicker(penalty_s=2.0)
+    cs = [cand("a", 80.0, wait=0.4, sessions=2, own=True), cand("b", wait=0.3, sessions=0)]
+    assert p.pick(cs, [1.6, 1.5])[0] == 0
+
+
+def test_build_picker_options():
+    assert isinstance(build_picker({"type": "max"}), MaxScorePicker)
+    p = build_picker({"type": "sticky", "penalty_s": 3.0, "moves_must_balance": False})
+    assert p.penalty_s == 3.0 and not p.moves_must_balance
+    with pytest.raises(TypeError):
+        build_picker({"type": "sticky", "nope": 1})
