@@ -63,8 +63,10 @@ def register_plan(app: typer.Typer) -> None:
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
         price: float = typer.Option(2.71, help="$ per GPU-hour"),
         concurrency: str = typer.Option("32,64,128,192", help="closed-loop ladder per config"),
-        duration: float = typer.Option(150.0, help="stage length, simulated s (short by default)"),
-        long: bool = typer.Option(False, "--long", help="600 s stages (slower, less warm-up bias)"),
+        duration: float = typer.Option(100.0, help="stage length, simulated s (short by default)"),
+        warmup: float = typer.Option(50.0, help="simulated s before each stage (the cold start)"),
+        long: bool = typer.Option(False, "--long", help="120 s warm-up + 600 s stages (slower, "
+                                  "less warm-up bias)"),
         widths: str = typer.Option("8,16", help="DEP widths to try"),
         workers: int = typer.Option(2, help="worker processes"),
         seed: int = typer.Option(0),
@@ -75,15 +77,16 @@ def register_plan(app: typer.Typer) -> None:
 
         cands = pl.candidates(model, gpu, gpus, tuple(int(w) for w in widths.split(",")))
         ladder = [int(c) for c in concurrency.split(",")]
-        dur = 600.0 if long else duration
+        dur, warm = (600.0, 120.0) if long else (duration, warmup)
         typer.echo(f"simulating {len(cands)} configurations x {len(ladder)} concurrencies, "
-                   f"{dur:g} s stages, {workers} workers")
+                   f"{warm:g} s warm-up + {dur:g} s stages, {workers} workers")
         t0 = time.perf_counter()
-        points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers)
+        points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm)
         pl.price(points, price)
         front, best = pl.frontier(points), pl.recommend(points, min_tok_s_per_user)
         pl.write(out, points, front, best, {"model": model, "gpu": gpu, "gpus": gpus,
                  "min_tok_s_per_user": min_tok_s_per_user, "price": price, "duration": dur,
+                 "warmup": warm,
                  "concurrency": ladder, "workload": workload,
                  "wall_s": time.perf_counter() - t0})
         _print_plan(front, best, min_tok_s_per_user, out)

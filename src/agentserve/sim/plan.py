@@ -64,11 +64,11 @@ def candidates(model: str, gpu: str, gpus: int, widths: tuple[int, ...] = (8, 16
     return out
 
 
-def _job(args: tuple[Candidate, int, str, str, str, float, int]) -> dict:
-    c, conc, model, gpu, workload, duration, seed = args
+def _job(args: tuple[Candidate, int, str, str, str, float, int, float | None]) -> dict:
+    c, conc, model, gpu, workload, duration, seed, warmup = args
     cfg = SimConfig(model=model, gpu=gpu, prefill=c.prefill, decode=c.decode, prefill_width=c.width,
                     decode_width=c.width, concurrency=conc, mtp=c.mtp, cpu_offload_gib=c.cpu_gib,
-                    workload=workload, duration=duration, seed=seed)
+                    workload=workload, duration=duration, seed=seed, warmup=warmup)
     s = simulate(cfg)
     return {"config": c.name, **asdict(c), "gpus": c.gpus, "concurrency": conc,
             "output_tok_s": s["output_tok_s"], "input_tok_s": s["input_tok_s"],
@@ -80,9 +80,12 @@ def _job(args: tuple[Candidate, int, str, str, str, float, int]) -> dict:
 
 
 def sweep(cands: list[Candidate], concurrencies: list[int], model: str, gpu: str, workload: str,
-          duration: float, seed: int = 0, workers: int = 2) -> list[dict]:
-    """Simulate every (candidate, concurrency); `workers` processes, biggest jobs first."""
-    jobs = [(c, k, model, gpu, workload, duration, seed) for c in cands for k in concurrencies]
+          duration: float, seed: int = 0, workers: int = 2,
+          warmup: float | None = None) -> list[dict]:
+    """Simulate every (candidate, concurrency); `workers` processes, biggest jobs first.
+    `warmup`: simulated seconds before each stage (None: the simulator's default)."""
+    jobs = [(c, k, model, gpu, workload, duration, seed, warmup)
+            for c in cands for k in concurrencies]
     jobs.sort(key=lambda j: -j[1])
     if workers <= 1:
         return [_job(j) for j in jobs]
