@@ -51,8 +51,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from agentserve.engine.transfer_api import PullSpec
 from agentserve.engine.transfer_frames import block_sums
-from agentserve.engine.transfer_wire import PullSpec, TcpBackend
+from agentserve.engine.transfer_wire import TcpBackend
 from agentserve.kv.transfer import gather_blocks
 
 

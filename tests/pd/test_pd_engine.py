@@ -133,7 +133,7 @@ def test_prefill_engine_counts_prompt_tokens(pd: tuple[ServerThread, ServerThrea
 
 def _truncating_server(nbytes: int) -> tuple[int, threading.Thread]:
     """A fake prefill transfer server that dies after sending part of a payload."""
-    from agentserve.engine.transfer_wire import recv_header, send_frame
+    from agentserve.engine.transfer_frames import recv_header, send_frame
 
     lst = socket.create_server(("127.0.0.1", 0))
 
@@ -239,7 +239,9 @@ def test_unpulled_pins_expire() -> None:
 
 
 def test_bad_token_is_refused(pd: tuple[ServerThread, ServerThread]) -> None:
-    from agentserve.engine.transfer_wire import PullSpec, TcpBackend, TransferError
+    from agentserve.engine.transfer_api import PullSpec
+    from agentserve.engine.transfer_frames import TransferError
+    from agentserve.engine.transfer_wire import TcpBackend
 
     p, _ = pd
     spec = PullSpec("127.0.0.1", p.engine.core.remote.port, "nope", [0], [b"x"])

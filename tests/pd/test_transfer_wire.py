@@ -9,13 +9,9 @@ import time
 import pytest
 import torch
 
-from agentserve.engine.transfer_frames import block_sums
-from agentserve.engine.transfer_wire import (
-    PullSpec,
-    TcpBackend,
-    TransferError,
-    block_shape,
-)
+from agentserve.engine.transfer_api import PullSpec
+from agentserve.engine.transfer_frames import TransferError, block_shape, block_sums
+from agentserve.engine.transfer_wire import TcpBackend
 from agentserve.kv.transfer import StagingBuffer, block_views, gather_blocks
 
 
@@ -98,7 +94,7 @@ def test_refused_and_size_mismatch_raise() -> None:
 
 def test_corrupted_chunk_sum_is_detected() -> None:
     """A peer whose payload does not match its sums: the pull fails (the caller recomputes)."""
-    from agentserve.engine.transfer_wire import recv_header, send_frame
+    from agentserve.engine.transfer_frames import recv_header, send_frame
 
     k, v = cache(blocks=4)
     lst = socket.create_server(("127.0.0.1", 0))
@@ -231,7 +227,7 @@ def test_receive_in_small_groups_and_sum_tasks(monkeypatch: pytest.MonkeyPatch, 
 def test_stalled_reader_frees_the_pins() -> None:
     """A decode side that asks for blocks and stops reading: the server's send times out
     and checks the pin back in (it would otherwise be held forever)."""
-    from agentserve.engine.transfer_wire import send_frame
+    from agentserve.engine.transfer_frames import send_frame
 
     k, v = torch.randn(2, 32, 16, 8, 128), torch.randn(2, 32, 16, 8, 128)  # 256 KiB blocks
     src = Source(k, v)
@@ -252,7 +248,7 @@ def test_stalled_reader_frees_the_pins() -> None:
 
 def test_stalled_sender_times_out() -> None:
     """A prefill side that stops mid-payload (alive, silent): the pull fails in time."""
-    from agentserve.engine.transfer_wire import recv_header, send_frame
+    from agentserve.engine.transfer_frames import recv_header, send_frame
 
     k, v = cache(blocks=4)
     lst = socket.create_server(("127.0.0.1", 0))

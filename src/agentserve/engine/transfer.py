@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from agentserve.engine.transfer_frames import block_sums
-from agentserve.engine.transfer_wire import PullSpec, TransferBackend, TransferError
+from agentserve.engine.transfer_api import PullSpec, TransferBackend
+from agentserve.engine.transfer_frames import TransferError, block_sums
 from agentserve.kv.pool import Block, BlockPool
 
 log = logging.getLogger("agentserve.transfer")

@@ -1,4 +1,4 @@
-"""KV transfer over TCP: the pluggable `TransferBackend` protocol and the TCP backend
+"""KV transfer over TCP: the TCP implementation of `transfer_api.TransferBackend`
 (frames and payload pieces live in `transfer_frames`).
 
 Wire format (one request, one reply per round trip; connections are pooled and reused):
@@ -44,23 +44,21 @@ send fail, which checks its pins back in.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
 import torch
 
+from agentserve.engine.transfer_api import PullSpec
 from agentserve.engine.transfer_frames import (
     CHUNK_BLOCKS,
     MASK,
     RECV_GROUP_BYTES,
-    SUM,
     SUM_CALL_BYTES,
     Flat,
     TransferError,
@@ -75,81 +73,25 @@ from agentserve.engine.transfer_frames import (
     recv_into_all,
     recv_sum,
     send_frame,
-    send_spans,
-    sendmsg_all,
     set_io_timeout,
     span_groups,
     span_views,
     spans_sum,
     staged_sum,
 )
+from agentserve.engine.transfer_server import TcpServing
 from agentserve.kv.transfer import (
     StagingBuffer,
     block_runs,
-    gather_blocks,
     scatter_blocks,
 )
 
 log = logging.getLogger("agentserve.transfer")
 
 
-@dataclass(slots=True)
-class PullSpec:
-    """Blocks ``idx`` of prefill request ``rid`` (with their expected hashes) at ``host:port``."""
-
-    host: str
-    port: int
-    rid: str
-    idx: list[int]
-    hashes: list[bytes]
-    release: bool = True
-
-
-class BlockSource(Protocol):
-    """The prefill side's pinned blocks, as the transfer server sees them (thread-safe)."""
-
-    k: torch.Tensor  # the KV cache, [L, num_blocks, bs, H, D] each
-    v: torch.Tensor
-
-    def checkout(self, rid: str, idx: list[int], hashes: list[bytes]) -> list[int]:
-        """Device block ids for ``idx``; raises TransferError if unknown or hashes differ.
-
-        The blocks stay readable (pinned) until the matching ``checkin``."""
-
-    def checkin(self, rid: str, release: bool) -> None:
-        """The server is done reading (after ``checkout``); ``release`` frees the pins."""
-
-    def release(self, rid: str) -> None:
-        """Free the pins without reading them (the decode side needs none of them)."""
-
-    def pinned_sums(self, rid: str, idx: list[int]) -> list[int] | None:
-        """Optional: the ``block_sums`` of blocks ``idx``, computed once after pinning;
-        None while they are not ready (the server then sums the bytes as it sends them)."""
-
-
-class TransferBackend(Protocol):
-    """How KV bytes move between engines. TCP here; a NIXL backend would implement the same
-    (it registers ``k``/``v`` as memory regions and reads block descriptors remotely)."""
-
-    name: str
-    on_sent: Callable[[int], None]
-
-    def serve(self, source: BlockSource, host: str, port: int) -> int:
-        """Start serving ``source``; returns the bound port."""
-
-    def pull_into(self, spec: PullSpec, k: torch.Tensor, v: torch.Tensor,
-                  block_ids: list[int]) -> int:
-        """Copy the remote blocks into local cache blocks ``block_ids``; returns the bytes
-        received. Raises TransferError (the blocks' contents are then undefined)."""
-
-    def release(self, host: str, port: int, rid: str) -> None:
-        """Tell the prefill side to drop its pins for ``rid`` without reading them."""
-
-    def close(self) -> None: ...
-
-
-class TcpBackend:
-    """Raw TCP, one thread per connection on the server, pooled connections on the client.
+class TcpBackend(TcpServing):
+    """Raw TCP, one thread per connection on the server (`TcpServing`), pooled connections
+    on the client (here).
 
     ``staged``: None picks zero-copy for CPU caches and staging otherwise; True forces
     staging (tests run the staged path on CPU). ``checksum`` (the puller's choice, sent
@@ -172,140 +114,11 @@ class TcpBackend:
         self._summer: ThreadPoolExecutor | None = None
         self.on_sent: Callable[[int], None] = lambda n: None
 
-    def _staged(self, k: torch.Tensor) -> bool:
-        if self.staged is not None:
-            return self.staged
-        return k.device.type != "cpu" or not k.is_contiguous()
-
-    def _copy_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-xfer-copy")
-            return self._copier
-
     def _sum_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._summer is None:
                 self._summer = ThreadPoolExecutor(1, thread_name_prefix="kv-xfer-sum")
             return self._summer
-
-    # ---- server -------------------------------------------------------------------------
-    def serve(self, source: BlockSource, host: str, port: int) -> int:
-        lst = socket.create_server((host, port), reuse_port=False)
-        self._listener = lst
-        threading.Thread(target=self._accept, args=(lst, source), name="kv-xfer-accept",
-                         daemon=True).start()
-        return lst.getsockname()[1]
-
-    def _accept(self, lst: socket.socket, source: BlockSource) -> None:
-        while True:
-            try:
-                conn, _ = lst.accept()
-            except OSError:
-                return  # closed
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_io_timeout(conn, self.timeout, recv=False)  # a reader that stalls frees its pins
-            threading.Thread(target=self._handle, args=(conn, source), name="kv-xfer-conn",
-                             daemon=True).start()
-
-    def _handle(self, conn: socket.socket, source: BlockSource) -> None:
-        pin = source.k.is_cuda
-        stages = (StagingBuffer(pin), StagingBuffer(pin))  # this connection's, reused per pull
-        with conn:
-            while True:
-                try:
-                    req = recv_header(conn)
-                except (TransferError, OSError, msgspec.DecodeError):
-                    return
-                if not hmac.compare_digest(str(req.get("token", "")), self.token):
-                    send_frame(conn, {"ok": False, "error": "bad kv-transfer token"})
-                    return
-                try:
-                    self._reply(conn, req, source, stages)
-                except (OSError, TransferError) as e:
-                    log.info("kv transfer connection dropped mid-reply: %r", e)
-                    return
-
-    def _reply(self, conn: socket.socket, req: dict[str, Any], source: BlockSource,
-               stages: tuple[StagingBuffer, StagingBuffer]) -> None:
-        rid, op = str(req.get("rid", "")), req.get("op")
-        if op == "release":
-            source.release(rid)
-            send_frame(conn, {"ok": True, "nbytes": 0})
-            return
-        try:
-            ids = source.checkout(rid, list(req.get("idx", [])), list(req.get("hashes", [])))
-        except TransferError as e:
-            send_frame(conn, {"ok": False, "error": str(e)})
-            return
-        if any(not 0 <= b < source.k.shape[1] for b in ids):  # a source bug: never send garbage
-            source.checkin(rid, False)
-            send_frame(conn, {"ok": False, "error": "block id out of range"})
-            return
-        try:
-            k, v = source.k, source.v
-            shape = block_shape(k)
-            bb = k.element_size()
-            for d in shape:
-                bb *= d
-            cb = max(1, min(int(req.get("chunk_blocks") or self.chunk_blocks), 1 << 16))
-            check = bool(req.get("checksum", True))
-            send_frame(conn, {"ok": True, "n": len(ids), "nbytes": len(ids) * bb,
-                              "block_shape": shape, "dtype": dtype_name(k.dtype), "chunk_blocks": cb})
-            sums = self._pinned_sums(source, rid, req, len(ids)) if check else None
-            chunks = chunked(ids, cb)
-            if self._staged(k):
-                self._send_staged(conn, k, v, chunks, stages, check, sums)
-            else:
-                for j, chunk in enumerate(chunks):  # zero-copy: straight from the pinned blocks
-                    if check and sums is None:  # sum each group right after sending it (warm)
-                        s = sum(send_spans(conn, g) for g in span_groups(cache_spans(k, v, chunk)))
-                        conn.sendall(SUM.pack(s & MASK))
-                        continue
-                    s = sum(sums[j * cb:j * cb + len(chunk)]) if sums is not None else 0
-                    bufs = span_views(cache_spans(k, v, chunk, 1 << 62))
-                    sendmsg_all(conn, [*bufs, memoryview(SUM.pack(s & MASK))])  # few large calls
-        finally:
-            source.checkin(rid, bool(req.get("release", True)))
-        self.on_sent(len(ids) * bb)
-
-    @staticmethod
-    def _pinned_sums(source: BlockSource, rid: str, req: dict[str, Any], n: int) -> list[int] | None:
-        get = getattr(source, "pinned_sums", None)
-        sums = get(rid, list(req.get("idx", []))) if get is not None else None
-        return list(sums) if sums is not None and len(sums) == n else None
-
-    def _send_staged(self, conn: socket.socket, k: torch.Tensor, v: torch.Tensor,
-                     chunks: list[list[int]], stages: tuple[StagingBuffer, StagingBuffer],
-                     check: bool, sums: list[int] | None = None) -> None:
-        """Gather chunk j+1 into the other staging buffer while chunk j is being sent."""
-        L, _, bs, H, D = k.shape
-        unit = bs * H * D * k.element_size()
-        starts = [0]
-        for c in chunks:
-            starts.append(starts[-1] + len(c))
-
-        def gather(j: int) -> tuple[torch.Tensor, int]:
-            out = stages[j % 2].get(len(chunks[j]) * bs * L * H * D * 2 * k.element_size(),
-                                    k.dtype, (2, L, len(chunks[j]) * bs, H, D))
-            gather_blocks(k, v, chunks[j], out=out)
-            if not check:
-                return out, 0
-            if sums is not None:
-                return out, sum(sums[starts[j]:starts[j + 1]]) & MASK
-            return out, staged_sum(out, unit)
-
-        pool = self._copy_pool()
-        fut = pool.submit(gather, 0)
-        try:
-            for j in range(len(chunks)):
-                buf, s = fut.result()
-                if j + 1 < len(chunks):
-                    fut = pool.submit(gather, j + 1)
-                conn.sendall(memoryview(as_bytes(buf).numpy()))
-                conn.sendall(SUM.pack(s))
-        finally:
-            fut.result()  # never leave a gather writing into a buffer the next pull reuses
 
     # ---- client -------------------------------------------------------------------------
     def _conn(self, host: str, port: int) -> socket.socket:
