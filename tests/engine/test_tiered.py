@@ -98,16 +98,17 @@ def test_restore_accounting_classifies_waste() -> None:
     seq = Sequence("r", list(range(64)), SamplingParams(max_tokens=1))
     k1, k2, k3 = b"1" * 32, b"2" * 32, b"3" * 32
     plan = RestorePlan(0, 2, [k1, k2], ["cpu", "cpu"], 0, held=[False, False])
-    tc.account(seq, plan, ok=False, admitted=False)
-    tc.account(seq, plan, ok=True, admitted=False)
-    tc.account(seq, plan, ok=True, admitted=True)
-    tc.on_preempt(seq)
-    tc.account(seq, RestorePlan(0, 2, [k2, k3], ["cpu"] * 2, 0, held=[False, True]), True, True)
+    audit = tc.audit
+    audit.account(seq, plan, ok=False, admitted=False)
+    audit.account(seq, plan, ok=True, admitted=False)
+    audit.account(seq, plan, ok=True, admitted=True)
+    audit.on_preempt(seq)
+    audit.account(seq, RestorePlan(0, 2, [k2, k3], ["cpu"] * 2, 0, held=[False, True]), True, True)
     out = tc.stats.restore_outcome
     assert (out["failed"], out["aborted"], out["used"], out["repeat"], out["device_held"]) == (2, 2, 2, 1, 1)
     assert tc.stats.restore_preempted_blocks == 2 and tc.stats.restore_device_age["older"] == 4
     tc.on_finish(seq)
-    assert "r" not in tc._restored and "r" not in tc._unproven
+    assert "r" not in audit._restored and "r" not in audit._unproven
 
 
 def test_no_tier_is_the_plain_engine() -> None:

@@ -101,7 +101,7 @@ class Scheduler:
         if self.tiers is not None:
             for s in out.scheduled:
                 if s.completes_prompt:
-                    self.tiers.on_first_token(s.seq)
+                    self.tiers.audit.on_first_token(s.seq)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -144,7 +144,7 @@ class Scheduler:
                 break  # FCFS: the head waits for memory; nobody overtakes it
             self.waiting.popleft()
             if self.tiers is not None:
-                self.tiers.trace_admit(seq, len(computed), 0)
+                self.tiers.audit.trace_admit(seq, len(computed), 0)
             seq.num_computed_tokens = num_cached
             if fresh:  # count a prompt once, as the client sees it in usage.cached_tokens
                 seq.num_cached_tokens = num_cached
@@ -171,7 +171,7 @@ class Scheduler:
         seq.status = RequestStatus.WAITING_FOR_KV
         seq.device_hit_tokens = len(computed) * self.kv.block_size
         ids = self.kv.block_ids(seq.request_id)
-        self.tiers.trace_admit(seq, len(computed), plan.num_blocks)
+        self.tiers.audit.trace_admit(seq, len(computed), plan.num_blocks)
         self.tiers.start_load(seq, plan, ids[plan.first_block:plan.first_block + plan.num_blocks])
         self.loading[seq.request_id] = seq
         return True
@@ -184,7 +184,7 @@ class Scheduler:
                 continue
             first = seq.num_cached_tokens < 0
             admitted = self._admit_loaded(seq, d.ok, d.plan.num_blocks if d.ok else 0)
-            self.tiers.account(seq, d.plan, d.ok, admitted)
+            self.tiers.audit.account(seq, d.plan, d.ok, admitted)
             if admitted:
                 if first:
                     seq.cached_by_tier = {"gpu": seq.device_hit_tokens, **d.plan.tokens_by_tier}
@@ -249,7 +249,7 @@ class Scheduler:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
         self.kv.free(seq)
         if self.tiers is not None:
-            self.tiers.on_preempt(seq)
+            self.tiers.audit.on_preempt(seq)
         seq.num_computed_tokens = 0
         seq.status = RequestStatus.PREEMPTED
         seq.num_preemptions += 1

@@ -15,9 +15,7 @@ Called on the engine-core thread only (scheduler and core):
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from agentserve.kv.hashing import to_external
 from agentserve.kv.offload import OffloadManager, Source
 from agentserve.kv.policies import BlockInfo, Key
 from agentserve.kv.pool import Block, BlockPool
+from agentserve.kv.restore_audit import RestoreAudit
 from agentserve.kv.tiers import RestoreEstimator, TierConfig
 from agentserve.kv.transfer import TransferWorker
 
@@ -79,35 +78,9 @@ class TierConnector:
         self._offered: dict[str, int] = {}  # request id -> offload groups already offered
         self._seen: OrderedDict[Key, int] = OrderedDict()  # threshold counts, bounded
         self.loads: dict[str, RestorePlan] = {}
-        # Restore accounting (TierStats.restore_*): keys restored per live request, blocks
-        # of theirs not yet past the first token, and when the device evicted each hash.
-        self._restored: dict[str, set[Key]] = {}
-        self._recompute_counted: set[str] = set()
-        self._unproven: dict[str, int] = {}
-        self._evicted_at: OrderedDict[bytes, float] = OrderedDict()
-        pool.on_evict = self._on_device_evict
-        path = os.environ.get("AGENTSERVE_KV_TRACE")  # debug: JSONL of admissions/evictions
-        self._trace = open(path, "a", buffering=1) if path else None  # noqa: SIM115
-
-    def _on_device_evict(self, h: bytes) -> None:
-        now = time.monotonic()
-        ages = self._evicted_at
-        ages[h] = now
-        ages.move_to_end(h)
-        # Ages of a minute or more (or never evicted here) all read "older".
-        while ages and (now - next(iter(ages.values())) > 60.0 or len(ages) > 200_000):
-            ages.popitem(last=False)
-        if self._trace is not None:
-            self._trace.write(f'{{"ev":"evict","t":{now:.4f},"h":"{h.hex()[:16]}"}}\n')
-
-    def trace_admit(self, seq: TierSeq, device_blocks: int, restore_blocks: int) -> None:
-        """Debug trace (``AGENTSERVE_KV_TRACE``): one line per admission from the queue."""
-        if self._trace is None:
-            return
-        self._trace.write(json.dumps({
-            "ev": "admit", "t": round(time.monotonic(), 4), "rid": seq.request_id,
-            "sid": self.session(seq), "dev": device_blocks, "res": restore_blocks,
-            "n": len(seq.token_ids), "h": [h.hex()[:16] for h in seq.block_hashes]}) + "\n")
+        self._recompute_counted: set[str] = set()  # requests whose recompute was counted
+        self.audit = RestoreAudit(self.stats, self.session)
+        pool.on_evict = self.audit.on_device_evict
 
     # ---- hints ------------------------------------------------------------------------
     def group_keys(self, hashes: list[bytes], upto_blocks: int | None = None) -> list[Key]:
@@ -122,19 +95,13 @@ class TierConnector:
         return f"root:{seq.block_hashes[0].hex()[:16]}" if seq.block_hashes else None
 
     def on_add(self, seq: TierSeq) -> None:
-        if self._trace is not None:
-            self._trace.write(f'{{"ev":"add","t":{time.monotonic():.4f},'
-                              f'"rid":"{seq.request_id}"}}\n')
+        self.audit.trace("add", seq.request_id)
         self.mgr.cpu.policy.on_request(self.session(seq), self.group_keys(seq.block_hashes))
 
     def on_finish(self, seq: TierSeq) -> None:
         self._offered.pop(seq.request_id, None)
-        self._restored.pop(seq.request_id, None)
         self._recompute_counted.discard(seq.request_id)
-        self._unproven.pop(seq.request_id, None)
-        if self._trace is not None:
-            self._trace.write(f'{{"ev":"finish","t":{time.monotonic():.4f},'
-                              f'"rid":"{seq.request_id}"}}\n')
+        self.audit.forget(seq.request_id)
         self.mgr.cpu.policy.on_finish(self.session(seq))
 
     @property
@@ -306,37 +273,6 @@ class TierConnector:
         for t, toks in plan.tokens_by_tier.items():
             self.stats.hit_tokens[t] += toks
         return LoadDone(rid, True, plan)
-
-    def account(self, seq: TierSeq, plan: RestorePlan, ok: bool, admitted: bool) -> None:
-        """Classify a finished restore's blocks into ``TierStats.restore_outcome``."""
-        out, n = self.stats.restore_outcome, len(plan.keys)
-        if not ok:
-            out["failed"] += n
-            return
-        if not admitted:
-            out["aborted"] += n
-            return
-        seen = self._restored.setdefault(seq.request_id, set())
-        used = 0
-        for key, held in zip(plan.keys, plan.held):
-            cls = "device_held" if held else "repeat" if key in seen else "used"
-            out[cls] += 1
-            used += cls == "used"
-            seen.add(key)
-            at = self._evicted_at.get(key)
-            age = None if at is None else plan.started - at
-            self.stats.restore_device_age[
-                "older" if age is None or age >= 60 else "<2s" if age < 2 else "2-10s"
-                if age < 10 else "10-60s"] += 1
-        self._unproven[seq.request_id] = self._unproven.get(seq.request_id, 0) + used
-        self.stats.restore_sizes["1" if n == 1 else "2-3" if n < 4 else "4-7" if n < 8
-                                 else "8-15" if n < 16 else "16+"] += 1
-
-    def on_first_token(self, seq: TierSeq) -> None:
-        self._unproven.pop(seq.request_id, None)
-
-    def on_preempt(self, seq: TierSeq) -> None:
-        self.stats.restore_preempted_blocks += self._unproven.pop(seq.request_id, 0)
 
     # ---- completions ------------------------------------------------------------------
     def poll(self, timeout: float | None = None) -> list[LoadDone]:
