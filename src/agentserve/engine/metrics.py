@@ -76,6 +76,15 @@ TIER_SCALARS = [
 ]
 
 
+def _scalars(series: list[tuple[str, str, bool, str]], t: dict, name: str) -> Iterator[Metric]:
+    """One unlabelled (but for the model) counter or gauge per (key, metric, counter?, help)."""
+    for key, metric, counter, doc in series:
+        fam = CounterMetricFamily if counter else GaugeMetricFamily
+        m = fam(metric, doc, labels=["model_name"])
+        m.add_metric([name], float(t.get(key, 0)))
+        yield m
+
+
 def tier_metrics(t: dict, name: str) -> Iterator[Metric]:
     """Offload-tier series from ``EngineStats.tiers``."""
     for key, metric, label, doc in TIER_COUNTERS:
@@ -83,11 +92,7 @@ def tier_metrics(t: dict, name: str) -> Iterator[Metric]:
         for lv, v in t[key].items():
             c.add_metric([name, lv], float(v))
         yield c
-    for key, metric, counter, doc in TIER_SCALARS:
-        fam = CounterMetricFamily if counter else GaugeMetricFamily
-        m = fam(metric, doc, labels=["model_name"])
-        m.add_metric([name], float(t.get(key, 0)))
-        yield m
+    yield from _scalars(TIER_SCALARS, t, name)
     g = GaugeMetricFamily("agentserve:kv_tier_usage_perc", "Offload tier usage.",
                           labels=["model_name", "tier"])
     for tier, v in t["usage"].items():
@@ -122,11 +127,7 @@ TRANSFER_SERIES = [
 
 def transfer_metrics(t: dict, name: str) -> Iterator[Metric]:
     """P/D transfer series from ``EngineStats.transfer``, plus the mean pull GB/s."""
-    for key, metric, counter, doc in TRANSFER_SERIES:
-        fam = CounterMetricFamily if counter else GaugeMetricFamily
-        m = fam(metric, doc, labels=["model_name"])
-        m.add_metric([name], float(t.get(key, 0)))
-        yield m
+    yield from _scalars(TRANSFER_SERIES, t, name)
     g = GaugeMetricFamily("agentserve:kv_transfer_pull_gbps", "Mean pull throughput (GB/s).",
                           labels=["model_name"])
     secs = t.get("pull_seconds", 0.0)
