@@ -232,13 +232,20 @@ class Router:
         cands = self._filter(cands, req.model)
         if exclude:
             cands = [c for c in cands if c.url not in exclude] or cands
+        return self.pick_and_book(req, cands, keys, now, t0)
+
+    def pick_and_book(self, req: RouteInput, cands: list[Candidate],
+                      keys: dict[HasherId, Sequence[int]], now: float, t0: float,
+                      charge_output: bool = True) -> Decision:
+        """Score and pick among `cands` (from `candidates`), book the choice. Without
+        `charge_output` (a prefill leg) one output token is charged."""
         scores = weighted_scores(self.scorers, cands) if self.scorers else [0.0] * len(cands)
         i, reason = self.picker.pick(cands, scores)
         c = cands[i]
         ep = self.endpoints[c.url]
+        out = min(req.max_tokens, _MAX_OUTPUT_CHARGE) if charge_output else 1
         d = Decision(url=c.url, rank=c.rank, reason=reason, prompt_len=len(req.token_ids),
-                     predicted_cached=c.predicted_cached,
-                     charged_tokens=c.uncached_tokens + min(req.max_tokens, _MAX_OUTPUT_CHARGE),
+                     predicted_cached=c.predicted_cached, charged_tokens=c.uncached_tokens + out,
                      uncached=c.uncached_tokens, seconds=0.0,
                      scores={x.url: s for x, s in zip(cands, scores)},
                      keys=keys.get(self.hasher_id(ep), []))

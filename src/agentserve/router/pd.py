@@ -36,9 +36,7 @@ from prometheus_client import Counter, Histogram
 
 from agentserve.router.core import Decision, NoEndpoint, RouteInput, Router
 from agentserve.router.proxy import Upstream, forward, forward_headers
-from agentserve.router.scorers import weighted_scores
 
-_MAX_OUTPUT_CHARGE = 4096
 RELEASE_PATH = "/v1/kv_transfer/release"  # agentserve engines; vLLM's pins expire instead
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
@@ -51,19 +49,7 @@ def pick(router: Router, req: RouteInput, roles: tuple[str, ...], charge_output:
     cands = [c for c in cands if c.role in roles and c.model_ok]
     if not cands:
         raise NoEndpoint(f"no healthy endpoint with role {'/'.join(roles)}")
-    scores = weighted_scores(router.scorers, cands) if router.scorers else [0.0] * len(cands)
-    i, reason = router.picker.pick(cands, scores)
-    c = cands[i]
-    ep = router.endpoints[c.url]
-    out = min(req.max_tokens, _MAX_OUTPUT_CHARGE) if charge_output else 1
-    d = Decision(url=c.url, rank=c.rank, reason=reason, prompt_len=len(req.token_ids),
-                 predicted_cached=c.predicted_cached, charged_tokens=c.uncached_tokens + out,
-                 uncached=c.uncached_tokens, seconds=0.0,
-                 scores={x.url: s for x, s in zip(cands, scores)},
-                 keys=keys.get(router.hasher_id(ep), []))
-    router._book(ep, d, c, req, now)
-    d.seconds = time.perf_counter() - t0
-    return d
+    return router.pick_and_book(req, cands, keys, now, t0, charge_output)
 
 
 class PDOrchestrator:
