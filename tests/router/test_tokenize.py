@@ -144,7 +144,7 @@ def test_seq_shares_segments_and_behaves_like_an_array():
     from array import array
     from bisect import bisect_right
 
-    from agentserve.router.tokenize import Seq
+    from agentserve.router.segments import Seq
 
     rng = random.Random(3)
     ref = sorted(rng.randrange(1000) for _ in range(50))
@@ -163,3 +163,32 @@ def test_seq_shares_segments_and_behaves_like_an_array():
             assert seq[i] == ref[i] and seq[-1] == ref[-1]
         x = rng.randrange(5001)
         assert seq.bisect_right(x) == bisect_right(ref, x)
+
+
+def test_rope_slices_and_shares_segments():
+    from agentserve.router.segments import Rope
+    a = Rope(["hello ", "world"])
+    assert len(a) == 11 and str(a) == "hello world" and a[3:8] == "lo wo" and a[6:] == "world"
+    for suffix, start, end in [("lo wo", 0, 8), ("lo w", 0, 8), ("world", 0, None),
+                               ("hello world!", 0, 11), ("hello", 1, 5), ("hello", 0, 5)]:
+        assert a.endswith(suffix, start, end) == "hello world".endswith(suffix, start, end)
+    b = a.prefix_plus(8, "rd!")
+    assert str(b) == "hello word!" and b.segs[0] is a.segs[0]
+    assert a == "hello world" and b != a
+    with pytest.raises(TypeError):
+        a[::2]
+    r = Rope(["x"])
+    for i in range(200):  # compacted past max_segments: still the same text
+        r = r.prefix_plus(len(r), str(i % 10))
+    assert len(r.segs) <= Rope.max_segments + 1
+    assert str(r) == "x" + "".join(str(i % 10) for i in range(200))
+
+
+def test_chat_body_is_the_rendering_without_the_generation_prompt(tok):
+    """The incremental renderer derives the body from the head's generation prompt; it
+    must equal a real render without one, turn after turn."""
+    it = IncrementalTokenizer(tok)
+    for turn, msgs in enumerate(_agent_turns(random.Random(5), 30)):
+        t = it.chat(msgs)
+        assert t.entry.body == len(tok.apply_chat_template(msgs, add_generation_prompt=False))
+    assert it.renders["incremental"] > 15 and it._derive_body

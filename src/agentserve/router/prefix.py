@@ -55,7 +55,15 @@ class PromptHashes:
         return PromptHashes(self.raw[:k * self.size], self.keys[:k], self.size)
 
     def __add__(self, other: PromptHashes) -> PromptHashes:
-        return PromptHashes(self.raw + other.raw, self.keys + other.keys, self.size)
+        return self.prefix_plus(len(self), other)
+
+    def prefix_plus(self, k: int, other: PromptHashes) -> PromptHashes:
+        """The first `k` blocks followed by `other`'s, copying each byte once (a 200K-token
+        prompt's hashes are ~500 KB: slicing then concatenating copied them twice)."""
+        raw = b"".join((memoryview(self.raw)[:k * self.size], other.raw))
+        keys = self.keys[:k] if k < len(self.keys) else array("Q", self.keys)
+        keys += other.keys
+        return PromptHashes(raw, keys, self.size)
 
     @classmethod
     def of(cls, digests: list[bytes]) -> PromptHashes:
@@ -137,7 +145,7 @@ class HashCache:
             n = min(len(old_tokens), len(tail)) // bs * bs
             if n and tail[:n] == old_tokens[:n]:
                 keep = n // bs
-                node = old.prefix(keep) + self._hash(tail[n:], old.parent(keep - 1))
+                node = old.prefix_plus(keep, self._hash(tail[n:], old.parent(keep - 1)))
                 self._tails[fp] = (tail, node)
                 return node
         node = self._hash(tail, parent)
@@ -153,11 +161,10 @@ class HashCache:
         if prev is None:
             return self.keys_for_tokens(tokens)
         keep = min(shared_tokens // self.block_size, len(prev))
-        out = prev.prefix(keep)
         rest = tokens[keep * self.block_size:]
-        if len(rest) >= self.block_size:
-            out = out + self._hash(rest, prev.parent(keep - 1) if keep else None)
-        return out
+        if len(rest) < self.block_size:
+            return prev.prefix(keep)
+        return prev.prefix_plus(keep, self._hash(rest, prev.parent(keep - 1) if keep else None))
 
     def __len__(self) -> int:
         return len(self._chunks)

@@ -34,7 +34,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from agentserve.router.tokenize import Seq
+from agentserve.router.segments import Seq
 
 _GENERIC = msgspec.json.Decoder()
 _HEADS = (4096, 65536)  # fingerprinted body prefixes: system prompt, a first turn

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from operator import add
 from typing import Any, Protocol
 
 SCORERS: dict[str, type] = {}
@@ -42,6 +41,7 @@ class Candidate:
     model_ok: bool = True
     active_sessions: int = 0  # sessions whose latest turn went here (options.session_active_s)
     active_tokens: int = 0  # their latest prompts' tokens, the request's own session not counted
+    recent_requests: float = 0.0  # requests routed here, decayed (options.recent_requests_s)
 
 
 class Scorer(Protocol):
@@ -134,6 +134,25 @@ class BalanceScorer:
         return [(hi - x) / (hi - lo) for x in n]
 
 
+@scorer("requests")
+class RecentRequestsScorer:
+    """Spread requests: 1 for the fewest recently routed requests, 0 for the most.
+
+    An exponentially decayed count of the requests routed to each endpoint (time
+    constant `options.recent_requests_s`). Sessions differ in how fast they turn over
+    (tool pauses of 1 s or of minutes), so equal session counts can still mean unequal
+    request rates; placing new sessions where the recent rate is lowest evens out the
+    requests each endpoint serves, which session counts alone leave to chance.
+    """
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        n = [c.recent_requests for c in cands]
+        lo, hi = min(n, default=0.0), max(n, default=0.0)
+        if hi - lo < 1e-9:
+            return [1.0] * len(cands)
+        return [(hi - x) / (hi - lo) for x in n]
+
+
 @scorer("session_tokens")
 class SessionTokensScorer:
     """Spread session work: 1 for the fewest active session tokens, 0 for the most.
@@ -196,11 +215,8 @@ def build_scorers(weights: dict[str, float]) -> list[tuple[float, Any]]:
 
 
 def weighted_scores(scorers: list[tuple[float, Any]], cands: list[Candidate]) -> list[float]:
-    """Sum of weight * score per candidate."""
-    total: list[float] | None = None
+    """Sum of weight * score per candidate (one pass per scorer)."""
+    total = [0.0] * len(cands)
     for w, s in scorers:
-        vals = s.score(cands)
-        if w != 1.0:
-            vals = [w * v for v in vals]
-        total = vals if total is None else list(map(add, total, vals))
-    return [0.0] * len(cands) if total is None else total
+        total = [t + w * v for t, v in zip(total, s.score(cands))]
+    return total

@@ -34,15 +34,14 @@ from __future__ import annotations
 
 import logging
 from array import array
-from bisect import bisect_right
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from itertools import chain
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
 from agentserve.engine.tokenizer import Tokenizer
+from agentserve.router.segments import Rope, Seq
 
 if TYPE_CHECKING:
     from agentserve.router.rawprompt import RawEntry
@@ -54,99 +53,6 @@ _SELF_CHECK = ("def f(x):\n    return x  # ok", "héllo wörld, 1234 tokens\n\n 
 _ENC = msgspec.json.Encoder()
 
 
-class Seq:
-    """An immutable int32 sequence kept as segments that later turns share.
-
-    A turn's ids are its base's first k ids plus a few hundred new ones: building them
-    as (shared segments + a copied partial segment + the new segment) costs O(new), where
-    copying two 200K-entry arrays per turn cost ~1 ms. Past `max_segments` segments a
-    sequence is compacted into one array (one copy every few dozen turns).
-    Supports len, indexing, slicing (to an array), iteration and `tolist`.
-    """
-
-    __slots__ = ("n", "segs", "starts")
-    max_segments = 64
-
-    def __init__(self, segs: list[array]) -> None:
-        self.segs = [x for x in segs if len(x)]
-        self.starts: list[int] = []
-        n = 0
-        for x in self.segs:
-            self.starts.append(n)
-            n += len(x)
-        self.n = n
-
-    def __len__(self) -> int:
-        return self.n
-
-    def _locate(self, i: int) -> tuple[int, int]:
-        j = bisect_right(self.starts, i) - 1
-        return j, i - self.starts[j]
-
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, slice):
-            a, b, step = i.indices(self.n)
-            if step != 1:
-                return array("i", self.tolist()[i])
-            return self._slice(a, b)
-        if i < 0:
-            i += self.n
-        if not 0 <= i < self.n:
-            raise IndexError("Seq index out of range")
-        j, o = self._locate(i)
-        return self.segs[j][o]
-
-    def _slice(self, a: int, b: int) -> array:
-        out = array("i")
-        if a >= b:
-            return out
-        j, o = self._locate(a)
-        while a < b:
-            seg = self.segs[j]
-            take = min(len(seg) - o, b - a)
-            out += seg[o:o + take] if (o or take < len(seg)) else seg
-            a, j, o = a + take, j + 1, 0
-        return out
-
-    def __iter__(self) -> Any:
-        return chain.from_iterable(self.segs)
-
-    def __eq__(self, other: object) -> bool:
-        return self.tolist() == list(other)  # type: ignore[call-overload]
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def tolist(self) -> list[int]:
-        return self._slice(0, self.n).tolist()
-
-    def prefix_plus(self, k: int, tail: array) -> Seq:
-        """The first `k` items followed by `tail` (shared segments are not copied)."""
-        if k >= self.n:
-            segs = list(self.segs)
-        else:
-            j, o = self._locate(k)
-            segs = self.segs[:j]
-            if o:
-                segs.append(self.segs[j][:o])
-        segs.append(tail)
-        if len(segs) > self.max_segments:
-            whole = array("i")
-            for x in segs:
-                whole += x
-            segs = [whole]
-        return Seq(segs)
-
-    def bisect_right(self, x: int) -> int:
-        """bisect_right for a non-decreasing sequence (the char end offsets), looking at
-        the last segments first (the cut is almost always near the end)."""
-        j = len(self.segs) - 1
-        while j >= 0 and self.segs[j][0] > x:
-            j -= 1
-        if j < 0:
-            return 0
-        return self.starts[j] + bisect_right(self.segs[j], x)
-
-
 @dataclass(slots=True)
 class Entry:
     """A tokenized prompt: text, ids, char end offset of each id, hashes by hasher id.
@@ -155,7 +61,7 @@ class Entry:
     ints, and segments shared with the entry they extend).
     """
 
-    text: str
+    text: str | Rope  # chat renderings are Ropes sharing the previous turn's text
     ids: Seq
     ends: Seq
     hashes: dict[Any, Any] = field(default_factory=dict)
@@ -173,15 +79,18 @@ class Tokenized:
     shared: int = 0
 
 
-def common_prefix_len(a: str, b: str, step: int = 8192, lo: int = 0) -> int:
+def common_prefix_len(a: str | Rope, b: str | Rope, step: int = 8192, lo: int = 0) -> int:
     """Length of the common prefix of two strings (C-speed compares, then chars).
 
-    `lo`: a length known to be common already (the scan starts there).
+    `lo`: a length known to be common already (the scan starts there; with a `Rope`
+    only the text from `lo` on is read).
     """
+    if not isinstance(a, str) or not isinstance(b, str):
+        return lo + common_prefix_len(a[lo:], b[lo:], step)
     if len(a) <= len(b):
-        if b.startswith(a, lo) if lo else b.startswith(a):
+        if b.startswith(a[lo:], lo) if lo else b.startswith(a):
             return len(a)
-    elif a.startswith(b, lo) if lo else a.startswith(b):
+    elif a.startswith(b[lo:], lo) if lo else a.startswith(b):
         return len(b)
     n = min(len(a), len(b))
     lo = min(lo, n)
@@ -225,6 +134,10 @@ class IncrementalTokenizer:
         self._verified: set[tuple[str, ...]] = set()  # window role patterns checked
         self._verify_shapes = verify_shapes
         self.renders = {"full": 0, "incremental": 0, "fallback": 0, "verified": 0}
+        # head key -> (rendering of the first message alone, the generation prompt the
+        # template appends to it, or None): rendered once per conversation head
+        self._heads: OrderedDict[int, tuple[str, str | None]] = OrderedDict()
+        self._derive_body = True  # off once a window's body != its rendering minus gen
 
     def _encode(self, text: str, add_special: bool, shift: int = 0) -> tuple[array, array]:
         enc = self.tok.hf.encode(text, add_special_tokens=add_special)
@@ -255,10 +168,10 @@ class IncrementalTokenizer:
             keep -= 1  # byte-level BPE: several tokens of one multi-byte char share an end
         return keep
 
-    def _tokenize_from(self, base: Entry | None, text: str, add_special: bool,
+    def _tokenize_from(self, base: Entry | None, text: str | Rope, add_special: bool,
                        common: int = 0) -> tuple[Entry, int]:
         if base is None or not self.incremental:
-            ids, ends = self._encode(text, add_special)
+            ids, ends = self._encode(str(text), add_special)
             return Entry(text, Seq([ids]), Seq([ends])), 0
         keep = self._keep(base, text, common)
         start = base.ends[keep - 1] if keep else 0
@@ -280,7 +193,7 @@ class IncrementalTokenizer:
         base, k = self._find_base(head, messages)
         text, body, common = None, -1, 0
         if base is not None:
-            text, body, common = self._render_incremental(base, k, messages, tools, agp)
+            text, body, common = self._render_incremental(base, k, messages, tools, agp, head)
         if text is None:
             text = self._render(messages, tools, agp)
             body = self._body_len(text, messages, tools, agp)
@@ -327,10 +240,26 @@ class IncrementalTokenizer:
         g = len(gen) - len(bare)
         return len(text) - g if text.endswith(gen[len(bare):]) else -1
 
+    def _head_render(self, key: int, head: list[Any], tools: Any) -> tuple[str, str | None]:
+        """The first message rendered alone, and the generation prompt the template adds
+        after it (None when the two renderings do not nest), cached per head."""
+        hit = self._heads.get(key)
+        if hit is None:
+            h = self._render(head, tools, False)
+            g = self._render(head, tools, True)
+            hit = self._heads[key] = (h, g[len(h):] if g.startswith(h) else None)
+            while len(self._heads) > self.max_entries:
+                self._heads.popitem(last=False)
+        return hit
+
     def _render_incremental(self, base: Entry, k: int, messages: list[Any], tools: Any,
-                            agp: bool) -> tuple[str | None, int, int]:
+                            agp: bool, head_key: int) -> tuple[str | Rope | None, int, int]:
         """(text, body, chars known common with base.text) of `messages` rendered from
-        `base` (its first k messages), or (None, -1, 0): render the whole conversation."""
+        `base` (its first k messages), or (None, -1, 0): render the whole conversation.
+
+        Two renders per turn: the context window (d) and window + new messages with the
+        generation prompt (c); the window without it (b) is c minus the head's cached
+        generation prompt, checked against a real render with each new role pattern."""
         n = len(messages)
         if k == n:  # the same conversation again (a retry): same text
             return base.text, base.body, len(base.text)
@@ -342,28 +271,38 @@ class IncrementalTokenizer:
             return None, -1, 0
         head = messages[:1]
         try:
-            h = self._render(head, tools, False)
+            h, g = self._head_render(head_key, head, tools)
             d = self._render(head + messages[s:k], tools, False)
-            b = self._render(head + messages[s:], tools, False)
-            c = self._render(head + messages[s:], tools, True) if agp else b
+            c = self._render(head + messages[s:], tools, agp)
+            if not agp:
+                b_len = len(c)
+            elif g is not None and self._derive_body and c.endswith(g):
+                b_len = len(c) - len(g)
+            else:
+                b_len = len(self._render(head + messages[s:], tools, False))
         except ValueError:
             self.renders["fallback"] += 1
             return None, -1, 0
-        if not (d.startswith(h) and b.startswith(d) and c.startswith(b)
+        if not (d.startswith(h) and len(d) <= b_len and c.startswith(d)
                 and base.text.endswith(d[len(h):], 0, base.body)):
             self.renders["fallback"] += 1  # the template is not append-only here
             return None, -1, 0
-        gen = base.text[base.body:]  # base's generation prompt: often the new text has it too
+        prev = base.text if isinstance(base.text, Rope) else Rope([base.text])
+        gen = prev[base.body:]  # base's generation prompt: often the new text has it too
         if c.startswith(gen, len(d)):  # then one copy of the prefix instead of two
-            text = base.text + c[len(d) + len(gen):]
+            text = prev.prefix_plus(len(prev), c[len(d) + len(gen):])
         else:
-            text = base.text[:base.body] + c[len(d):]
-        body = base.body + len(b) - len(d)
+            text = prev.prefix_plus(base.body, c[len(d):])
+        body = base.body + b_len - len(d)
         shape = tuple(_shape(m) for m in messages[s:])
         if shape not in self._verified and len(self._verified) < self._verify_shapes:
             full = self._render(messages, tools, agp)
             self.renders["verified"] += 1
-            if full != text:
+            text_s = str(text)
+            if agp and self._render(head + messages[s:], tools, False) != c[:b_len]:
+                self._derive_body = False  # the generation prompt depends on the window
+                body = self._body_len(full, messages, tools, agp)
+            if full != text_s:
                 self.incremental_render = False
                 self.renders["fallback"] += 1
                 logger.warning("chat template is not append-only for messages shaped %s: "
