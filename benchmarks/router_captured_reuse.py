@@ -44,6 +44,16 @@ POLICIES = {
                                     "picker": {"moves_must_balance": False}},
     "default, force moves 15 s": {"policy": "default", "picker": {"force_move_s": 15.0}},
     "default + session tokens .5": {"policy": "default", "scorers": {"session_tokens": 0.5}},
+    "default, requests .5": {"policy": "default", "scorers": {"balance": 0.0, "requests": 0.5}},
+    "default, requests .5 + balance .25": {"policy": "default",
+                                           "scorers": {"balance": 0.25, "requests": 0.5}},
+    "default, requests .5, force 8 s": {"policy": "default",
+                                        "scorers": {"balance": 0.0, "requests": 0.5},
+                                        "picker": {"force_move_s": 8.0}},
+    "default, requests .5, force 15 s": {"policy": "default",
+                                         "scorers": {"balance": 0.0, "requests": 0.5},
+                                         "picker": {"force_move_s": 15.0}},
+    "default, requests 1": {"policy": "default", "scorers": {"balance": 0.0, "requests": 1.0}},
     "default, balance 1": {"policy": "default", "scorers": {"balance": 1.0}},
     "default, balance .5": {"policy": "default", "scorers": {"balance": 0.5}},
     "sticky 1 s, prefix 1, balance 1": {"policy": "default", "scorers": {"prefix": 1.0,
@@ -73,7 +83,7 @@ def decide(self, req, exclude=None):
         "url": d.url, "reason": d.reason, "pred": d.predicted_cached, "cands": [
             {"url": c.url, "w": round(c.weighted_blocks, 1), "tot": c.total_blocks,
              "wait": round(c.est_wait_s, 3), "sess": c.active_sessions, "tok": c.active_tokens,
-             "pend": c.pending_prefill, "score": round(s, 3)} for c, s in zip(cands, scores)]}) + "\n")
+             "pend": c.pending_prefill, "rr": round(c.recent_requests, 1), "score": round(s, 3)} for c, s in zip(cands, scores)]}) + "\n")
     return d
 core.Router.decide = decide
 sys.argv = ["route", *sys.argv[1:]]

@@ -235,3 +235,38 @@ def test_prefill_speed_learning_is_not_fooled_by_work_ahead():
     before = ep.prefill_tok_s
     ep.learn_prefill(500, 1.0, trusted=False)  # slower samples always count, unclipped
     assert ep.prefill_tok_s == pytest.approx(0.8 * before + 0.2 * 500)
+
+
+def test_requests_scorer_places_new_sessions_where_fewest_requests_went():
+    """With `requests`, a new session goes to the endpoint that served the fewest recent
+    requests, though every endpoint has one session (sessions that turn over faster
+    send more requests)."""
+    r = make("default", scorers={"balance": 0.0, "requests": 1.0},
+             options={"speculative_ttl_s": 0.0})
+    for s in range(4):
+        r.finish(r.decide(RouteInput(toks(300, 300 + s), session=f"s{s}")))
+    assert sorted(len(r.endpoints[u].active) for u in URLS) == [1, 1, 1, 1]
+    quiet = r.sessions["s2"]
+    for s in (0, 1, 3):  # the other sessions take three more turns each, where they are
+        t = toks(300, 300 + s)
+        hold(r, r.sessions[f"s{s}"], t)
+        for k in range(3):
+            d = r.decide(RouteInput(t + [k] * 20, session=f"s{s}"))
+            assert d.url == r.sessions[f"s{s}"]
+            r.finish(d)
+    assert r.decide(RouteInput(toks(300, 99), session="new")).url == quiet
+
+
+def test_recent_requests_decay():
+    from agentserve.router.config import EndpointConfig
+    from agentserve.router.endpoints import Endpoint
+    ep = Endpoint(EndpointConfig(url="http://x"))
+    assert ep.recent_requests(0.0, 60.0) == 0.0
+    ep.count_request(100.0, 60.0)
+    ep.count_request(100.0, 60.0)
+    assert ep.recent_requests(100.0, 60.0) == pytest.approx(2.0)
+    assert ep.recent_requests(160.0, 60.0) == pytest.approx(2.0 / 2.718281828, rel=1e-6)
+    ep.count_request(160.0, 60.0)
+    assert ep.recent_requests(160.0, 60.0) == pytest.approx(1.0 + 2.0 / 2.718281828, rel=1e-6)
+    with pytest.raises(ValueError, match="recent_requests_s"):
+        make("default", options={"recent_requests_s": 0})

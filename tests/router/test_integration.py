@@ -2,6 +2,7 @@
 
 import random
 import re
+import time
 import urllib.request
 from pathlib import Path
 
@@ -73,4 +74,9 @@ def token_id_sessions(base: str, n: int = 3, turns: int = 4) -> list[dict]:
                         "cached": c.usage.prompt_tokens_details.cached_tokens,
                         "prompt": c.usage.prompt_tokens})
             p += [rng.randrange(1, 500) for _ in range(rng.randrange(20, 200))]
+        # The policy (precise-prefix) has no speculative entries: a turn's prediction
+        # rests on the previous turn's BlockStored events, published as the engine
+        # finishes it. Sent back to back, a turn could be decided before those arrive
+        # (seen once: predicted < cached). The pause lets them land, as run_sessions does.
+        time.sleep(0.3)
     return out

@@ -111,6 +111,7 @@ class Options:
     hash_cache_chunks: int = 8192  # ~14 KB each (2048 tokens at block 16)
     session_entries: int = 100000
     session_active_s: float = 60.0  # a session counts as active on its endpoint this long
+    recent_requests_s: float = 60.0  # time constant of the decayed request count (`requests`)
     exact_match: bool = False  # scan every block (sees holes) instead of bisecting
     pd_threshold: int = 256  # P/D: split a request when the decode endpoint lacks >= this many tokens
     tier_weights: dict[str, float] = field(
@@ -136,7 +137,11 @@ def _options(d: dict[str, Any]) -> Options:
     unknown = set(d) - known
     if unknown:
         raise ValueError(f"unknown router options: {sorted(unknown)}; known: {sorted(known)}")
-    return Options(**d)
+    o = Options(**d)
+    for name in ("recent_requests_s", "session_active_s"):
+        if not getattr(o, name) > 0:
+            raise ValueError(f"router option {name} must be > 0, got {getattr(o, name)!r}")
+    return o
 
 
 def build_config(raw: dict[str, Any] | None) -> RouterConfig:

@@ -168,6 +168,7 @@ class Router:
             if req.session is not None and self.opts.session_affinity else None
         stale, tok_s = self.opts.metrics_stale_s, self.opts.prefill_tok_per_s
         weights, window = self.opts.tier_weights, self.opts.session_active_s
+        tau = self.opts.recent_requests_s
         add = cands.append
         for hid, eps in by_hid.items():
             k = keys[hid] = self.keys_for(hid, req) if self.cfg.index != "none" else []
@@ -202,7 +203,8 @@ class Router:
                               (pending + uncached) / (ep.prefill_tok_s or tok_s),
                               sess_url is not None and sess_url == url, c.role,
                               True if model is None else ep.serves(model),
-                              ep.active_sessions(now, window) if ep.active else 0))
+                              ep.active_sessions(now, window) if ep.active else 0, 0,
+                              ep.recent_requests(now, tau)))
                 if self._count_tokens and ep.active:
                     st = self.session_tokens
                     own = st.get(req.session, 0) if sess_url == url else 0
@@ -257,6 +259,7 @@ class Router:
               now: float) -> None:
         d.sent_at, d.ahead = now, ep.pending_prefill
         ep.inflight += 1
+        ep.count_request(now, self.opts.recent_requests_s)
         ep.inflight_tokens += d.charged_tokens
         ep.pending_prefill += d.uncached
         if req.session is not None:

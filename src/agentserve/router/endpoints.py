@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import re
 import time
 from collections import OrderedDict
@@ -85,6 +86,18 @@ class Endpoint:
     last_event_ts: float = 0.0
     prefill_tok_s: float = 0.0  # learned from time to first byte (0: not yet, use the default)
     active: OrderedDict[str, float] = field(default_factory=OrderedDict)  # session -> last seen
+    recent_n: float = 0.0  # decayed count of requests routed here, as of `recent_at`
+    recent_at: float = 0.0
+
+    def recent_requests(self, now: float, tau_s: float) -> float:
+        """Requests routed here, each weighted exp(-age / tau_s)."""
+        if not self.recent_n:
+            return 0.0
+        return self.recent_n * math.exp(-max(0.0, now - self.recent_at) / tau_s)
+
+    def count_request(self, now: float, tau_s: float) -> None:
+        self.recent_n = self.recent_requests(now, tau_s) + 1.0
+        self.recent_at = now
 
     def active_sessions(self, now: float, window_s: float) -> int:
         """Sessions whose latest turn was routed here within `window_s` (oldest pruned)."""
