@@ -15,10 +15,11 @@ from agentserve.kv.pool import BlockPool
 BS = 4
 
 
-def make(num_blocks: int = 16, max_seqs: int = 8, budget: int = 32) -> Scheduler:
+def make(num_blocks: int = 16, max_seqs: int = 8, budget: int = 32,
+         long_prefill: int = 0) -> Scheduler:
     pool = BlockPool(num_blocks, BS)
     kv = KVCacheManager(pool, BlockHasher(block_size=BS, seed="0"))
-    return Scheduler(kv, max_seqs, budget)
+    return Scheduler(kv, max_seqs, budget, long_prefill_token_threshold=long_prefill)
 
 
 def seq(rid: str, n: int, start: int = 0, max_tokens: int = 4) -> Sequence:
@@ -59,6 +60,29 @@ def test_decodes_and_prefill_share_a_step() -> None:
     s.add(b)
     out = s.schedule()
     assert [(e.seq.request_id, e.num_tokens) for e in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_long_prefill_threshold_lets_a_short_request_share_the_steps() -> None:
+    """Without the cap a long prefill takes each step's whole budget and the short
+    request behind it waits until it is done; with it both are computed side by side."""
+    for cap, first_b_step in ((0, 3), (6, 0)):
+        s = make(num_blocks=32, budget=12, long_prefill=cap)
+        a, b = seq("a", 44), seq("b", 5, start=200)
+        s.add(a)
+        s.add(b)
+        steps = []
+        for _ in range(6):
+            out = s.schedule()
+            steps.append({e.seq.request_id: e.num_tokens for e in out.scheduled})
+            for e in out.scheduled:
+                done = e.completes_prompt
+                e.seq.num_computed_tokens += e.num_tokens
+                s.kv.cache_blocks(e.seq)
+                if done:
+                    e.seq.token_ids.append(999)
+        assert all(sum(x.values()) <= 12 for x in steps)
+        assert all(x.get("a", 0) <= (cap or 12) for x in steps)
+        assert next(i for i, x in enumerate(steps) if "b" in x) == first_b_step, steps
 
 
 def test_fcfs_head_blocks_queue() -> None:

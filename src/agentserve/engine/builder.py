@@ -49,6 +49,7 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
+    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk (0: off)
     enable_prefix_caching: bool = True
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = None  # default: $PYTHONHASHSEED, as vLLM
@@ -73,6 +74,12 @@ class EngineArgs:
     kv_transfer_host: str = "127.0.0.1"  # advertised in remote_host (and bound)
     kv_transfer_timeout: float = 120.0  # seconds pinned prefill blocks wait for their pull
     kv_transfer_token: str | None = None  # shared secret; default $AGENTSERVE_KV_TRANSFER_TOKEN
+
+
+def _check_scheduler_args(args: EngineArgs) -> None:
+    if args.long_prefill_token_threshold < 0:
+        raise EngineConfigError("--long-prefill-token-threshold must be >= 0 (0: off), got "
+                                f"{args.long_prefill_token_threshold}")
 
 
 def _tier_config(args: EngineArgs) -> TierConfig | None:
@@ -178,7 +185,9 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     kv = KVCacheManager(pool, hasher, enable_caching=args.enable_prefix_caching)
     tiers = _build_tiers(args, kv_cache, pool, cfg, model_dir)
     remote = _build_remote(args, kv_cache, pool)
-    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, tiers, remote)
+    _check_scheduler_args(args)
+    scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, tiers, remote,
+                          long_prefill_token_threshold=args.long_prefill_token_threshold)
     runner = ModelRunner(model, kv_cache, args.block_size, device)
     publisher = None
     if args.kv_events_endpoint:

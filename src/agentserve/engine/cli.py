@@ -24,6 +24,9 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, help="Context limit (prompt + output)."),
     max_num_seqs: int = typer.Option(128, help="Max sequences per step."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget per step (chunked prefill)."),
+    long_prefill_token_threshold: int = typer.Option(
+        0, help="Cap one request's prefill chunk per step at this many tokens, so a long "
+                "prefill shares steps with other requests (vLLM's flag; 0: off)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable prefix caching."),
     prefix_caching_hash_algo: str = typer.Option("sha256_cbor", help="sha256_cbor (vLLM) | fast."),
     kv_events_endpoint: Optional[str] = typer.Option(None, help="ZMQ PUB endpoint, e.g. tcp://*:5557."),
@@ -61,6 +64,7 @@ def serve(
                       block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_gib=kv_cache_gib,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
+                      long_prefill_token_threshold=long_prefill_token_threshold,
                       enable_prefix_caching=not no_prefix_caching, hash_algo=prefix_caching_hash_algo,
                       kv_events_endpoint=kv_events_endpoint,
                       kv_events_replay_endpoint=kv_events_replay_endpoint, seed=seed,

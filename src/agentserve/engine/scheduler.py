@@ -65,7 +65,8 @@ class Scheduler:
     """Decides, per step, which sequences run and how many tokens each computes."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 tiers: TierConnector | None = None, remote: RemoteKV | None = None) -> None:
+                 tiers: TierConnector | None = None, remote: RemoteKV | None = None,
+                 long_prefill_token_threshold: int = 0) -> None:
         self.kv = kv
         self.tiers = tiers
         self.remote = remote
@@ -73,6 +74,11 @@ class Scheduler:
         self.loading: dict[str, Sequence] = {}  # WAITING_FOR_KV: restores in flight
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # vLLM's long_prefill_token_threshold: a prefill chunk is at most this many tokens,
+        # so a 24K-token cold prompt does not take every step's whole budget while the
+        # requests behind it (short turns over cached prefixes) wait (0: off)
+        self.chunk_cap = long_prefill_token_threshold if long_prefill_token_threshold > 0 \
+            else max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
@@ -108,7 +114,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_cap)
             while not self.kv.allocate_slots(seq, n):
                 victim = self.running.pop()  # newest first
                 self._preempt(victim)
@@ -139,7 +145,7 @@ class Scheduler:
                     break  # backpressure or no room: the head waits
                 if started:
                     continue
-            n = min(seq.num_tokens - num_cached, budget)
+            n = min(seq.num_tokens - num_cached, budget, self.chunk_cap)
             if not self.kv.allocate_slots(seq, n, computed):
                 break  # FCFS: the head waits for memory; nobody overtakes it
             self.waiting.popleft()
