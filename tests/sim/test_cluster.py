@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 import typer
 from typer.testing import CliRunner
 
@@ -114,3 +115,37 @@ def test_decode_chunks_sum_to_output_tokens() -> None:
     for r in sim.records:
         assert sum(r.chunk_tokens) == r.output_tokens == 50
         assert r.chunk_times == sorted(r.chunk_times) and r.ttft == r.chunk_times[0]
+
+
+def test_runs_replay_draws_requests_uniformly_in_fresh_namespaces() -> None:
+    """Synthesized sweep stage: a client replays REPLAY_RUN turns from a request drawn
+    uniformly over the pool's requests (a session in proportion to its requests), each run
+    in its own hash namespace, so its first request is computed from scratch."""
+    long_s, short_s = _session(0, turns=99), _session(1, turns=1)
+    cfg = _cfg(join_midway=True, workload="sweep-full", concurrency=1)
+    sim = sim_run.Simulation(cfg, [long_s, short_s])
+    assert sim._runs_replay
+    runs = [sim._next_run() for _ in range(400)]
+    ids = [r[0] for r in runs]
+    assert len(set(ids)) == len(ids)  # a fresh namespace per run
+    share_long = sum(r[1] == "s0" for r in runs) / len(runs)
+    assert share_long > 0.95  # 99 of the pool's 100 requests are in s0
+    assert all(1 <= len(r[2]) <= sim_run.REPLAY_RUN for r in runs)
+    # consecutive turns of one session, in order
+    turns = [x[0] for x in runs[0][2]]
+    assert turns == list(range(turns[0], turns[0] + len(turns)))
+    # not active for trace replays or when join_midway is off
+    assert not sim_run.Simulation(_cfg(join_midway=True, workload="x.jsonl"), [long_s])._runs_replay
+    assert not sim_run.Simulation(_cfg(), [long_s])._runs_replay
+
+
+def test_sweep_outputs_scaled_to_reference_mean() -> None:
+    """The reference sweep's outputs average 1,449 tokens per request (SPEC: 6,281 tok/s x 24
+    min / 6,242 requests); the production table's shape (p50 317 x scale) is kept."""
+    k = sim_run.output_scale("sweep-full")
+    assert k == pytest.approx(1449 / 780, rel=0.02)
+    assert sim_run.output_scale("claude-code") == 1.0
+    outs = [r.output_tokens for s in sim_run.load_workload("sweep-full", 64, 0)
+            for _, _, r in sim_run.flatten(s)]
+    assert np.median(outs) == pytest.approx(317 * k, rel=0.15)
+    assert np.mean(outs) == pytest.approx(1449, rel=0.2)

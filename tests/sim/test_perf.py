@@ -108,3 +108,25 @@ def test_recompute_costs_prefill_compute() -> None:
     assert DEC.recompute_time([[] for _ in range(16)]) == 0.0
     t = DEC.recompute_time([[(50_000, 0)]] + [[] for _ in range(15)])
     assert t > 50_000 * 2 * M.replicated_params() / (H200.fp8_flops * DEC.eff.flops)
+
+
+def test_glm52_indexcache_indexer_layers() -> None:
+    """GLM-5.2's config: index_n_heads 32, index_topk_freq 4, index_skip_topk_offset 3 ->
+    the indexer runs on layers 1-3 and every 4th after (21 of 78); its key cache only there."""
+    assert M.indexer_heads == 32 and M.indexer_layers() == 21
+    assert M.indexer_bytes_per_token() == (M.indexer_dim + 4) * 21
+    from dataclasses import replace
+
+    every = replace(M, index_topk_freq=1, index_skip_offset=0)  # DeepSeek-V3.2: every layer
+    assert every.indexer_layers() == 78
+    # the indexer part of a long-context prefill token scales with the indexer layers
+    p_every = PerfModel(every, H200, Topology("dep", 16, "prefill"))
+    short, long_ = 3_000, 300_000
+    d_share = PRE._attn_flops(long_) - PRE._attn_flops(short)
+    d_every = p_every._attn_flops(long_) - p_every._attn_flops(short)
+    assert d_every / d_share == pytest.approx(78 / 21, rel=0.02)
+    # and so does the decode key scan
+    grow = DEC.decode_step(_ranks(8, 200_000)) - DEC.decode_step(_ranks(8, 3_000))
+    d_ev = PerfModel(every, H200, Topology("dep", 16, "decode", mtp=True))
+    grow_every = d_ev.decode_step(_ranks(8, 200_000)) - d_ev.decode_step(_ranks(8, 3_000))
+    assert grow_every > 2.5 * grow

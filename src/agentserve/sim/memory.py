@@ -10,9 +10,10 @@ Topologies (SPEC.md capability 2):
   axis, so each rank keeps a full copy of every token's KV (per-node KV = per-rank KV).
 
 Constants (each a physical quantity, none fitted to one figure):
-- `RESERVE_BYTES` 17 GiB: memory vLLM keeps outside weights and KV: the profile run's
+- `RESERVE_BYTES` 17.5 GiB: memory vLLM keeps outside weights and KV: the profile run's
   activation peak (chunked prefill / MTP verify batch), CUDA graphs, NCCL/PyTorch context and
-  allocator slack. Read off the intra-node facts of SPEC.md (DEP8 prefill, TP8).
+  allocator slack. Read off the intra-node facts of SPEC.md (DEP8 prefill 182K, TP8); 17 GiB
+  before GLM-5.2's indexer (32 heads, not 64) took ~0.7 GB out of the replicated weights.
 - `INTERNODE_A2A_BYTES` 7 GiB: extra when an instance spans nodes: DeepEP's RDMA buffers and
   the NVSHMEM symmetric heap for inter-node all-to-all (normal + low-latency modes).
 - vLLM's MLA keeps bf16 copies of the absorbed `kv_b_proj` (W_UK, W_UV) beside the FP8 weight.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 from agentserve.sim.specs import GiB, HardwareSpec, ModelSpec
 
-RESERVE_BYTES = 17 * GiB
+RESERVE_BYTES = 17.5 * GiB
 INTERNODE_A2A_BYTES = 7 * GiB
 GPU_MEM_UTIL = {"prefill": 0.935, "decode": 0.95, "both": 0.95}  # SPEC.md / reference flags
 BLOCK_SIZE = 64  # tokens per KV block (SPEC.md)

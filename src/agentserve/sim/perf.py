@@ -12,7 +12,8 @@ FLOPs per token (x2 for multiply-add):
   rank; routed experts `top_k x 3 x h x I` spread over the instance's n ranks (EP).
 - sparse MLA attention (absorbed, as FlashMLA sparse): `2 H k (kv_lora+rope + kv_lora)` per
   layer with k = min(context, index_topk); dense models attend to the whole context.
-- lightning indexer: `2 x idx_heads x idx_dim x context` per layer at FP8.
+- lightning indexer: `2 x idx_heads x idx_dim x context` per indexer layer at FP8 (GLM-5.2's
+  IndexCache: 21 of 78 layers score keys, the others reuse their top-k).
 Bytes per decode step: the rank's replicated weights (less the input embedding and the FP8
 `kv_b_proj`, which no forward reads whole), the local experts touched by any token of the
 instance (`1 - (1 - top_k/E)^T` of them), each query token's top-k KV rows, the request's
@@ -105,12 +106,13 @@ class PerfModel:
         eff = self.eff.sparse_prefill if m.is_mla and m.index_topk else self.eff.attn_flops
         t = core * m.layers / self.hw.bf16_flops / eff
         if m.indexer_heads and ctx > m.index_topk:
-            idx = 2.0 * m.indexer_heads * m.indexer_dim * ctx * m.layers
+            li = m.indexer_layers()  # IndexCache: the other layers reuse the top-k
+            idx = 2.0 * m.indexer_heads * m.indexer_dim * ctx * li
             t += idx / self.hw.fp8_flops / self.eff.attn_flops
-            # the fp32 logits row (one per query token and layer) is written to HBM by the
-            # logits kernel and read back by the top-k kernel (vLLM: fp8_mqa_logits, then
+            # the fp32 logits row (one per query token and indexer layer) is written to HBM by
+            # the logits kernel and read back by the top-k kernel (vLLM: fp8_mqa_logits, then
             # top_k_per_row_prefill)
-            t += LOGIT_BYTES * ctx * m.layers / (self.hw.hbm_bw * self.eff.hbm)
+            t += LOGIT_BYTES * ctx * li / (self.hw.hbm_bw * self.eff.hbm)
         return t / (self.topo.width if self.topo.kind == "tp" else 1)
 
     def _lin_rate(self) -> float:
@@ -207,7 +209,7 @@ class PerfModel:
             row = 2.0 * m.n_heads * (2 * m.kv_lora + m.rope_dim) * m.layers
         else:
             row = 2.0 * m.n_heads * 2 * m.head_dim * m.layers
-        idx = 2.0 * m.indexer_heads * m.indexer_dim * m.layers
+        idx = 2.0 * m.indexer_heads * m.indexer_dim * m.indexer_layers()
         split = self.topo.width if self.topo.kind == "tp" else 1
         eff = e.sparse_decode if m.is_mla and m.index_topk else e.attn_flops
         return (row / hw.bf16_flops / eff / split, idx / hw.fp8_flops / e.attn_flops / split,
@@ -247,7 +249,7 @@ class PerfModel:
         # MQA_LOGITS_MAX_NEXT_N query tokens each); every query token's fp32 logits row is
         # written and read back by top-k.
         reads = q if q > MQA_LOGITS_MAX_NEXT_N else 1
-        b_logit = LOGIT_BYTES * self.model.layers / (self.topo.width if self.topo.kind == "tp" else 1)
+        b_logit = LOGIT_BYTES * self.model.indexer_layers() / (self.topo.width if self.topo.kind == "tp" else 1)
         worst = 0.0
         for n, rows, idx in loads:
             # Kernels of a layer run back to back on one stream: each is bound by its own

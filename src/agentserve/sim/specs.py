@@ -41,6 +41,11 @@ class ModelSpec:
     indexer_heads: int = 0
     indexer_dim: int = 0
     index_topk: int = 0
+    # IndexCache (GLM-5.x `index_topk_freq` / `index_skip_topk_offset`): the indexer runs on
+    # the first `index_skip_offset` layers and then on every `index_topk_freq`-th layer; the
+    # other layers reuse the previous indexer layer's top-k. freq 1: every layer (DeepSeek-V3.2).
+    index_topk_freq: int = 1
+    index_skip_offset: int = 0
     # feed-forward
     dense_layers: int = 0  # leading dense-FFN layers of a MoE model (all layers if not MoE)
     dense_intermediate: int = 0
@@ -138,16 +143,28 @@ class ModelSpec:
         """KV bytes per token over all layers (MLA: the indexer's key cache is not counted)."""
         return self.kv_elems_per_token_layer() * self.layers * self.kv_elem_bytes
 
+    def indexer_layers(self) -> int:
+        """Layers that run the indexer (score keys, select top-k) and keep its key cache:
+        1-based layer l computes when l <= offset or (l - offset) % freq == 0 (GLM-5.2's
+        `_is_index_compute_layer`); the rest reuse the indices of the last computing layer."""
+        if not self.indexer_heads:
+            return 0
+        f, o = max(1, self.index_topk_freq), self.index_skip_offset
+        return sum(1 for n in range(1, self.layers + 1) if n <= o or (n - o) % f == 0)
+
     def indexer_bytes_per_token(self) -> float:
-        """Indexer key cache: FP8 key plus one fp32 scale per token per layer."""
-        return (self.indexer_dim + 4) * self.layers if self.indexer_heads else 0.0
+        """Indexer key cache: FP8 key plus one fp32 scale per token per indexer layer."""
+        return (self.indexer_dim + 4) * self.indexer_layers() if self.indexer_heads else 0.0
 
 
 GLM_5_2_FP8 = ModelSpec(
     name="glm-5.2-fp8", layers=78, hidden=6144,
     vocab=154_880,  # GLM-4.5/5 tokenizer (151,329 tokens) padded; assumption, ~1 GB either way
     n_heads=64, q_lora=2048, kv_lora=512, rope_dim=64, nope_dim=192, v_head_dim=256,
-    indexer_heads=64, indexer_dim=128, index_topk=2048,  # DeepSeek-V3.2 indexer shape
+    # GLM-5.2's config.json (GlmMoeDsaForCausalLM): index_n_heads 32, index_head_dim 128,
+    # index_topk 2048, index_topk_freq 4, index_skip_topk_offset 3 -> the indexer runs on 21 of
+    # 78 layers (IndexCache). It was DeepSeek-V3.2's shape (64 heads, every layer) before.
+    indexer_heads=32, indexer_dim=128, index_topk=2048, index_topk_freq=4, index_skip_offset=3,
     dense_layers=3, dense_intermediate=12_288,  # dense FFN width: assumption (2 x 6144)
     n_routed=256, n_shared=1, top_k=8, expert_intermediate=2048, mtp_layers=1,
     weight_bytes=1.0, embed_bytes=2.0, kv_elem_bytes=1.0,
