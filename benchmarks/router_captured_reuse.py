@@ -36,29 +36,18 @@ POLICIES = {
     "precise+speculative (max)": {"policy": "precise-prefix", "scorers": {"session": 0.1},
                                   "options": {"speculative_ttl_s": 2.0}},
     # default: precise + speculative + sticky until saturated (wait, penalty 2 s; a
-    # session moves only to an endpoint with >= 2 fewer active sessions) + session
-    # balance + prefix 2 (see config.PRESETS)
+    # session moves only to an endpoint with >= 2 fewer active sessions) + new sessions
+    # by estimated wait and session balance + prefix 2 (see config.PRESETS)
     "default": {"policy": "default"},
     # variants of default (README)
+    "default without wait": {"policy": "default", "scorers": {"wait": 0.0}},
     "default, moves by wait only": {"policy": "default",
                                     "picker": {"moves_must_balance": False}},
     "default, force moves 15 s": {"policy": "default", "picker": {"force_move_s": 15.0}},
     "default + session tokens .5": {"policy": "default", "scorers": {"session_tokens": 0.5}},
-    "default, requests .5": {"policy": "default", "scorers": {"balance": 0.0, "requests": 0.5}},
-    "default, requests .5 + balance .25": {"policy": "default",
-                                           "scorers": {"balance": 0.25, "requests": 0.5}},
-    "default, requests .5, force 8 s": {"policy": "default",
-                                        "scorers": {"balance": 0.0, "requests": 0.5},
-                                        "picker": {"force_move_s": 8.0}},
-    "default, requests .5, force 15 s": {"policy": "default",
-                                         "scorers": {"balance": 0.0, "requests": 0.5},
-                                         "picker": {"force_move_s": 15.0}},
-    "default, requests 1": {"policy": "default", "scorers": {"balance": 0.0, "requests": 1.0}},
+    "default, requests .5 for balance": {"policy": "default",
+                                         "scorers": {"balance": 0.0, "requests": 0.5}},
     "default, balance 1": {"policy": "default", "scorers": {"balance": 1.0}},
-    "default, balance .5": {"policy": "default", "scorers": {"balance": 0.5}},
-    "sticky 1 s, prefix 1, balance 1": {"policy": "default", "scorers": {"prefix": 1.0,
-                                        "balance": 1.0}, "picker": {"penalty_s": 1.0}},
-    "sticky 2 s, prefix 2, balance 1": {"policy": "default", "scorers": {"balance": 1.0}},
 }
 
 

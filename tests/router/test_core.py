@@ -235,6 +235,11 @@ def test_prefill_speed_learning_is_not_fooled_by_work_ahead():
     before = ep.prefill_tok_s
     ep.learn_prefill(500, 1.0, trusted=False)  # slower samples always count, unclipped
     assert ep.prefill_tok_s == pytest.approx(0.8 * before + 0.2 * 500)
+    # nothing ahead, but the engine had the prompt cached after all: 13K tokens "in
+    # 0.1 s" must not make the endpoint look 60x faster (it drew large new sessions)
+    before = ep.prefill_tok_s
+    ep.learn_prefill(13_000, 0.1)
+    assert ep.prefill_tok_s == pytest.approx(0.8 * before + 0.2 * 2 * before)
 
 
 def test_requests_scorer_places_new_sessions_where_fewest_requests_went():

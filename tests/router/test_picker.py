@@ -100,3 +100,14 @@ def test_build_picker_options():
     assert p.penalty_s == 3.0 and not p.moves_must_balance
     with pytest.raises(TypeError):
         build_picker({"type": "sticky", "nope": 1})
+
+
+def test_wait_scorer_is_relative_to_the_soonest():
+    from agentserve.router.scorers import SCORERS
+    w = SCORERS["wait"]()
+    s = w.score([Candidate("a", est_wait_s=11.0), Candidate("b", est_wait_s=23.0),
+                 Candidate("c", est_wait_s=0.0)])
+    assert s == pytest.approx([1 / 12, 1 / 24, 1.0])
+    # the same ratio of (1 + wait) scores the same at any scale
+    assert w.score([Candidate("a", est_wait_s=1.0), Candidate("b", est_wait_s=3.0)]) == \
+        pytest.approx(w.score([Candidate("a", est_wait_s=9.0), Candidate("b", est_wait_s=19.0)]))

@@ -50,9 +50,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # unless its estimated wait exceeds another's by more than penalty_s, and that other
     # has at least two fewer active sessions, so that moves balance and cannot cascade;
     # the wait is queued uncached prefill over the endpoint's learned prefill speed);
-    # new sessions go where the fewest sessions are active (balance), load breaks ties.
-    "default": {"scorers": {"prefix": 2.0, "balance": 0.5, "session": 0.1, "queue": 0.5,
-                            "inflight": 0.5, "kv_util": 0.25},
+    # new sessions go where the estimated wait (queued prefill tokens over learned speed)
+    # is shortest and the fewest sessions are active (balance); momentary load breaks ties.
+    "default": {"scorers": {"prefix": 2.0, "wait": 1.0, "balance": 0.5, "session": 0.1,
+                            "queue": 0.5, "inflight": 0.5, "kv_util": 0.25},
                 "picker": {"type": "sticky", "penalty_s": 2.0, "min_share": 0.5,
                            "moves_must_balance": True},
                 "index": "precise",

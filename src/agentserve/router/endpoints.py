@@ -114,13 +114,17 @@ class Endpoint:
         """Fold one observation (uncached tokens ahead + own, time to first byte) into
         the prefill speed estimate (EWMA).
 
-        An observation with work queued ahead is not `trusted`: part of that work may have
-        been done before this request arrived, so tokens / seconds overstates the speed
-        (up to ~100x was seen); it may lower the estimate but raise it at most 2x."""
+        Once there is an estimate, one observation may lower it freely but raise it at
+        most 2x: the tokens are the router's prediction, and a prompt the engine found
+        cached anyway (a tier the index did not show, a prefix shared with another
+        session) answers in milliseconds, which read as 50-100x the real speed and made
+        a busy engine look idle. An observation with work queued ahead (not `trusted`)
+        is clipped the same way: part of that work may have been done before it arrived.
+        """
         if tokens <= 0 or seconds <= 0:
             return
         rate = tokens / seconds
-        if not trusted and self.prefill_tok_s:
+        if self.prefill_tok_s:
             rate = min(rate, 2 * self.prefill_tok_s)
         self.prefill_tok_s = rate if not self.prefill_tok_s else \
             (1 - alpha) * self.prefill_tok_s + alpha * rate

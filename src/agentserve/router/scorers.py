@@ -110,10 +110,18 @@ class InflightScorer:
 
 @scorer("wait")
 class WaitScorer:
-    """Estimated time to first token (queue + uncached prefill): 1 / (1 + wait_s)."""
+    """Estimated time to first token (queued uncached prefill + this request's, at the
+    endpoint's learned prefill speed), relative to the best: (1 + min) / (1 + wait_s).
+
+    1 for the soonest endpoint; an endpoint twice as slow to start scores ~0.5 whether
+    the waits are 10 and 20 s or 0.5 and 2 s (the 1 s keeps sub-second differences from
+    counting as large). Unlike `queue` (requests waiting, scraped) it weighs queued work
+    in tokens, so a new session's large first prefill avoids an endpoint already busy
+    with one."""
 
     def score(self, cands: list[Candidate]) -> list[float]:
-        return [1.0 / (1.0 + c.est_wait_s) for c in cands]
+        lo = 1.0 + min((c.est_wait_s for c in cands), default=0.0)
+        return [lo / (1.0 + c.est_wait_s) for c in cands]
 
 
 @scorer("balance")
