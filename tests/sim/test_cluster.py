@@ -125,7 +125,7 @@ def test_runs_replay_draws_requests_uniformly_in_fresh_namespaces() -> None:
     cfg = _cfg(join_midway=True, workload="sweep-full", concurrency=1)
     sim = sim_run.Simulation(cfg, [long_s, short_s])
     assert sim._runs_replay
-    runs = [sim._next_run() for _ in range(400)]
+    runs = [sim.runs.next() for _ in range(400)]
     ids = [r[0] for r in runs]
     assert len(set(ids)) == len(ids)  # a fresh namespace per run
     share_long = sum(r[1] == "s0" for r in runs) / len(runs)

@@ -12,7 +12,6 @@ file: sessions joined at a random turn, then played to their end.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -28,7 +27,14 @@ from agentserve.sim.specs import GiB, hardware_spec, model_spec
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
 from agentserve.workload.report import summarize
-from agentserve.workload.schema import Session, TraceRequest
+from agentserve.sim.workload import (REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
+                                     RunSampler, flatten, load_workload, output_scale,
+                                     session_stream)
+from agentserve.workload.schema import Session
+
+__all__ = ["REFERENCE_OUTPUT_MEAN", "REPLAY_RUN", "SYNTH", "WARMUP_S", "SimConfig", "Simulation",
+           "flatten", "load_workload", "output_scale", "parse_topology", "session_stream",
+           "simulate"]
 
 
 @dataclass(slots=True)
@@ -63,7 +69,7 @@ class SimConfig:
     warmup: float | None = None
     block_size: int = 64
     # Stationary request mix. Synthesized workloads (xPyD): clients replay runs of REPLAY_RUN
-    # turns, each from a request drawn uniformly over the pool's requests (`_next_run`), so the
+    # turns, each from a request drawn uniformly over the pool's requests (`workload.RunSampler`), so the
     # stage's inputs are the corpus's pooled distribution whatever its length. A trace file:
     # every session is joined at a uniformly random request. False: sessions from their start.
     join_midway: bool = True
@@ -95,78 +101,6 @@ def parse_topology(s: str) -> tuple[int, int]:
     return int(p), int(d)
 
 
-SYNTH = ("sweep-full", "sweep-limited", "sweep", "claude-code")
-WARMUP_S = 120.0  # default warm-up (see SimConfig.warmup): the cold burst of c128 clears in ~100 s
-# The reference sweep's mean output per request (SPEC calibration run, c128: 6,281 tok/s over
-# the 24-minute stage / 6,242 requests = 1,449; c64 gives 1,495 on the same stage length). It
-# also follows from the published input/output ratio (431K / 6,281 = 68.6) at the stage's mean
-# input (~95-100K). The production table's lognormal (mean 780, p50 317) is kept in shape and
-# scaled: E2E p50 9.6 / 14.0 s at ITL 15.5 / 19.1 ms needs a typical output of ~500-600 tokens.
-REFERENCE_OUTPUT_MEAN = 1_449
-# Turns a client replays from one starting point before it draws a new one (`Simulation.
-# _next_run`). Set from the reference's new-KV volume: ~5 TB written to the CPU tier in the 24
-# minutes of c128 (44,928 B/token -> 111M newly computed tokens, 17.8K per request, ~18% of the
-# input). With runs of 8 turns the 3P1D c128 stage writes ~4.7 TB per 24 minutes (~16K new
-# tokens per request, GPU hit rate 0.80). The reference's mechanism for that uncached share is
-# not published; this is the one workload number fitted, to a published workload fact (one
-# value for every configuration and concurrency).
-REPLAY_RUN = 8
-
-
-def output_scale(workload: str) -> float:
-    """Output-length factor for the reference sweep workloads (REFERENCE_OUTPUT_MEAN over the
-    `sweep` profile's mean output); 1 for anything else."""
-    if not workload.startswith("sweep"):
-        return 1.0
-    from agentserve.workload.synth import profile
-
-    p = profile("sweep")
-    return REFERENCE_OUTPUT_MEAN / p.output.mean(1, p.max_output)
-
-
-def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
-    if name in SYNTH:
-        from agentserve.workload.synth import synthesize
-
-        limit = 142_000 if name == "sweep-limited" else None
-        out = synthesize("claude-code" if name == "claude-code" else "sweep", sessions, seed,
-                         max_input=limit)
-        k = output_scale(name)
-        if k != 1.0:  # the reference sweep's outputs (REFERENCE_OUTPUT_MEAN)
-            for s in out:
-                for it in s.items:
-                    for r in ([it] if isinstance(it, TraceRequest) else it.requests):
-                        r.output_tokens = max(1, round(r.output_tokens * k))
-        return out
-    from agentserve.workload.traces import load_sessions
-
-    return load_sessions(name).sessions
-
-
-def session_stream(name: str, batch: int, seed: int) -> Iterator[Session]:
-    """Sessions for a stage of any length: synthesized `batch` at a time (batch b > 0 with its
-    own seed) as clients use them up; a trace file is replayed once."""
-    b = 0
-    while True:
-        yield from load_workload(name, batch, seed if b == 0 else seed + 100_003 * b)
-        if name not in SYNTH:
-            return
-        b += 1
-
-
-def flatten(s: Session) -> list[tuple[int, str, TraceRequest]]:
-    """(main turn, agent, request) in session-time order."""
-    out, turn = [], -1
-    for it in s.items:
-        if isinstance(it, TraceRequest):
-            turn += 1
-            out.append((it.t, turn, "main", it))
-        else:
-            out += [(it.t + r.t, turn, "sub", r) for r in it.requests]
-    out.sort(key=lambda x: x[0])
-    return [(t, a, r) for _, t, a, r in out]
-
-
 class Simulation:
     """The deployment, its router and the load generator."""
 
@@ -182,14 +116,11 @@ class Simulation:
         self.overhead_per_token = ov if ov is not None else float(
             (hw.measured or {}).get("request_overhead_per_token_s", 0.0))
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
+        self.runs = RunSampler(self.sessions, cfg.concurrency, self.rng)
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES
         self.seen: dict[int, set[int]] = {}
         self._ids = 0
-        self._pool: list = []
-        self._pool_p = None
-        self._pool_left = 0
-        self._run_ids = 1 << 20  # run namespaces, clear of the session indices
         if cfg.aggregated:
             self._build_aggregated(m, hw)
             return
@@ -230,33 +161,10 @@ class Simulation:
         cfg = self.cfg
         return cfg.join_midway and not cfg.aggregated and cfg.workload in SYNTH
 
-    def _next_run(self) -> tuple[int, str, list] | None:
-        """A run of REPLAY_RUN consecutive requests of a session, starting at a request drawn
-        uniformly from the pool's requests (session drawn in proportion to its request count,
-        then a uniform turn): the stage's inputs are the corpus's pooled request mix. Each run
-        gets its own hash namespace (a fresh conversation of that shape), so its first request
-        is computed from scratch. The pool (`max(256, 2 C)` sessions) is renewed every
-        `4 x pool` runs."""
-        if self._pool_left <= 0:
-            n = max(256, 2 * self.cfg.concurrency)
-            pool = [s for _, s in itertools.islice(self.sessions, n)]
-            if pool:
-                self._pool = [([(*x, s.block_size) for x in flatten(s)], s.id) for s in pool]
-                w = np.array([len(q) for q, _ in self._pool], float)
-                self._pool_p = w / w.sum()
-                self._pool_left = 4 * len(self._pool)
-        if not self._pool:
-            return None
-        self._pool_left -= 1
-        flat, sid = self._pool[int(self.rng.choice(len(self._pool), p=self._pool_p))]
-        j = int(self.rng.integers(len(flat)))
-        self._run_ids += 1
-        return self._run_ids, sid, flat[j:j + REPLAY_RUN]
-
     def _client(self, queue: list | None = None, si: int = -1, sid: str = "") -> None:
         if not queue:
             if self._runs_replay:
-                nxt = self._next_run()
+                nxt = self.runs.next()
                 if nxt is None:
                     return
                 si, sid, queue = nxt
