@@ -230,10 +230,10 @@ def test_prefill_speed_learning_is_not_fooled_by_work_ahead():
     ep = r.endpoints["http://e0"]
     ep.learn_prefill(2000, 1.0)  # alone in the queue: 2,000 tok/s
     assert ep.prefill_tok_s == pytest.approx(2000)
-    ep.learn_prefill(200_000, 1.0, trusted=False)  # "200K tok/s": mostly done before
+    ep.learn_prefill(200_000, 1.0)  # "200K tok/s": mostly done before
     assert ep.prefill_tok_s <= 2000 * 1.2 + 1e-6  # EWMA step toward 4,000 at most
     before = ep.prefill_tok_s
-    ep.learn_prefill(500, 1.0, trusted=False)  # slower samples always count, unclipped
+    ep.learn_prefill(500, 1.0)  # slower samples always count, unclipped
     assert ep.prefill_tok_s == pytest.approx(0.8 * before + 0.2 * 500)
     # nothing ahead, but the engine had the prompt cached after all: 13K tokens "in
     # 0.1 s" must not make the endpoint look 60x faster (it drew large new sessions)

@@ -290,7 +290,7 @@ class Router:
                 ep.pending_prefill = max(0, ep.pending_prefill - d.uncached)
                 work = d.ahead + d.uncached
                 if work >= _MIN_LEARN_TOKENS and d.sent_at:
-                    ep.learn_prefill(work, time.monotonic() - d.sent_at, trusted=not d.ahead)
+                    ep.learn_prefill(work, time.monotonic() - d.sent_at)
 
     def finish(self, d: Decision) -> None:
         """The request ended (success or not): release what `decide` booked."""

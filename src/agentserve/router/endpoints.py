@@ -109,8 +109,7 @@ class Endpoint:
             del a[s]
         return len(a)
 
-    def learn_prefill(self, tokens: int, seconds: float, alpha: float = 0.2,
-                      trusted: bool = True) -> None:
+    def learn_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:
         """Fold one observation (uncached tokens ahead + own, time to first byte) into
         the prefill speed estimate (EWMA).
 
@@ -118,8 +117,8 @@ class Endpoint:
         most 2x: the tokens are the router's prediction, and a prompt the engine found
         cached anyway (a tier the index did not show, a prefix shared with another
         session) answers in milliseconds, which read as 50-100x the real speed and made
-        a busy engine look idle. An observation with work queued ahead (not `trusted`)
-        is clipped the same way: part of that work may have been done before it arrived.
+        a busy engine look idle; and an observation with work queued ahead may find part
+        of that work done before it arrived.
         """
         if tokens <= 0 or seconds <= 0:
             return
