@@ -19,6 +19,11 @@ def test_common_prefix_len():
     assert common_prefix_len(a, a + "d") == len(a)
     assert common_prefix_len(a, "x" * 20000 + "abd") == 20002
     assert common_prefix_len("", "a") == 0
+    from agentserve.router.segments import Rope
+    r = Rope(["x" * 20000, "abc"])
+    assert common_prefix_len(r, Rope(["x" * 20000, "abd"]), lo=19990) == 20002
+    assert common_prefix_len(r, "x" * 20000 + "abc!", lo=5) == len(r)
+    assert common_prefix_len(Rope(["ab"]), "abc", lo=7) == 2  # lo past the end: clamped
 
 
 def test_self_check_passes_for_byte_level_bpe(tok):

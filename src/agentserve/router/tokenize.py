@@ -86,6 +86,7 @@ def common_prefix_len(a: str | Rope, b: str | Rope, step: int = 8192, lo: int = 
     only the text from `lo` on is read).
     """
     if not isinstance(a, str) or not isinstance(b, str):
+        lo = min(lo, len(a), len(b))
         return lo + common_prefix_len(a[lo:], b[lo:], step)
     if len(a) <= len(b):
         if b.startswith(a[lo:], lo) if lo else b.startswith(a):
