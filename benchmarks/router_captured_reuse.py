@@ -41,6 +41,7 @@ POLICIES = {
     "default": {"policy": "default"},
     # variants of default (README)
     "default without wait": {"policy": "default", "scorers": {"wait": 0.0}},
+    "default, wait 2": {"policy": "default", "scorers": {"wait": 2.0}},
     "default, moves by wait only": {"policy": "default",
                                     "picker": {"moves_must_balance": False}},
     "default, force moves 15 s": {"policy": "default", "picker": {"force_move_s": 15.0}},
