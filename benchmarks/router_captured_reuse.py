@@ -42,6 +42,9 @@ POLICIES = {
     # variants of default (README)
     "default without wait": {"policy": "default", "scorers": {"wait": 0.0}},
     "default, wait 2": {"policy": "default", "scorers": {"wait": 2.0}},
+    # new sessions keep each endpoint's mix of session sizes alike (tokens and count)
+    "default, size mix": {"policy": "default",
+                          "scorers": {"wait": 0.25, "session_tokens": 1.0, "balance": 0.5}},
     "default, moves by wait only": {"policy": "default",
                                     "picker": {"moves_must_balance": False}},
     "default, force moves 15 s": {"policy": "default", "picker": {"force_move_s": 15.0}},
