@@ -37,14 +37,15 @@ POLICIES = {
                                   "options": {"speculative_ttl_s": 2.0}},
     # default: precise + speculative + sticky until saturated (wait, penalty 2 s; a
     # session moves only to an endpoint with >= 2 fewer active sessions) + new sessions
-    # by estimated wait and session balance + prefix 2 (see config.PRESETS)
+    # by estimated wait, session balance and recent requests + prefix 2 (config.PRESETS)
     "default": {"policy": "default"},
     # variants of default (README)
-    "default without wait": {"policy": "default", "scorers": {"wait": 0.0}},
-    "default, wait 2": {"policy": "default", "scorers": {"wait": 2.0}},
+    "default without wait": {"policy": "default", "scorers": {"wait": 0.0, "requests": 0.0}},
+    "default, wait 2": {"policy": "default", "scorers": {"wait": 2.0, "requests": 0.0}},
+    "default without requests": {"policy": "default", "scorers": {"requests": 0.0}},
     # new sessions keep each endpoint's mix of session sizes alike (tokens and count)
-    "default, size mix": {"policy": "default",
-                          "scorers": {"wait": 0.25, "session_tokens": 1.0, "balance": 0.5}},
+    "default, size mix": {"policy": "default", "scorers": {
+        "wait": 0.25, "session_tokens": 1.0, "balance": 0.5, "requests": 0.0}},
     "default, moves by wait only": {"policy": "default",
                                     "picker": {"moves_must_balance": False}},
     "default, force moves 15 s": {"policy": "default", "picker": {"force_move_s": 15.0}},

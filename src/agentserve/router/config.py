@@ -51,9 +51,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # has at least two fewer active sessions, so that moves balance and cannot cascade;
     # the wait is queued uncached prefill over the endpoint's learned prefill speed);
     # new sessions go where the estimated wait (queued prefill tokens over learned speed)
-    # is shortest and the fewest sessions are active (balance); momentary load breaks ties.
-    "default": {"scorers": {"prefix": 2.0, "wait": 1.0, "balance": 0.5, "session": 0.1,
-                            "queue": 0.5, "inflight": 0.5, "kv_util": 0.25},
+    # is shortest, the fewest sessions are active (balance) and the fewest requests went
+    # recently (requests: sessions turn over at different speeds); momentary load breaks ties.
+    "default": {"scorers": {"prefix": 2.0, "wait": 1.0, "balance": 0.5, "requests": 0.5,
+                            "session": 0.1, "queue": 0.5, "inflight": 0.5, "kv_util": 0.25},
                 "picker": {"type": "sticky", "penalty_s": 2.0, "min_share": 0.5,
                            "moves_must_balance": True},
                 "index": "precise",

@@ -151,9 +151,15 @@ class RecentRequestsScorer:
     (tool pauses of 1 s or of minutes), so equal session counts can still mean unequal
     request rates; placing new sessions where the recent rate is lowest evens out the
     requests each endpoint serves, which session counts alone leave to chance.
+
+    It steers only requests whose session has no endpoint yet (no candidate matches
+    it): a session's own past requests would otherwise count against its endpoint and
+    outweigh affinity (placing a known session is the prefix and sticky picker's job).
     """
 
     def score(self, cands: list[Candidate]) -> list[float]:
+        if any(c.session_match for c in cands):
+            return [1.0] * len(cands)
         n = [c.recent_requests for c in cands]
         lo, hi = min(n, default=0.0), max(n, default=0.0)
         if hi - lo < 1e-9:
