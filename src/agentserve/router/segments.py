@@ -10,6 +10,7 @@ sequence is compacted into one (one copy every few dozen turns), so lookups stay
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from array import array
 from bisect import bisect_right
 from itertools import chain
@@ -18,7 +19,7 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T", array, str)
 
 
-class _Segments(Generic[T]):
+class _Segments(ABC, Generic[T]):
     """Shared machinery: segment starts, locate, slice, prefix + tail."""
 
     __slots__ = ("n", "segs", "starts")
@@ -33,8 +34,9 @@ class _Segments(Generic[T]):
             n += len(x)
         self.n = n
 
+    @abstractmethod
     def _join(self, parts: list[T]) -> T:
-        raise NotImplementedError
+        """One sequence of `parts` (an array is always a new one: callers may extend it)."""
 
     def __len__(self) -> int:
         return self.n
