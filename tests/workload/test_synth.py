@@ -97,9 +97,14 @@ def test_pick_growth_bounds_growth_to_context():
 
 
 def test_sweep_shape_and_max_input():
-    st = compute_stats(synthesize("sweep", 120, seed=2))
-    assert 47_000 <= st["input_p50_p90_p99"][0] <= 57_000
-    assert st["input_p50_p90_p99"][2] > 347_000
+    sweep = synthesize("sweep", 120, seed=2)
+    st = compute_stats(sweep)
+    # SPEC's "median input 47K-57K, p99 above 347K" is over every request the stage sent,
+    # main-agent and sub-agent alike
+    ins = [r.input_tokens for s in sweep for r in s.main_requests]
+    ins += [r.input_tokens for s in sweep for a in s.subagents for r in a.requests]
+    assert 47_000 <= np.percentile(ins, 50) <= 57_000
+    assert np.percentile(ins, 99) > 347_000
     assert _within(st["output_p50_p90_p99"][0], 317, 0.10)
     lim = synthesize("sweep", 60, seed=2, max_input=142_000)
     ins = [r.input_tokens for s in lim for r in s.main_requests]

@@ -17,6 +17,7 @@ import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
@@ -30,6 +31,7 @@ from agentserve.workload.record import RequestRecord
 PREFILL_SCORERS = {"prefix": 2.0, "queue": 0.5, "inflight": 0.5, "kv_util": 0.25}  # router preset
 DECODE_SCORERS = {"prefix": 1.0, "inflight": 1.0, "kv_util": 0.25}  # locality vs active requests
 CPU_TIER_WEIGHT = 0.8  # router's tier weight for CPU-resident blocks
+_REF_CNT = attrgetter("ref_cnt")  # C-level attribute read for the free-hit count in `fits`
 
 
 @dataclass(slots=True, eq=False)
@@ -168,11 +170,14 @@ def store_cpu(cpu: BlockPool | None, hashes: list[int], n_in: int) -> int:
 
 def fits(pool: BlockPool, hits: list[Block], need: int) -> bool:
     """Can `need` new blocks be taken after touching `hits` (free hits leave the free queue)?
-    The scan of the hits is skipped when even all of them being free would fit."""
+    The scan of the hits is skipped when even all of them being free would fit, or when the
+    new blocks alone do not."""
     free = pool.num_free_blocks
     if need + len(hits) <= free:
         return True
-    return need + sum(1 for b in hits if b.ref_cnt == 0) <= free
+    if need > free:  # fails even if no hit is free: skip the scan
+        return False
+    return need + list(map(_REF_CNT, hits)).count(0) <= free
 
 
 def mtp_accepted(rng: np.random.Generator, k: int, accept: tuple[float, ...] = MTP_ACCEPT) -> int:

@@ -53,6 +53,14 @@ class DecodeInstance(Instance):
         self.finish_at: dict[int, list[tuple[SimRequest, int]]] = defaultdict(list)
         self.load = {r.idx: [0, 0.0, 0.0] for r in ranks}  # requests, rows, indexer keys
         self.recompute: dict[int, list[tuple[int, int]]] = {}  # rank -> (new, prefix) chunks
+        # rank -> (queue head that did not fit, free blocks then). It fits when F = new blocks
+        # + free hits - free blocks <= 0. Admission is FIFO, so while the head waits nothing
+        # else is admitted or cached on the rank, and every other event lowers F by at most
+        # what it adds to the free count (a freed block: -1 and +1; a hit touched by another
+        # request: 0 and -1; an allocation, evicting hits or not: >= +k and -k). So the head
+        # cannot fit before the free count exceeds its value at the failure: the retry (a
+        # prefix match and a scan of the hits, every step) is skipped until then, same outcome.
+        self.blocked: dict[int, tuple[SimRequest, int]] = {}
         self.recomputed_tokens = 0
 
     def local_prefix(self, r: Rank, req: SimRequest) -> int:
@@ -169,9 +177,16 @@ class DecodeInstance(Instance):
         for req, gen in self.grow_at.pop(self.k, ()):
             self._grow(req, gen)
         for r in self.ranks:
-            while (r.waiting and len(r.running) < self.max_seqs
-                   and self._admit(r, r.waiting[0])):
-                req = r.waiting.popleft()
+            while r.waiting and len(r.running) < self.max_seqs:
+                req = r.waiting[0]
+                blocked = self.blocked.get(r.idx)
+                if blocked and blocked[0] is req and r.pool.num_free_blocks <= blocked[1]:
+                    break  # no block freed since it last failed to fit (see `blocked`)
+                if not self._admit(r, req):
+                    self.blocked[r.idx] = (req, r.pool.num_free_blocks)
+                    break
+                self.blocked.pop(r.idx, None)  # a later failure of the same request is new
+                r.waiting.popleft()
                 req.rank = r
                 r.running.append(req)
         loads = [self.load[r.idx] for r in self.ranks]

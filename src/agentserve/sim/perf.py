@@ -37,10 +37,17 @@ class Efficiency:
 
     flops: float = 0.55  # GEMM MFU: DeepGEMM FP8 grouped ~1,100 of 1,980 TFLOP/s on H800/H200
     attn_flops: float = 0.55  # indexer logits (DeepGEMM fp8_mqa_logits) and dense attention
-    # FlashMLA's published best cases on H800 (989 bf16 TFLOP/s peak): sparse prefill up to 640
-    # TFLOP/s, sparse decode with FP8 KV up to 410 (dequantization on the fly); not fitted.
+    # FlashMLA's published figures on H800 (989 bf16 TFLOP/s peak); not fitted. Sparse prefill up
+    # to 640 TFLOP/s. Sparse decode with FP8 KV is bound by dequantizing the gathered rows on CUDA
+    # cores (~50 cycles per row per CTA against ~34 of MMA for 64 heads); its 410 TFLOP/s needs
+    # 128 heads, two 64-head CTAs of a cluster each dequantizing half the rows for both
+    # ("crossover"). The SM90 kernel's cluster is NUM_HEADS / 64 CTAs, so with 64 heads on a rank
+    # (GLM-5.2 under data-parallel attention) a CTA has no partner and dequantizes every row
+    # itself, as the kernel without crossover did: 250 TFLOP/s (FlashMLA FP8 sparse-decoding deep
+    # dive, 2025-09-29; `sm90/decode/sparse_fp8/config.h`).
     sparse_prefill: float = 640 / 989
-    sparse_decode: float = 410 / 989
+    sparse_decode: float = 410 / 989  # >= 128 heads per rank
+    sparse_decode_h64: float = 250 / 989  # 64 heads per rank
     hbm: float = 0.80  # achieved / peak HBM bandwidth for weight and KV streaming
     link: float = 0.80  # achieved / peak NVLink or InfiniBand bandwidth in all-to-all
     a2a_latency_s: float = 60e-6  # one DeepEP low-latency dispatch or combine across nodes, small batch
@@ -79,7 +86,7 @@ class PerfModel:
         m = self.hw.measured
         if m and self.eff == Efficiency():
             self.eff = Efficiency(flops=1.0, attn_flops=1.0, hbm=1.0, sparse_prefill=1.0,
-                                  sparse_decode=1.0,
+                                  sparse_decode=1.0, sparse_decode_h64=1.0,
                                   step_overhead_s=m.get("step_overhead_s", self.eff.step_overhead_s),
                                   per_request_s=m.get("per_request_s", self.eff.per_request_s))
 
@@ -211,7 +218,10 @@ class PerfModel:
             row = 2.0 * m.n_heads * 2 * m.head_dim * m.layers
         idx = 2.0 * m.indexer_heads * m.indexer_dim * m.indexer_layers()
         split = self.topo.width if self.topo.kind == "tp" else 1
-        eff = e.sparse_decode if m.is_mla and m.index_topk else e.attn_flops
+        if m.is_mla and m.index_topk:
+            eff = e.sparse_decode if m.n_heads / split >= 128 else e.sparse_decode_h64
+        else:
+            eff = e.attn_flops
         return (row / hw.bf16_flops / eff / split, idx / hw.fp8_flops / e.attn_flops / split,
                 m.kv_bytes_per_token() / split, m.indexer_bytes_per_token() / split)
 

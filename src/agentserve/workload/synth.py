@@ -63,7 +63,9 @@ Profile `sweep` (the reference load sweep: input p50 47-57K, p99 above 347K): th
 claude-code model of fresh sessions (no resumes: a 195K-median transcript does not fit
 the sweep's input scale or a 142K `max_input`) with a lognormal turn count: sigma_T from the linear approximation (input
 ~ prefix + mean growth x pooled turn index; the p99/p50 ratio of 420K/52K fixes sigma), mu
-by bisection on the context simulation's input p50 = 52K.
+by bisection on the input p50 = 52K over all requests: the context simulation's main-agent
+inputs pooled with sub-agent inputs (`_sub_inputs`; 52% of requests, median ~28K), since the
+reference's "median input 47K-57K" is over every request its stage sent.
 `max_input` ends a session (and a sub-agent) before its first request above the limit.
 Hash ids are per 64-token block, scope "local"; a partial last block gets a new id when
 it fills. Same seed, same bytes: all randomness comes from one numpy SeedSequence.
@@ -187,7 +189,8 @@ def _context_sim(p: Profile, turns: np.ndarray, seed: int = 0) -> dict:
     ins_a, grs_a, ret_a = np.concatenate(ins), np.concatenate(grs), np.concatenate(ret)
     reu_a, exc_a = np.concatenate(reu), np.concatenate(exc)
     big = SPEC["growth"][2]
-    return {"input": np.percentile(ins_a, [50, 90, 99]), "prefix": float(np.mean(sys_t)),
+    return {"input": np.percentile(ins_a, [50, 90, 99]), "inputs": ins_a,
+            "prefix": float(np.mean(sys_t)),
             "above": float(np.mean(grs_a > big)), "ret_above": float(np.mean(ret_a > big)),
             "growth": np.percentile(grs_a, [50, 90, 99]), "reuse90": float(np.mean(reu_a >= 0.9)),
             "exceed": float(np.mean(exc_a)), "mean_growth": float(np.mean(grs_a[grs_a > 0]))}
@@ -294,11 +297,32 @@ def _derive(name: str, turns: Spliced) -> Profile:
     return replace(p, gap=_gap(p))
 
 
+def _sub_inputs(p: Profile, n: int = 2000) -> np.ndarray:
+    """Input tokens of sub-agent requests from `n` groups at a fixed quadrature of group
+    sizes (capped as the builder caps them), built by the builder's own `group_plan`: a
+    request-weighted sample of a corpus's sub-agent requests, whatever its turn counts."""
+    rng = np.random.default_rng(0)
+    sizes = np.clip(np.rint(p.group_size.ppf((np.arange(n) + 0.5) / n)), 1, p.max_group)
+    return np.concatenate([plan.tokens for g in sizes for _, plan in
+                           group_plan(p, rng, int(g), int(rng.integers(*p.sub_sys_tokens)))])
+
+
+def _pooled_p50(main: np.ndarray, sub: np.ndarray, w_sub: float) -> float:
+    """Median of main-agent inputs (weight 1 each) pooled with sub-agent inputs (w_sub each)."""
+    x = np.concatenate([main, sub])
+    w = np.concatenate([np.ones(len(main)), np.full(len(sub), w_sub)])
+    o = np.argsort(x, kind="stable")
+    c = np.cumsum(w[o])
+    return float(x[o][np.searchsorted(c, 0.5 * c[-1])])
+
+
 def _sweep_turns(cc: Profile) -> Spliced:
-    """Lognormal T whose pooled input quantiles hit SWEEP_INPUT under the claude-code
-    context model: sigma_T from the linear-growth approximation (input ~ prefix + mean
-    growth x pooled turn index; the p99/p50 ratio fixes sigma), then mu by bisection on
-    the context simulation's input p50 (trims and compaction included)."""
+    """Lognormal T whose inputs hit SWEEP_INPUT under the claude-code context model:
+    sigma_T from the linear-growth approximation (main input ~ prefix + mean growth x pooled
+    turn index; the p99/p50 ratio fixes sigma), then mu by bisection on the median over ALL
+    requests, main (the context simulation: trims and compaction included) and sub-agent
+    (`_sub_inputs`, p_g (T - 1) groups of mean size E[G] per session): the reference's
+    "median input 47K-57K" is over the requests its stage sent, 52% of them sub-agents'."""
     n = 4001
     zs = normal_scores((np.arange(n) + 0.5) / n)
     log_u = np.log((np.arange(n) + 0.5) / n)
@@ -315,11 +339,15 @@ def _sweep_turns(cc: Profile) -> Spliced:
         h50, h99 = h(mid)
         lo, hi = (mid, hi) if h99 / h50 < target else (lo, mid)
     sigma = lo
-    mlo, mhi = 0.0, math.log(SPEC["turns"][0])
+    sub = _sub_inputs(cc)
+    groups = cc.group_prob * cc.group_size.mean(1, cc.max_group)  # sub requests per main turn
+    mlo, mhi = 0.0, math.log(SPEC["turns"][2])
     for _ in range(12):
         mid = (mlo + mhi) / 2
         t = Spliced(mu=mid, sigma=sigma)
-        q50 = _context_sim(replace(cc, turns=t), _study_turns(t))["input"][0]
+        turns = _study_turns(t)
+        main = _context_sim(replace(cc, turns=t), turns)["inputs"]
+        q50 = _pooled_p50(main, sub, groups * float(np.sum(turns - 1)) / len(sub))
         mlo, mhi = (mid, mhi) if q50 < SWEEP_INPUT[0] else (mlo, mid)
     return Spliced(mu=(mlo + mhi) / 2, sigma=sigma)
 
