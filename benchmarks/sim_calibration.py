@@ -62,7 +62,8 @@ def point(args: tuple) -> dict:
             "cpu_write_tb": s.get("cpu_write_tb"),
             "itl_p90_ms": s["itl_ms"]["p90"], "e2e_p50_s": s["e2e_s"]["p50"],
             "output_tok_s_per_user": s["output_tok_s_per_user"]["mean"],
-            "decode_preemptions": s["decode_preemptions"], "ttft_phases_s": s["ttft_phases_s"]}
+            "decode_preemptions": s["decode_preemptions"], "ttft_phases_s": s["ttft_phases_s"],
+            "rejected_share": s["rejected_share"] or 0.0}
 
 
 def _mean(runs: list[dict]) -> dict:
@@ -130,7 +131,7 @@ def trends(a: argparse.Namespace) -> None:
     Path(a.out).write_text(json.dumps({"duration": a.duration, "warmup": a.warmup, "rows": out}, indent=2))
     t = Table(title=f"held-back kinds of configuration, {a.duration:.0f} simulated s (no reference numbers)")
     keys = ("output_tok_s", "input_tok_s", "itl_p50_ms", "ttft_p50_s", "ttft_p90_s",
-            "output_tok_s_per_user", "prefill_gpu_hit_rate", "decode_preemptions")
+            "output_tok_s_per_user", "prefill_gpu_hit_rate", "decode_preemptions", "rejected_share")
     for col in ("config", "c") + keys:
         t.add_column(col, justify="right")
     for r in out:

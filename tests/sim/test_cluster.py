@@ -149,3 +149,23 @@ def test_sweep_outputs_scaled_to_reference_mean() -> None:
             for _, _, r in sim_run.flatten(s)]
     assert np.median(outs) == pytest.approx(317 * k, rel=0.15)
     assert np.mean(outs) == pytest.approx(1449, rel=0.2)
+
+
+def test_request_longer_than_a_rank_is_rejected_not_queued() -> None:
+    """A prompt no prefill rank's KV can hold is answered with an error at routing (vLLM's 400
+    above `max_model_len`), its client goes on to its next request, and the ranks keep
+    serving everyone else; before, it sat at its rank's queue head for the rest of the stage."""
+    sim = sim_run.Simulation(_cfg(), [_session(0)])
+    cap = sim.p_ranks[0].pool.num_blocks  # blocks of one prefill rank (tiny on cpu-local)
+    huge = TraceRequest(t=0.0, input_tokens=(cap + 1) * 64, output_tokens=50,
+                        hash_ids=list(range(10**6, 10**6 + cap + 1)))
+    small = TraceRequest(t=1.0, input_tokens=40 * 64, output_tokens=50, hash_ids=list(range(40)))
+    big = Session(id="big", block_size=64, items=[huge, small])  # then a short turn
+    sim = sim_run.Simulation(_cfg(), [big] + [_session(i) for i in range(1, 5)])
+    s = sim.run()
+    assert s["rejected_requests"] == 1 and s["requests_failed"] == 1
+    assert s["rejected_share"] == pytest.approx(1 / 18)
+    assert s["requests_ok"] == 17  # the big session's next turn and all 4 x 4 others
+    assert s["prefill_queue"] == 0 and s["decode_queue"] == 0
+    bad = next(r for r in sim.records if not r.ok)
+    assert bad.status == 400 and bad.error == sim_run.REJECTED and bad.ttft is None

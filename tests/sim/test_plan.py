@@ -20,6 +20,8 @@ def test_frontier_and_recommendation() -> None:
     assert [p["n"] for p in pl.frontier(pts)] == [0, 1, 3]
     assert pl.recommend(pts, 30)["n"] == 1
     assert pl.recommend(pts, 60) is None
+    pts[1]["rejected_share"] = 0.16  # serves only part of the workload (a DEP8 point)
+    assert pl.recommend(pts, 30)["n"] == 4
 
 
 def test_tiny_sweep_prices_points(monkeypatch, tmp_path) -> None:

@@ -76,7 +76,7 @@ def _job(args: tuple[Candidate, int, str, str, str, float, int, float | None]) -
             "tok_s_per_user": s["output_tok_s_per_user"]["mean"] or 0.0,
             "ttft_p50_s": s["ttft_s"]["p50"], "itl_p50_ms": s["itl_ms"]["p50"],
             "cost_per_m_input": s["cost_per_m_input"], "cost_per_m_output": s["cost_per_m_output"],
-            "cost_per_hour": s["cost_per_hour"]}
+            "cost_per_hour": s["cost_per_hour"], "rejected_share": s["rejected_share"] or 0.0}
 
 
 def sweep(cands: list[Candidate], concurrencies: list[int], model: str, gpu: str, workload: str,
@@ -114,8 +114,11 @@ def frontier(points: list[dict]) -> list[dict]:
 
 
 def recommend(points: list[dict], min_per_user: float) -> dict | None:
-    """The point meeting the per-user target with the most output tok/s per GPU."""
-    ok = [p for p in points if p["tok_s_per_user"] >= min_per_user and p["output_tok_s"] > 0]
+    """The point meeting the per-user target with the most output tok/s per GPU, among those
+    serving every request: one that rejects requests longer than its ranks' KV (DEP8) would
+    look cheaper only by dropping the longest work."""
+    ok = [p for p in points if p["tok_s_per_user"] >= min_per_user and p["output_tok_s"] > 0
+          and not p.get("rejected_share")]
     return max(ok, key=lambda p: p["output_tok_s_per_gpu"]) if ok else None
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
 from agentserve.sim.cost import pool_cost
 from agentserve.sim.decode import DecodeInstance
@@ -178,11 +179,6 @@ class Simulation:
                 if self.cfg.join_midway and len(queue) > 1:  # stationary inputs (see SimConfig)
                     del queue[: int(self.rng.integers(len(queue)))]
         turn, agent, tr, sbs = queue.pop(0)
-        base = si << 32
-        hashes = [base + h for h in tr.hash_ids]
-        seen = self.seen.setdefault(si, set())
-        reuse = _bisect_prefix(seen, hashes, 0, len(hashes))  # ids are prefix-chained
-        seen.update(hashes)
         self._ids += 1
         cfg = self.cfg
         n_in = (scaled_length(tr.input_tokens, sbs, min(cfg.token_scale, sbs)) if cfg.token_scale
@@ -191,8 +187,18 @@ class Simulation:
         if cfg.max_output is not None:
             n_out = min(n_out, cfg.max_output)
         rec = RequestRecord(f"sim-{self._ids}", sid, turn, agent, start=self.clock.now,
-                            input_tokens=n_in, max_tokens=n_out,
-                            reusable_tokens=min(reuse * cfg.block_size, n_in))
+                            input_tokens=n_in, max_tokens=n_out)
+        if self._too_long(n_in, n_out):  # 400 before scheduling: no KV computed, none reusable
+            rec.error, rec.status, rec.e2e = REJECTED, 400, self.overhead
+            # via the clock, not a direct call: a run of rejected turns must not recurse
+            self.clock.at(self.clock.now + self.overhead, lambda: self._rejected(rec, queue, si, sid))
+            return
+        base = si << 32
+        hashes = [base + h for h in tr.hash_ids]
+        seen = self.seen.setdefault(si, set())
+        reuse = _bisect_prefix(seen, hashes, 0, len(hashes))  # ids are prefix-chained
+        seen.update(hashes)
+        rec.reusable_tokens = min(reuse * cfg.block_size, n_in)
         req = SimRequest(rec, hashes, n_in, n_out, lambda q: self._finished(q, queue, si, sid))
         route = self._route_agg if cfg.aggregated else self._route_prefill
         delay = self.overhead + self.overhead_per_token * n_in
@@ -200,6 +206,26 @@ class Simulation:
             self.clock.at(self.clock.now + delay, lambda: route(req))
         else:
             route(req)
+
+    def _too_long(self, n_in: int, n_out: int) -> bool:
+        """Can the request never fit one rank's KV, even on an empty rank? vLLM caps
+        `max_model_len` at what one rank's KV holds (or refuses to start), and its API server
+        answers a prompt + max_tokens above it with HTTP 400 before scheduling. Prefill ranks
+        hold the prompt; decode (and aggregated) ranks the prompt, the output and the step's
+        MTP lookahead (`DecodeInstance._admit`/`_grow`). Without this check such a request
+        would sit at its rank's FIFO queue head for the rest of the stage (DEP8: ~16% of the
+        sweep's requests exceed a prefill rank's 183K tokens)."""
+        bs = self.cfg.block_size
+        if self.aggs:
+            return cdiv(n_in + n_out, bs) > self.p_ranks[0].pool.num_blocks
+        q = self.decodes[0].q
+        return (cdiv(n_in, bs) > self.p_ranks[0].pool.num_blocks
+                or cdiv(n_in + n_out + q, bs) > self.d_ranks[0].pool.num_blocks)
+
+    def _rejected(self, rec: RequestRecord, queue: list, si: int, sid: str) -> None:
+        """Record the error; the client goes on to its next request, as AIPerf does."""
+        self.records.append(rec)
+        self._client(queue, si, sid)
 
     def _route_agg(self, req: SimRequest) -> None:
         r = self.router.pick(self.p_ranks, req, decode=False)
@@ -284,6 +310,7 @@ class Simulation:
         d = {k: c1[k] - c0[k] for k in c1}
         gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width
         s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=gpus_p + gpus_d)
+        s.update(_rejections(done))
         cost = pool_cost(gpus_p, gpus_d, s["input_tok_s"], s["output_tok_s"],
                          hardware_spec(cfg.gpu).price_per_hour)
         s.update({
@@ -317,6 +344,7 @@ class Simulation:
     def _summary_agg(self, done: list[RequestRecord]) -> dict:
         cfg = self.cfg
         s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=cfg.aggregated)
+        s.update(_rejections(done))
         prompt = sum(a.prompt_tokens for a in self.aggs)
         s.update({
             "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
@@ -331,10 +359,19 @@ class Simulation:
         return s
 
 
+# Error of a request no rank's KV can hold (vLLM: "maximum context length is ... tokens").
+REJECTED = "context_length_exceeded"
+
 # TTFT = router + prefill queue + prefill (restore wait within it) + P->D pull + decode queue
 # + first decode step; `new_tokens` = prompt tokens computed (not cached).
 PHASES = ("router", "prefill_queue", "cpu_restore", "prefill", "pd_transfer", "decode_queue",
           "first_step", "new_tokens")
+
+
+def _rejections(done: list[RequestRecord]) -> dict:
+    """Requests rejected as longer than a rank's KV, and their share of the stage's requests."""
+    n = sum(1 for r in done if r.error == REJECTED)
+    return {"rejected_requests": n, "rejected_share": _share(n, len(done))}
 
 
 def _share(num: float, den: float) -> float | None:
