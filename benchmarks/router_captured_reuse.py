@@ -53,6 +53,12 @@ POLICIES = {
     "default, requests .5 for balance": {"policy": "default",
                                          "scorers": {"balance": 0.0, "requests": 0.5}},
     "default, balance 1": {"policy": "default", "scorers": {"balance": 1.0}},
+    # new sessions to the fewest recent requests, guarded by live sessions and wait
+    "default, place by requests": {"policy": "default",
+                                   "picker": {"place_by": "requests", "place_slack": 1}},
+    # sessions count as active for a fixed 60 s after their last turn (before liveness.py)
+    "default, fixed 60 s session window": {"policy": "default",
+                                           "options": {"session_pause_quantile": None}},
 }
 
 

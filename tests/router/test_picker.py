@@ -111,3 +111,41 @@ def test_wait_scorer_is_relative_to_the_soonest():
     # the same ratio of (1 + wait) scores the same at any scale
     assert w.score([Candidate("a", est_wait_s=1.0), Candidate("b", est_wait_s=3.0)]) == \
         pytest.approx(w.score([Candidate("a", est_wait_s=9.0), Candidate("b", est_wait_s=19.0)]))
+
+
+def test_place_by_requests_takes_the_fewest_recent_requests_within_the_guards():
+    """A new session (no holder) goes to the endpoint sent the fewest requests recently,
+    unless it has more than `place_slack` live sessions above the fewest or its wait
+    exceeds the shortest by more than `penalty_s`."""
+    p = StickyPicker(penalty_s=2.0, place_by="requests", place_slack=1)
+
+    def c(url, rr, sessions, wait):
+        x = cand(url, wait=wait, sessions=sessions)
+        x.recent_requests = rr
+        return x
+    cs = [c("a", 40.0, 5, 0.2), c("b", 12.0, 8, 0.2), c("c", 20.0, 6, 4.0),
+          c("d", 25.0, 6, 1.5), c("e", 30.0, 5, 0.1)]
+    # b: fewest requests but 3 sessions above the fewest; c: its queue is 3.9 s longer
+    assert p.pick(cs, [5.0, 5.0, 5.0, 1.0, 4.0]) == (3, "load")
+    # by score (the default) the highest score wins instead
+    assert StickyPicker(penalty_s=2.0).pick(cs, [5.0, 1.0, 1.0, 1.0, 4.0])[0] == 0
+    with pytest.raises(ValueError, match="place_by"):
+        StickyPicker(place_by="tokens")
+
+
+def test_place_by_requests_keeps_a_partial_prefix():
+    """A prefix under `min_share` (not sticky) still outweighs the request count when it
+    is more than 10% of the prompt longer than the others'."""
+    p = StickyPicker(penalty_s=2.0, place_by="requests")
+    a, b = cand("a", 40, sessions=3), cand("b", 5, sessions=3)
+    a.recent_requests, b.recent_requests = 30.0, 10.0
+    assert p.pick([a, b], [1.0, 1.0])[0] == 0
+    a.weighted_blocks = 12  # within 10 blocks of 100: the fewer requests win
+    assert p.pick([a, b], [1.0, 1.0])[0] == 1
+
+
+def test_place_by_requests_with_no_endpoint_inside_both_guards_takes_the_best_score():
+    p = StickyPicker(penalty_s=2.0, place_by="requests", place_slack=1)
+    a, b = cand("a", sessions=2, wait=9.0), cand("b", sessions=6, wait=0.1)
+    assert p.pick([a, b], [1.0, 2.0]) == (1, "load")
+    assert p.pick([a, b], [2.0, 1.0]) == (0, "load")

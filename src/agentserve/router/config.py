@@ -112,7 +112,8 @@ class Options:
     raw_prompt_cache_mb: float = 256.0  # token-id bodies read incrementally (0: off)
     hash_cache_chunks: int = 8192  # ~14 KB each (2048 tokens at block 16)
     session_entries: int = 100000
-    session_active_s: float = 60.0  # a session counts as active on its endpoint this long
+    session_active_s: float = 60.0  # longest a paused session counts as active (router/liveness.py)
+    session_pause_quantile: float | None = 0.9  # of observed pauses: how long one counts (None: session_active_s)
     recent_requests_s: float = 60.0  # time constant of the decayed request count (`requests`)
     exact_match: bool = False  # scan every block (sees holes) instead of bisecting
     pd_threshold: int = 256  # P/D: split a request when the decode endpoint lacks >= this many tokens
@@ -143,6 +144,9 @@ def _options(d: dict[str, Any]) -> Options:
     for name in ("recent_requests_s", "session_active_s"):
         if not getattr(o, name) > 0:
             raise ValueError(f"router option {name} must be > 0, got {getattr(o, name)!r}")
+    q = o.session_pause_quantile
+    if q is not None and not 0 < q <= 1:
+        raise ValueError(f"router option session_pause_quantile must be in (0, 1] or null, got {q!r}")
     return o
 
 

@@ -30,6 +30,7 @@ from agentserve.router.approx import ApproxTracker
 from agentserve.router.config import EndpointConfig, RouterConfig
 from agentserve.router.endpoints import Endpoint
 from agentserve.router.index import Match, PrefixIndex
+from agentserve.router.liveness import SessionLiveness
 from agentserve.router.picker import build_picker
 from agentserve.router.prefix import HashCache
 from agentserve.router.scorers import (Candidate, ModelFilter, RoleFilter, build_scorers,
@@ -78,6 +79,8 @@ class Decision:
     started: bool = False
     sent_at: float = 0.0  # monotonic time of booking
     ahead: int = 0  # uncached prompt tokens queued on the endpoint before this one
+    session: str | None = None
+    finished: bool = False
 
 
 class Router:
@@ -91,6 +94,9 @@ class Router:
         self.approx: dict[str, ApproxTracker] = {}
         self.caches: dict[HasherId, HashCache] = {}
         self.sessions: OrderedDict[str, str] = OrderedDict()
+        self.liveness = SessionLiveness(self.opts.session_active_s,
+                                        self.opts.session_pause_quantile,
+                                        self.opts.session_entries)
         # session -> its latest prompt length, for Candidate.active_tokens (only kept
         # when a scorer uses it: the sum costs one lookup per active session)
         self.session_tokens: dict[str, int] = {}
@@ -167,7 +173,8 @@ class Router:
         sess_url = self.sessions.get(req.session) \
             if req.session is not None and self.opts.session_affinity else None
         stale, tok_s = self.opts.metrics_stale_s, self.opts.prefill_tok_per_s
-        weights, window = self.opts.tier_weights, self.opts.session_active_s
+        weights, window = self.opts.tier_weights, self.liveness.limit_s()
+        busy = self.liveness.busy
         tau = self.opts.recent_requests_s
         add = cands.append
         for hid, eps in by_hid.items():
@@ -203,7 +210,7 @@ class Router:
                               (pending + uncached) / (ep.prefill_tok_s or tok_s),
                               sess_url is not None and sess_url == url, c.role,
                               True if model is None else ep.serves(model),
-                              ep.active_sessions(now, window) if ep.active else 0, 0,
+                              ep.active_sessions(now, window, busy) if ep.active else 0, 0,
                               ep.recent_requests(now, tau)))
                 if self._count_tokens and ep.active:
                     st = self.session_tokens
@@ -263,6 +270,8 @@ class Router:
         ep.inflight_tokens += d.charged_tokens
         ep.pending_prefill += d.uncached
         if req.session is not None:
+            d.session = req.session
+            self.liveness.start(req.session, now)
             prev = self.sessions.get(req.session)
             if prev is not None and prev != ep.url and prev in self.endpoints:
                 self.endpoints[prev].active.pop(req.session, None)  # the session moved
@@ -293,12 +302,22 @@ class Router:
                     ep.learn_prefill(work, time.monotonic() - d.sent_at)
 
     def finish(self, d: Decision) -> None:
-        """The request ended (success or not): release what `decide` booked."""
+        """The request ended (success or not): release what `decide` booked (once)."""
+        if d.finished:
+            return
+        d.finished = True
         self.first_byte(d)
         ep = self.endpoints.get(d.url)
         if ep is not None:
             ep.inflight = max(0, ep.inflight - 1)
             ep.inflight_tokens = max(0, ep.inflight_tokens - d.charged_tokens)
+        s = d.session
+        if s is not None:
+            now = time.monotonic()
+            self.liveness.end(s, now)
+            if ep is not None and self.sessions.get(s) == d.url:
+                ep.active[s] = now  # the pause starts now, not when the turn was sent
+                ep.active.move_to_end(s)
 
     def stats(self) -> dict[str, Any]:
         return {"index_blocks": len(self.index), "endpoints": len(self.endpoints),

@@ -20,6 +20,7 @@ import math
 import re
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -99,14 +100,23 @@ class Endpoint:
         self.recent_n = self.recent_requests(now, tau_s) + 1.0
         self.recent_at = now
 
-    def active_sessions(self, now: float, window_s: float) -> int:
-        """Sessions whose latest turn was routed here within `window_s` (oldest pruned)."""
+    def active_sessions(self, now: float, window_s: float,
+                        busy: Callable[[str], bool] | None = None) -> int:
+        """Live sessions here: last active within `window_s`, or `busy` (in flight).
+
+        A session is touched when its request is routed here and when it ends; the oldest
+        are pruned, except that one still in flight is re-touched and kept (a long
+        request is not a pause)."""
         a = self.active
-        while a:
+        for _ in range(len(a)):
             s, t = next(iter(a.items()))
             if now - t <= window_s:
                 break
-            del a[s]
+            if busy is not None and busy(s):
+                a[s] = now
+                a.move_to_end(s)
+            else:
+                del a[s]
         return len(a)
 
     def learn_prefill(self, tokens: int, seconds: float, alpha: float = 0.2) -> None:

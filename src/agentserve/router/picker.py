@@ -88,11 +88,16 @@ class StickyPicker:
 
     def __init__(self, penalty_s: float = 1.0, min_share: float = 0.5, eps: float = 1e-9,
                  seed: int | None = None, moves_must_balance: bool = True,
-                 force_move_s: float | None = None) -> None:
+                 force_move_s: float | None = None, place_by: str = "score",
+                 place_slack: int = 1) -> None:
+        if place_by not in ("score", "requests"):
+            raise ValueError(f"picker place_by must be score or requests, got {place_by!r}")
         self.penalty_s = penalty_s
         self.min_share = min_share
         self.moves_must_balance = moves_must_balance
         self.force_move_s = force_move_s
+        self.place_by = place_by
+        self.place_slack = place_slack
         self.fallback = MaxScorePicker(eps, seed)
 
     def pick(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
@@ -101,7 +106,7 @@ class StickyPicker:
         c = cands[h]
         if c.weighted_blocks <= 0 or c.weighted_blocks < self.min_share * c.total_blocks \
                 or len(cands) == 1:
-            return self.fallback.pick(cands, scores)
+            return self._place(cands, scores)
         limit = c.est_wait_s - self.penalty_s
         others = [i for i in idx if i != h and cands[i].est_wait_s < limit]
         if self.moves_must_balance and others:
@@ -116,6 +121,37 @@ class StickyPicker:
             return h, _reason(c)
         j, _ = self.fallback.pick([cands[i] for i in others], [scores[i] for i in others])
         return others[j], "saturated"
+
+    def _place(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
+        """A request no endpoint holds the prefix of (a new session, a sub-agent).
+
+        `place_by: score` takes the highest score. `place_by: requests` takes the
+        endpoint that was sent the fewest requests recently (`Candidate.recent_requests`)
+        among those within `place_slack` live sessions of the fewest, within `penalty_s`
+        of the shortest wait and within 10% of the prompt of the longest prefix held
+        among those; score breaks ties. When no endpoint meets both guards (those with
+        the fewest sessions all have long queues), the highest score wins. The request count is what
+        the session's future turns add to; the two guards keep an endpoint that serves
+        few requests because it is slow from drawing every new session (more sessions
+        would make it slower still) and keep a new session's first turn off a queue
+        that is clogged right now."""
+        if self.place_by == "score" or len(cands) == 1:
+            return self.fallback.pick(cands, scores)
+        n = [_sessions(c) for c in cands]
+        lo_n, lo_w = min(n), min(c.est_wait_s for c in cands)
+        ok = [i for i, c in enumerate(cands)
+              if n[i] <= lo_n + self.place_slack and c.est_wait_s <= lo_w + self.penalty_s]
+        if not ok:  # the fewest sessions are all behind a long queue: weigh both by score
+            return self.fallback.pick(cands, scores)
+        # A part of the prompt held somewhere (under `min_share`, e.g. a sub-agent's earlier
+        # call) still saves its recompute: only endpoints within 10% of the prompt of the
+        # best such prefix compete on requests (a system prompt held everywhere ties).
+        top = max(cands[i].weighted_blocks for i in ok)
+        ok = [i for i in ok if cands[i].weighted_blocks >= top - 0.1 * cands[i].total_blocks]
+        least = min(cands[i].recent_requests for i in ok)
+        ties = [i for i in ok if cands[i].recent_requests < least + 0.5]
+        j, _ = self.fallback.pick([cands[i] for i in ties], [scores[i] for i in ties])
+        return ties[j], _reason(cands[ties[j]])
 
 
 def _sessions(c: Candidate) -> int:

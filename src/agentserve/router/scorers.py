@@ -39,7 +39,7 @@ class Candidate:
     session_match: bool = False
     role: str = "both"
     model_ok: bool = True
-    active_sessions: int = 0  # sessions whose latest turn went here (options.session_active_s)
+    active_sessions: int = 0  # live sessions whose latest turn went here (router/liveness.py)
     active_tokens: int = 0  # their latest prompts' tokens, the request's own session not counted
     recent_requests: float = 0.0  # requests routed here, decayed (options.recent_requests_s)
 
