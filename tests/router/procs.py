@@ -20,6 +20,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def log_excerpt(path: Path, tail: int = 3000, max_errors: int = 40) -> str:
+    """A process log for a failure report: its error lines from anywhere (the root cause
+    of a crash is often far above the final traceback), then its last `tail` characters."""
+    text = path.read_text(errors="replace")
+    errors = [ln for ln in text.splitlines()
+              if "Error" in ln or "Exception" in ln or "error:" in ln.lower()][:max_errors]
+    head = ("[error lines]\n" + "\n".join(errors) + "\n[tail]\n") if errors else ""
+    return head + text[-tail:]
+
+
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:

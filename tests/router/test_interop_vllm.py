@@ -11,7 +11,7 @@ import yaml
 
 from agentserve.engine.tiny import default_model_dir
 
-from .procs import free_port, router, start, stop, wait_http
+from .procs import free_port, log_excerpt, router, start, stop, wait_http
 from .sessions import run_sessions
 
 VENV = Path(os.environ.get("AGENTSERVE_VLLM_VENV",
@@ -55,7 +55,7 @@ def test_two_vllm_precise_routing(tmp_path: Path):
     finally:
         stop(procs)
         for f in sorted(tmp_path.glob("*.log")):
-            print(f"--- {f.name}\n" + f.read_text(errors="replace")[-3000:])
+            print(f"--- {f.name}\n" + log_excerpt(f))
     later = [r for r in rows if r["turn"] > 0]
     for r in later:
         first = next(x for x in rows if x["session"] == r["session"] and x["turn"] == 0)
