@@ -190,3 +190,20 @@ async def test_body_limit_413(stack):
     gw, s = await make(options={"max_body_mb": 0.001})
     async with s.post("/v1/completions", json=prompt(n=2000)) as r:
         assert r.status == 413
+
+
+async def test_internal_error_is_a_json_500_and_the_router_keeps_serving(stack):
+    engines, urls, make = stack
+    gw, s = await make()
+    pick = gw.router.picker.pick
+
+    def broken(cands, scores):
+        raise ValueError("max() arg is an empty sequence")
+    gw.router.picker.pick = broken
+    async with s.post("/v1/completions", json=prompt()) as r:
+        assert r.status == 500
+        err = (await r.json())["error"]
+        assert err["type"] == "internal_error" and "ValueError" in err["message"]
+    gw.router.picker.pick = pick
+    async with s.post("/v1/completions", json=prompt()) as r:
+        assert r.status == 200

@@ -44,6 +44,20 @@ def error(status: int, message: str, kind: str = "invalid_request_error",
     return web.json_response(body, status=status, headers=headers)
 
 
+@web.middleware
+async def internal_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """A bug of ours in one request answers that request with an OpenAI error object
+    (and a logged traceback), not aiohttp's HTML 500 page; other requests are unaffected."""
+    try:
+        return await handler(request)
+    except web.HTTPException:
+        raise
+    except Exception as e:  # noqa: BLE001 - the last line of defence, logged in full
+        logger.exception("internal error handling %s %s", request.method, request.path)
+        return error(500, f"router internal error ({type(e).__name__}: {e}); see the router "
+                     "log", "internal_error")
+
+
 class Gateway:
     """Router + background loops + HTTP handlers."""
 
@@ -69,7 +83,8 @@ class Gateway:
 
     # ---- lifecycle --------------------------------------------------------------------
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=int(self.opts.max_body_mb * 2**20))
+        app = web.Application(client_max_size=int(self.opts.max_body_mb * 2**20),
+                              middlewares=[internal_errors])
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
