@@ -37,12 +37,25 @@ POLICIES = {
                                   "options": {"speculative_ttl_s": 2.0}},
     # default: precise + speculative + sticky until saturated (wait, penalty 2 s; a
     # session moves only to an endpoint with >= 2 fewer active sessions) + new sessions
-    # by estimated wait, session balance and recent requests + prefix 2 (config.PRESETS)
+    # by estimated wait, session balance and live sessions' request rate + rebalancing
+    # (a session moves off an endpoint sent 1.1x the requests of the least loaded, while
+    # live-session request rates allow, within a recompute budget of 1.5% of reuse)
+    # + prefix 2 (config.PRESETS)
     "default": {"policy": "default"},
+    # the default before rebalancing: new sessions by recent requests, no moves for balance
+    "default without rebalance (before)": {"policy": "default",
+                                           "picker": {"rebalance_slack": None},
+                                           "scorers": {"rate": 0.0, "requests": 0.5}},
+    # rebalancing with new sessions by recent requests instead of rate
+    "default, requests .5 for rate": {"policy": "default",
+                                      "scorers": {"rate": 0.0, "requests": 0.5}},
+    "default, requests .5 for rate, rebalance .2": {
+        "policy": "default", "picker": {"rebalance_slack": 0.2},
+        "scorers": {"rate": 0.0, "requests": 0.5}},
     # variants of default (README)
     "default without wait": {"policy": "default", "scorers": {"wait": 0.0, "requests": 0.0}},
     "default, wait 2": {"policy": "default", "scorers": {"wait": 2.0, "requests": 0.0}},
-    "default without requests": {"policy": "default", "scorers": {"requests": 0.0}},
+    "default without rate": {"policy": "default", "scorers": {"rate": 0.0}},
     # new sessions keep each endpoint's mix of session sizes alike (tokens and count)
     "default, size mix": {"policy": "default", "scorers": {
         "wait": 0.25, "session_tokens": 1.0, "balance": 0.5, "requests": 0.0}},
@@ -83,7 +96,11 @@ def decide(self, req, exclude=None):
         "url": d.url, "reason": d.reason, "pred": d.predicted_cached, "cands": [
             {"url": c.url, "w": round(c.weighted_blocks, 1), "tot": c.total_blocks,
              "wait": round(c.est_wait_s, 3), "sess": c.active_sessions, "tok": c.active_tokens,
-             "pend": c.pending_prefill, "rr": round(c.recent_requests, 1), "score": round(s, 3)} for c, s in zip(cands, scores)]}) + "\n")
+             "pend": c.pending_prefill, "rr": round(c.recent_requests, 1),
+             "ar": round(c.active_rate, 3), "sr": round(c.session_rate, 3),
+             "score": round(s, 3)} for c, s in zip(cands, scores)],
+        "budget": round(getattr(self.picker, "rebalance_budget", 0) * getattr(self.picker, "reused", 0)
+                        - getattr(self.picker, "spent", 0))}) + "\n")
     return d
 core.Router.decide = decide
 sys.argv = ["route", *sys.argv[1:]]
@@ -176,7 +193,8 @@ def run_policy(name: str, raw: dict, a: argparse.Namespace, tmp: Path) -> dict:
     cfg.write_text(yaml.safe_dump({**raw, "endpoints": [
         {"url": u, "kv_events": f"tcp://127.0.0.1:{e}", "block_size": 16,
          "capacity_blocks": a.kv_tokens // 16} for u, e in zip(urls, evs)]}))
-    procs = [our_engine(p, e, tmp / f"e{i}.log", a.kv_tokens, a.engine_args.split())
+    procs = [our_engine(p, e, tmp / f"e{i}.log", a.kv_tokens, a.engine_args.split(),
+                        a.engine_threads or None)
              for i, (p, e) in enumerate(zip(ports, evs))]
     rport = free_port()
     try:
@@ -241,11 +259,17 @@ def main() -> None:
     ap.add_argument("--policies", nargs="*", default=list(POLICIES))
     ap.add_argument("--engine-args", default="", help="extra `agentserve serve` flags, e.g. "
                     "'--kv-cpu-gib 1 --kv-cpu-policy session' for a CPU tier below each engine")
+    ap.add_argument("--engine-threads", type=int, default=None,
+                    help="OMP_NUM_THREADS per engine (0: torch's default, a thread per core "
+                         "in each engine); default: the cores split over the engines, as "
+                         "`agentserve up` does")
     ap.add_argument("--seed", type=int, default=0, help="prompt token seed of the replay")
     ap.add_argument("--keep", default=None, help="keep each policy's bench output, router "
                     "decision log and logs under this folder (and report lost reuse by reason)")
     ap.add_argument("--out", default="bench-out/router_captured_reuse.json")
     a = ap.parse_args()
+    if a.engine_threads is None:
+        a.engine_threads = max(1, (os.cpu_count() or 1) // a.engines)
     rows = []
     for name in a.policies:
         with tempfile.TemporaryDirectory() as d:

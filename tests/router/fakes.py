@@ -21,6 +21,7 @@ class FakeEngine:
         self.chunks = 3
         self.cancelled = 0
         self.waiting = 0
+        self.max_model_len: int | None = None  # on the /v1/models card when set (as vLLM)
         self.server: TestServer | None = None
 
     def app(self) -> web.Application:
@@ -36,8 +37,10 @@ class FakeEngine:
         return web.Response(text="ok")
 
     async def models(self, request: web.Request) -> web.Response:
-        return web.json_response({"object": "list",
-                                  "data": [{"id": self.model, "object": "model"}]})
+        card = {"id": self.model, "object": "model"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     async def metrics(self, request: web.Request) -> web.Response:
         text = (f'vllm:num_requests_waiting{{model_name="{self.model}"}} {self.waiting}\n'

@@ -71,10 +71,13 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def our_engine(port: int, ev_port: int, log: Path, kv_tokens: int = 16384,
-               extra: list[str] | None = None) -> subprocess.Popen:
+               extra: list[str] | None = None, threads: int | None = None) -> subprocess.Popen:
+    """One of our engines; `threads` caps its torch/OpenMP threads (as `agentserve up`
+    does: engines sharing cores each with a thread per core oversubscribe them)."""
     return start([PY, "-m", "agentserve.cli", "serve", "--port", str(port), "--block-size", "16",
                   "--kv-cache-tokens", str(kv_tokens),
-                  "--kv-events-endpoint", f"tcp://*:{ev_port}", *(extra or [])], log)
+                  "--kv-events-endpoint", f"tcp://*:{ev_port}", *(extra or [])], log,
+                 env={"OMP_NUM_THREADS": str(threads)} if threads else None)
 
 
 def router(port: int, config: Path, log: Path, tokenizer: str | None = None) -> subprocess.Popen:

@@ -275,3 +275,28 @@ def test_recent_requests_decay():
     assert ep.recent_requests(160.0, 60.0) == pytest.approx(1.0 + 2.0 / 2.718281828, rel=1e-6)
     with pytest.raises(ValueError, match="recent_requests_s"):
         make("default", options={"recent_requests_s": 0})
+
+
+def test_rate_scorer_places_new_sessions_by_the_live_sessions_request_rate():
+    """`rate` looks forward: an endpoint that served many requests for a session that has
+    since ended has no live rate and draws the new session, where `requests` (the last
+    minute's count) sends it to the endpoint that served the fewest."""
+    def run(scorers):
+        r = make("default", scorers={"balance": 0.0, "requests": 0.0, **scorers},
+                 options={"speculative_ttl_s": 0.0, "session_pause_quantile": None,
+                          "session_active_s": 2.0})
+        for s in range(4):
+            r.finish(r.decide(RouteInput(toks(300, 300 + s), session=f"s{s}")))
+        assert sorted(len(r.endpoints[u].active) for u in URLS) == [1, 1, 1, 1]
+        busy, quiet = r.sessions["s0"], r.sessions["s2"]
+        for s, turns in ((0, 5), (1, 1), (3, 1)):
+            t = toks(300, 300 + s)
+            hold(r, r.sessions[f"s{s}"], t)
+            for k in range(turns):
+                r.finish(r.decide(RouteInput(t + [k] * 20, session=f"s{s}")))
+        r.endpoints[busy].active["s0"] -= 10.0  # s0 ended: paused past the 2 s window
+        return r.decide(RouteInput(toks(300, 99), session="new")).url, busy, quiet
+    url, busy, _ = run({"rate": 1.0})
+    assert url == busy
+    url, _, quiet = run({"requests": 1.0})
+    assert url == quiet

@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import re
 import time
 
 import aiohttp
@@ -87,6 +88,29 @@ async def test_bad_requests_never_reach_engines(stack):
             assert r.status == 400
             assert "message" in (await r.json())["error"]
     assert not engines[0].calls and not engines[1].calls
+
+
+async def test_prompt_over_every_context_limit_is_a_400_from_the_router(stack):
+    """Endpoints' `max_model_len` (their /v1/models cards) bound the prompt: a prompt that
+    fits one endpoint goes there; one that fits none gets vLLM's 400 from the router and
+    never reaches an engine or counts as a routing decision."""
+    engines, urls, make = stack
+    engines[0].max_model_len, engines[1].max_model_len = 64, 32
+    gw, s = await make()
+    assert [gw.router.endpoints[u].max_model_len for u in urls] == [64, 32]
+    for _ in range(3):
+        async with s.post("/v1/completions", json=prompt(40)) as r:
+            assert r.status == 200 and r.headers["x-agentserve-endpoint"] == urls[0]
+    async with s.post("/v1/completions", json=prompt(64)) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
+    assert err["type"] == "invalid_request_error"
+    assert "maximum context length is 64 tokens" in err["message"]
+    assert len(engines[0].calls) == 3 and not engines[1].calls
+    async with s.get("/metrics") as r:
+        text = await r.text()
+    assert sum(float(v) for v in re.findall(
+        r"^agentserve_router_decisions_total{[^}]*} (\S+)", text, re.M)) == 3
 
 
 async def test_unknown_model_404(stack):

@@ -98,3 +98,37 @@ def test_in_flight_sessions_count_however_long_their_request_runs():
 def test_bad_quantile_is_refused():
     with pytest.raises(ValueError, match="session_pause_quantile"):
         build_config({"options": {"session_pause_quantile": 1.5}})
+
+
+def test_session_rates_feed_the_rebalancing_candidates():
+    """A session's rate is its requests over its age (at least 10 s); with rebalancing on,
+    each candidate carries its live sessions' summed rate, the request's own apart."""
+    live = SessionLiveness(60.0, 0.9, 100)
+    for t in (0.0, 5.0, 10.0, 15.0, 20.0):
+        live.start("fast", t)
+        live.end("fast", t + 1.0)
+    live.start("new", 20.0)
+    assert live.rate("fast", 20.0) == pytest.approx(5 / 20)
+    assert live.rate("new", 20.0) == pytest.approx(1 / 10)
+    assert live.rate("never", 20.0) == 0.0
+
+    eps = [{"url": u, "kv_events": f"tcp://127.0.0.1:{6000 + i}", "block_size": 16}
+           for i, u in enumerate(URLS)]
+    r = make()  # the default: rebalancing on, `rate` scorer
+    for turn in range(3):
+        for s in range(4):
+            r.finish(r.decide(RouteInput(toks(300 + 50 * turn, s), session=f"s{s}")))
+    cands = r.candidates(RouteInput(toks(400, 0), session="s0"), time.monotonic())[0]
+    home = r.sessions["s0"]
+    by = {c.url: c for c in cands}
+    assert all(c.session_rate == pytest.approx(3 / 10) for c in cands)
+    assert sum(c.active_rate for c in cands) == pytest.approx(3 * 3 / 10)  # s1..s3
+    assert by[home].active_rate == pytest.approx(
+        sum(3 / 10 for s in ("s1", "s2", "s3") if r.sessions[s] == home))
+    # with neither rebalancing nor the `rate` scorer the router does not spend the time
+    r = Router(build_config({"policy": "default", "endpoints": eps,
+                             "picker": {"rebalance_slack": None}, "scorers": {"rate": 0.0},
+                             "options": {"speculative_ttl_s": 0.0}}))
+    r.finish(r.decide(RouteInput(toks(300, 1), session="s1")))
+    assert all(c.active_rate == 0.0 for c in
+               r.candidates(RouteInput(toks(400, 0), session="s0"), time.monotonic())[0])

@@ -149,3 +149,49 @@ def test_place_by_requests_with_no_endpoint_inside_both_guards_takes_the_best_sc
     a, b = cand("a", sessions=2, wait=9.0), cand("b", sessions=6, wait=0.1)
     assert p.pick([a, b], [1.0, 2.0]) == (1, "load")
     assert p.pick([a, b], [2.0, 1.0]) == (0, "load")
+
+
+def _held(url, rr, rate, own=False, uncached=100, pending=0, wait=0.5, tokens=1000):
+    x = cand(url, 90 if own else 0, wait=wait, sessions=3, own=own)
+    x.recent_requests, x.active_rate, x.session_rate = rr, rate, 0.2
+    x.uncached_tokens, x.pending_prefill = (uncached if own else tokens), pending
+    return x
+
+
+def test_rebalance_moves_a_session_off_an_endpoint_sent_too_many_requests():
+    """The holder was sent 1.5x the requests of the least loaded endpoint: the session
+    moves there once the reuse budget covers its recompute, and not before."""
+    p = StickyPicker(penalty_s=2.0, rebalance_slack=0.2, rebalance_budget=0.02)
+    cs = [_held("a", 60.0, 1.0, own=True), _held("b", 40.0, 0.5), _held("c", 50.0, 0.6)]
+    # nothing reused yet: a move (900 more tokens to prefill) is not affordable
+    assert p.pick(cs, [3.0, 1.0, 1.0]) == (0, "session")
+    p.reused = 100_000  # budget 2,000: half of it covers the 900
+    assert p.pick(cs, [3.0, 1.0, 1.0]) == (1, "rebalance")
+    assert p.spent == 900
+    # off by default
+    assert StickyPicker(penalty_s=2.0).pick(cs, [3.0, 1.0, 1.0]) == (0, "session")
+
+
+def test_rebalance_guards_overshoot_queue_and_slack():
+    p = StickyPicker(penalty_s=2.0, rebalance_slack=0.2)
+    p.reused = 10**9
+    # within the slack (60 <= 1.2 * 50 + 1): stays
+    cs = [_held("a", 60.0, 1.0, own=True), _held("b", 50.0, 0.5)]
+    assert p.pick(cs, [3.0, 1.0]) == (0, "session")
+    # the target's live sessions already send more than the holder keeps after the move
+    cs = [_held("a", 60.0, 0.6, own=True), _held("b", 40.0, 0.5)]
+    assert p.pick(cs, [3.0, 1.0]) == (0, "session")
+    # the target's queue is 3 s longer than the holder's (its own prefill not counted)
+    cs = [_held("a", 60.0, 1.0, own=True),
+          _held("b", 40.0, 0.5, pending=3000, wait=4.0, tokens=1000)]
+    assert p.pick(cs, [3.0, 1.0]) == (0, "session")
+    cs[1].est_wait_s = 2.0  # queue 1.5 s: within the penalty
+    assert p.pick(cs, [3.0, 1.0]) == (1, "rebalance")
+    # a prefix held without the session (a sibling's) is not the holder's to shed
+    cs = [_held("a", 60.0, 1.0, own=True), _held("b", 40.0, 0.5)]
+    cs[0].session_match = False
+    assert p.pick(cs, [3.0, 1.0])[0] == 0
+    with pytest.raises(ValueError, match="rebalance_slack"):
+        StickyPicker(rebalance_slack=-1)
+    with pytest.raises(ValueError, match="rebalance_budget"):
+        StickyPicker(rebalance_budget=1.5)

@@ -53,10 +53,10 @@ PRESETS: dict[str, dict[str, Any]] = {
     # new sessions go where the estimated wait (queued prefill tokens over learned speed)
     # is shortest, the fewest sessions are active (balance) and the fewest requests went
     # recently (requests: sessions turn over at different speeds); momentary load breaks ties.
-    "default": {"scorers": {"prefix": 2.0, "wait": 1.0, "balance": 0.5, "requests": 0.5,
+    "default": {"scorers": {"prefix": 2.0, "wait": 1.0, "balance": 0.5, "rate": 0.5,
                             "session": 0.1, "queue": 0.5, "inflight": 0.5, "kv_util": 0.25},
                 "picker": {"type": "sticky", "penalty_s": 2.0, "min_share": 0.5,
-                           "moves_must_balance": True},
+                           "moves_must_balance": True, "rebalance_slack": 0.1},
                 "index": "precise",
                 "options": {"speculative_ttl_s": 2.0}},
 }

@@ -43,11 +43,12 @@ _MIN_LEARN_TOKENS = 512  # smaller prefills: time to first byte is mostly overhe
 
 
 class NoEndpoint(Exception):
-    """No endpoint can take the request; the message says why (503 or 404)."""
+    """No endpoint can take the request; the message says why (503, 404 or 400)."""
 
-    def __init__(self, message: str, status: int = 503) -> None:
+    def __init__(self, message: str, status: int = 503, kind: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.kind = kind or ("service_unavailable" if status == 503 else "NotFoundError")
 
 
 @dataclass(slots=True)
@@ -103,6 +104,9 @@ class Router:
         self._count_tokens = bool(cfg.scorers.get("session_tokens"))
         self.scorers = build_scorers(cfg.scorers)
         self.picker = build_picker(cfg.picker)
+        # Candidate.active_rate / session_rate, only for a picker that weighs them
+        self._count_rates = bool(getattr(self.picker, "uses_rates", False)
+                                 or cfg.scorers.get("rate"))
         self.filters = [ModelFilter()]
         self.role_filter = RoleFilter()
         for e in cfg.endpoints:
@@ -216,6 +220,13 @@ class Router:
                     st = self.session_tokens
                     own = st.get(req.session, 0) if sess_url == url else 0
                     cands[-1].active_tokens = sum(st.get(s, 0) for s in ep.active) - own
+        if self._count_rates:
+            rate, own = self.liveness.rate, req.session
+            mine = rate(own, now) if own is not None else 0.0
+            for c in cands:
+                c.session_rate = mine
+                ep = self.endpoints[c.url]
+                c.active_rate = sum(rate(s, now) for s in ep.active if s != own)
         if self._count_tokens and req.session is not None:
             st = self.session_tokens
             st.pop(req.session, None)
@@ -232,6 +243,19 @@ class Router:
         whole = [c for c in cands if self.role_filter.keep(c)]
         return whole or cands
 
+    def _fits(self, cands: list[Candidate], plen: int) -> list[Candidate]:
+        """Drop endpoints whose context limit (learned `max_model_len`) the prompt leaves
+        no room under; if that is all of them, the request is the client's error (400, as
+        vLLM answers it), not load: it never reaches a backend or counts as a decision."""
+        eps = self.endpoints
+        fit = [c for c in cands if (m := eps[c.url].max_model_len) is None or plen < m]
+        if fit:
+            return fit
+        limit = max(eps[c.url].max_model_len or 0 for c in cands)
+        raise NoEndpoint(f"This model's maximum context length is {limit} tokens. However, "
+                         f"your prompt has {plen} tokens, leaving no room for output. Please "
+                         "shorten the prompt.", 400, "invalid_request_error")
+
     # ---- decide -------------------------------------------------------------------
     def decide(self, req: RouteInput, exclude: set[str] | None = None) -> Decision:
         """Pick an endpoint for `req` and book it (call `finish` when it completes)."""
@@ -239,6 +263,7 @@ class Router:
         now = time.monotonic()
         cands, keys = self.candidates(req, now)
         cands = self._filter(cands, req.model)
+        cands = self._fits(cands, len(req.token_ids))
         if exclude:
             cands = [c for c in cands if c.url not in exclude] or cands
         return self.pick_and_book(req, cands, keys, now, t0)

@@ -80,6 +80,7 @@ class Endpoint:
     scrape: Scrape = field(default_factory=Scrape)
     scraped_at: float = 0.0
     models: list[str] = field(default_factory=list)
+    max_model_len: int | None = None  # from /v1/models (vLLM's card field); None: unknown
     inflight: int = 0
     inflight_tokens: int = 0
     pending_prefill: int = 0
@@ -183,7 +184,11 @@ async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Optio
         if ok and not ep.models:
             async with session.get(ep.url + "/v1/models", timeout=timeout) as r:
                 if r.status == 200:
-                    ep.models = [m["id"] for m in (await r.json()).get("data", [])]
+                    cards = (await r.json()).get("data", [])
+                    ep.models = [m["id"] for m in cards]
+                    lens = [m["max_model_len"] for m in cards
+                            if isinstance(m.get("max_model_len"), int)]
+                    ep.max_model_len = max(lens) if lens else None
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
         ok = False
     now = time.monotonic()

@@ -238,8 +238,7 @@ class Gateway:
             except NoEndpoint as e:
                 if last is not None:
                     break
-                return error(e.status, str(e), "service_unavailable" if e.status == 503
-                             else "NotFoundError")
+                return error(e.status, str(e), e.kind)
             if d.url in tried:
                 break
             tried.add(d.url)

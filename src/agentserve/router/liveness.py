@@ -14,6 +14,10 @@ of the most recent ones, at least `_FLOOR_S`, at most `session_active_s` (also t
 until `_MIN_SAMPLES` pauses were seen). With production agent traffic (2 s median pause,
 24 s p90) the 0.9 quantile keeps a session counted through 90% of its tool calls and
 drops a finished one after ~24 s instead of 60.
+
+It also keeps each session's turn count since it was first seen, for `rate`: how many
+requests a session sends per second, which the picker's rebalancing weighs (a session
+pausing 1 s between turns sends ten times the requests of one pausing 10 s).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ _MIN_SAMPLES = 16
 _FLOOR_S = 1.0
 _WINDOW = 512  # pauses kept for the quantile
 _REFRESH = 16  # recompute the quantile every this many new pauses
+_RATE_SPAN_S = 10.0  # a session's rate is turns / max(age, this): no 1-turn spikes
 
 
 class SessionLiveness:
@@ -38,10 +43,16 @@ class SessionLiveness:
         self.pauses: deque[float] = deque(maxlen=_WINDOW)
         self._limit = max_s
         self._fresh = 0
+        self.turns: dict[str, tuple[float, int]] = {}  # session -> (first seen, requests)
 
     def limit_s(self) -> float:
         """How long a paused session still counts as live."""
         return self._limit
+
+    def rate(self, session: str, now: float) -> float:
+        """Requests per second `session` has sent since first seen (0: never seen)."""
+        t = self.turns.get(session)
+        return t[1] / max(now - t[0], _RATE_SPAN_S) if t is not None else 0.0
 
     def busy(self, session: str) -> bool:
         return self.inflight.get(session, 0) > 0
@@ -59,6 +70,10 @@ class SessionLiveness:
                 q = s[min(len(s) - 1, int(self.quantile * len(s)))]
                 self._limit = min(self.max_s, max(_FLOOR_S, q))
         self.inflight[session] = n + 1
+        first, turns = self.turns.pop(session, (now, 0))
+        self.turns[session] = (first, turns + 1)  # most recently active last
+        if len(self.turns) > self.max_sessions:
+            del self.turns[next(iter(self.turns))]
 
     def end(self, session: str, now: float) -> None:
         """A request of `session` ended (success or not)."""

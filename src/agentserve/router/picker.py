@@ -84,14 +84,33 @@ class StickyPicker:
     the waits rest on learned prefill speeds, and on the captured-reuse benchmark a few
     outlier estimates (100K+ tok/s learned for ~1.5K tok/s engines, from requests whose
     queued work ahead was already partly done) made such forced moves cost 3% of reuse.
+
+    Rebalancing (`rebalance_slack`, off unless set; on in the `default` preset): equal
+    live sessions can still mean unequal requests, since sessions turn over at different
+    rates and a slower endpoint's sessions send fewer turns. When the holder was sent more
+    than (1 + slack) times the recent requests (`Candidate.recent_requests`) of the least
+    loaded endpoint, the session moves there, under three guards: (1) after the move the
+    holder's live sessions still send at least as many requests per second as the
+    target's (`active_rate` + the session's own `session_rate`), so moves never overshoot
+    or cascade, and a slow endpoint whose count is low only because it is slow gets
+    sessions only while its live sessions' rates are lower; (2) the target's queue (not
+    counting this request's recompute) is within `penalty_s` of the holder's; (3) the
+    recompute a move costs (its extra uncached tokens) is paid from a budget of
+    `rebalance_budget` times the prefix tokens this picker has reused so far, and one
+    move takes at most half of what is left, so the budget goes to small sessions first.
     """
 
     def __init__(self, penalty_s: float = 1.0, min_share: float = 0.5, eps: float = 1e-9,
                  seed: int | None = None, moves_must_balance: bool = True,
                  force_move_s: float | None = None, place_by: str = "score",
-                 place_slack: int = 1) -> None:
+                 place_slack: int = 1, rebalance_slack: float | None = None,
+                 rebalance_budget: float = 0.015) -> None:
         if place_by not in ("score", "requests"):
             raise ValueError(f"picker place_by must be score or requests, got {place_by!r}")
+        if rebalance_slack is not None and not rebalance_slack >= 0:
+            raise ValueError(f"picker rebalance_slack must be >= 0 or null, got {rebalance_slack!r}")
+        if not 0 <= rebalance_budget < 1:
+            raise ValueError(f"picker rebalance_budget must be in [0, 1), got {rebalance_budget!r}")
         self.penalty_s = penalty_s
         self.min_share = min_share
         self.moves_must_balance = moves_must_balance
@@ -99,8 +118,18 @@ class StickyPicker:
         self.place_by = place_by
         self.place_slack = place_slack
         self.fallback = MaxScorePicker(eps, seed)
+        self.rebalance_slack = rebalance_slack
+        self.rebalance_budget = rebalance_budget
+        self.uses_rates = rebalance_slack is not None  # the router fills in the rates
+        self.reused = 0  # prefix tokens of every pick: what the rebalance budget is a share of
+        self.spent = 0  # tokens recomputed by rebalancing moves
 
     def pick(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
+        i, reason = self._choose(cands, scores)
+        self.reused += cands[i].predicted_cached
+        return i, reason
+
+    def _choose(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
         idx = range(len(cands))
         h = max(idx, key=lambda i: (cands[i].weighted_blocks, scores[i]))
         c = cands[h]
@@ -118,9 +147,35 @@ class StickyPicker:
                     return fast, "saturated"
             others = balancing
         if not others:
-            return h, _reason(c)
+            t = self._rebalance(cands, h)
+            return (h, _reason(c)) if t is None else (t, "rebalance")
         j, _ = self.fallback.pick([cands[i] for i in others], [scores[i] for i in others])
         return others[j], "saturated"
+
+    def _rebalance(self, cands: list[Candidate], h: int) -> int | None:
+        """The endpoint to move the holder `h`'s session to for request balance, or None
+        (see the class docstring)."""
+        if self.rebalance_slack is None:
+            return None
+        c = cands[h]
+        if not c.session_match:  # only a session's own holder sheds it
+            return None
+        q_h = _queue_s(c)
+        ok = [i for i in range(len(cands))
+              if i != h and _queue_s(cands[i]) <= q_h + self.penalty_s]
+        if not ok:
+            return None
+        t = min(ok, key=lambda i: (cands[i].recent_requests, cands[i].est_wait_s))
+        o = cands[t]
+        if c.recent_requests <= (1 + self.rebalance_slack) * o.recent_requests + 1:
+            return None
+        if c.active_rate < o.active_rate + c.session_rate:
+            return None  # the move would just make the target the busier one
+        cost = max(0, o.uncached_tokens - c.uncached_tokens)
+        if cost > 0.5 * (self.rebalance_budget * self.reused - self.spent):
+            return None
+        self.spent += cost
+        return t
 
     def _place(self, cands: list[Candidate], scores: list[float]) -> tuple[int, str]:
         """A request no endpoint holds the prefix of (a new session, a sub-agent).
@@ -152,6 +207,12 @@ class StickyPicker:
         ties = [i for i in ok if cands[i].recent_requests < least + 0.5]
         j, _ = self.fallback.pick([cands[i] for i in ties], [scores[i] for i in ties])
         return ties[j], _reason(cands[ties[j]])
+
+
+def _queue_s(c: Candidate) -> float:
+    """Estimated wait for the prefill queued ahead (`est_wait_s` less the request's own)."""
+    work = c.pending_prefill + c.uncached_tokens
+    return c.est_wait_s * c.pending_prefill / work if work else 0.0
 
 
 def _sessions(c: Candidate) -> int:

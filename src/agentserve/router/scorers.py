@@ -42,6 +42,8 @@ class Candidate:
     active_sessions: int = 0  # live sessions whose latest turn went here (router/liveness.py)
     active_tokens: int = 0  # their latest prompts' tokens, the request's own session not counted
     recent_requests: float = 0.0  # requests routed here, decayed (options.recent_requests_s)
+    active_rate: float = 0.0  # requests/s of its live sessions, the request's own not counted
+    session_rate: float = 0.0  # requests/s of the request's own session (same for all)
 
 
 class Scorer(Protocol):
@@ -161,6 +163,29 @@ class RecentRequestsScorer:
         if any(c.session_match for c in cands):
             return [1.0] * len(cands)
         n = [c.recent_requests for c in cands]
+        lo, hi = min(n, default=0.0), max(n, default=0.0)
+        if hi - lo < 1e-9:
+            return [1.0] * len(cands)
+        return [(hi - x) / (hi - lo) for x in n]
+
+
+@scorer("rate")
+class SessionRateScorer:
+    """Spread request rate: 1 for the endpoint whose live sessions send the fewest
+    requests per second (`Candidate.active_rate`), 0 for the most.
+
+    The forward-looking counterpart of `requests`: what the sessions placed there now
+    will send, not what was sent over the last minute. A session's rate is its requests
+    over its age (router/liveness.py), so it folds in both how long its tool pauses are
+    and how fast its endpoint answers: an endpoint slowed by large prefills has slow
+    sessions, a low rate, and draws new sessions until its rate catches up. Like
+    `requests` it steers only requests whose session has no endpoint yet.
+    """
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        if any(c.session_match for c in cands):
+            return [1.0] * len(cands)
+        n = [c.active_rate for c in cands]
         lo, hi = min(n, default=0.0), max(n, default=0.0)
         if hi - lo < 1e-9:
             return [1.0] * len(cands)
