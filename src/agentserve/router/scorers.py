@@ -46,6 +46,14 @@ class Candidate:
     session_rate: float = 0.0  # requests/s of the request's own session (same for all)
 
 
+def _fewest_best(n: list[float] | list[int]) -> list[float]:
+    """1 for the lowest value, 0 for the highest, linear between; all 1 when equal."""
+    lo, hi = min(n, default=0.0), max(n, default=0.0)
+    if hi - lo < 1e-9:
+        return [1.0] * len(n)
+    return [(hi - x) / (hi - lo) for x in n]
+
+
 class Scorer(Protocol):
     def score(self, cands: list[Candidate]) -> list[float]: ...
 
@@ -138,10 +146,7 @@ class BalanceScorer:
     def score(self, cands: list[Candidate]) -> list[float]:
         # The request's own session does not count against the endpoint it is on.
         n = [max(0, c.active_sessions - c.session_match) for c in cands]
-        lo, hi = min(n, default=0), max(n, default=0)
-        if hi == lo:
-            return [1.0] * len(cands)
-        return [(hi - x) / (hi - lo) for x in n]
+        return _fewest_best(n)
 
 
 @scorer("requests")
@@ -163,10 +168,7 @@ class RecentRequestsScorer:
         if any(c.session_match for c in cands):
             return [1.0] * len(cands)
         n = [c.recent_requests for c in cands]
-        lo, hi = min(n, default=0.0), max(n, default=0.0)
-        if hi - lo < 1e-9:
-            return [1.0] * len(cands)
-        return [(hi - x) / (hi - lo) for x in n]
+        return _fewest_best(n)
 
 
 @scorer("rate")
@@ -186,10 +188,7 @@ class SessionRateScorer:
         if any(c.session_match for c in cands):
             return [1.0] * len(cands)
         n = [c.active_rate for c in cands]
-        lo, hi = min(n, default=0.0), max(n, default=0.0)
-        if hi - lo < 1e-9:
-            return [1.0] * len(cands)
-        return [(hi - x) / (hi - lo) for x in n]
+        return _fewest_best(n)
 
 
 @scorer("session_tokens")
@@ -206,10 +205,7 @@ class SessionTokensScorer:
 
     def score(self, cands: list[Candidate]) -> list[float]:
         n = [c.active_tokens for c in cands]
-        lo, hi = min(n, default=0), max(n, default=0)
-        if hi == lo:
-            return [1.0] * len(cands)
-        return [(hi - x) / (hi - lo) for x in n]
+        return _fewest_best(n)
 
 
 @scorer("session")
