@@ -101,16 +101,25 @@ def test_bad_quantile_is_refused():
 
 
 def test_session_rates_feed_the_rebalancing_candidates():
-    """A session's rate is its requests over its age (at least 10 s); with rebalancing on,
-    each candidate carries its live sessions' summed rate, the request's own apart."""
+    """A session's rate is one over its recent interval between requests (EWMA, at least
+    1 s), or over the time since its last request when longer; seen once, 1 / max(age,
+    10 s). With rebalancing on, each candidate carries its live sessions' summed rate,
+    the request's own apart."""
     live = SessionLiveness(60.0, 0.9, 100)
     for t in (0.0, 5.0, 10.0, 15.0, 20.0):
-        live.start("fast", t)
-        live.end("fast", t + 1.0)
+        live.start("steady", t)
+        live.end("steady", t + 1.0)
     live.start("new", 20.0)
-    assert live.rate("fast", 20.0) == pytest.approx(5 / 20)
+    assert live.rate("steady", 20.0) == pytest.approx(1 / 5)
+    assert live.rate("steady", 30.0) == pytest.approx(1 / 10)  # quiet for 10 s
     assert live.rate("new", 20.0) == pytest.approx(1 / 10)
+    assert live.rate("new", 35.0) == pytest.approx(1 / 15)
     assert live.rate("never", 20.0) == 0.0
+    live.start("steady", 40.0)  # one 20 s interval: the estimate moves half way
+    assert live.rate("steady", 40.0) == pytest.approx(1 / 12.5)
+    for t in (0.0, 0.01, 0.02):  # a burst counts as one request a second
+        live.start("burst", t)
+    assert live.rate("burst", 0.02) == pytest.approx(1.0)
 
     eps = [{"url": u, "kv_events": f"tcp://127.0.0.1:{6000 + i}", "block_size": 16}
            for i, u in enumerate(URLS)]
@@ -121,10 +130,11 @@ def test_session_rates_feed_the_rebalancing_candidates():
     cands = r.candidates(RouteInput(toks(400, 0), session="s0"), time.monotonic())[0]
     home = r.sessions["s0"]
     by = {c.url: c for c in cands}
-    assert all(c.session_rate == pytest.approx(3 / 10) for c in cands)
-    assert sum(c.active_rate for c in cands) == pytest.approx(3 * 3 / 10)  # s1..s3
+    # three turns each within milliseconds: a burst, one request a second
+    assert all(c.session_rate == pytest.approx(1.0) for c in cands)
+    assert sum(c.active_rate for c in cands) == pytest.approx(3 * 1.0)  # s1..s3
     assert by[home].active_rate == pytest.approx(
-        sum(3 / 10 for s in ("s1", "s2", "s3") if r.sessions[s] == home))
+        sum(1.0 for s in ("s1", "s2", "s3") if r.sessions[s] == home))
     # with neither rebalancing nor the `rate` scorer the router does not spend the time
     r = Router(build_config({"policy": "default", "endpoints": eps,
                              "picker": {"rebalance_slack": None}, "scorers": {"rate": 0.0},

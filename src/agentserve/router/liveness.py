@@ -15,9 +15,12 @@ until `_MIN_SAMPLES` pauses were seen). With production agent traffic (2 s media
 24 s p90) the 0.9 quantile keeps a session counted through 90% of its tool calls and
 drops a finished one after ~24 s instead of 60.
 
-It also keeps each session's turn count since it was first seen, for `rate`: how many
-requests a session sends per second, which the picker's rebalancing weighs (a session
-pausing 1 s between turns sends ten times the requests of one pausing 10 s).
+It also estimates each session's request rate (`rate`), which the `rate` scorer and the
+picker's rebalancing weigh (a session pausing 1 s between turns sends ten times the
+requests of one pausing 10 s): one over the recent interval between its requests (EWMA),
+or over the time since its last request when that is longer, so that a session whose
+turn sits in a slow endpoint's queue, or that has gone quiet, counts less at once rather
+than after its lifetime average catches up. A session seen once counts 1 / max(age, 10 s).
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ _MIN_SAMPLES = 16
 _FLOOR_S = 1.0
 _WINDOW = 512  # pauses kept for the quantile
 _REFRESH = 16  # recompute the quantile every this many new pauses
-_RATE_SPAN_S = 10.0  # a session's rate is turns / max(age, this): no 1-turn spikes
+_RATE_SPAN_S = 10.0  # a session seen once: 1 / max(age, this), no 1-turn spikes
+_MIN_GAP_S = 1.0  # requests closer than this are a burst (fan-out), not a rate
+_GAP_ALPHA = 0.5  # EWMA weight of the newest interval: two turns to follow a move
 
 
 class SessionLiveness:
@@ -43,7 +48,8 @@ class SessionLiveness:
         self.pauses: deque[float] = deque(maxlen=_WINDOW)
         self._limit = max_s
         self._fresh = 0
-        self.turns: dict[str, tuple[float, int]] = {}  # session -> (first seen, requests)
+        # session -> (first seen, last request start, EWMA interval; 0: one request so far)
+        self.turns: dict[str, tuple[float, float, float]] = {}
 
     def limit_s(self) -> float:
         """How long a paused session still counts as live."""
@@ -52,7 +58,12 @@ class SessionLiveness:
     def rate(self, session: str, now: float) -> float:
         """Requests per second `session` has sent since first seen (0: never seen)."""
         t = self.turns.get(session)
-        return t[1] / max(now - t[0], _RATE_SPAN_S) if t is not None else 0.0
+        if t is None:
+            return 0.0
+        first, last, gap = t
+        if not gap:
+            return 1.0 / max(now - first, _RATE_SPAN_S)
+        return 1.0 / max(gap, now - last)
 
     def busy(self, session: str) -> bool:
         return self.inflight.get(session, 0) > 0
@@ -70,8 +81,14 @@ class SessionLiveness:
                 q = s[min(len(s) - 1, int(self.quantile * len(s)))]
                 self._limit = min(self.max_s, max(_FLOOR_S, q))
         self.inflight[session] = n + 1
-        first, turns = self.turns.pop(session, (now, 0))
-        self.turns[session] = (first, turns + 1)  # most recently active last
+        t = self.turns.pop(session, None)
+        if t is None:
+            self.turns[session] = (now, now, 0.0)
+        else:  # most recently active last
+            first, last, gap = t
+            step = max(now - last, _MIN_GAP_S)
+            self.turns[session] = (first, now, step if not gap else
+                                   (1 - _GAP_ALPHA) * gap + _GAP_ALPHA * step)
         if len(self.turns) > self.max_sessions:
             del self.turns[next(iter(self.turns))]
 

@@ -108,7 +108,8 @@ class StickyPicker:
         if place_by not in ("score", "requests"):
             raise ValueError(f"picker place_by must be score or requests, got {place_by!r}")
         if rebalance_slack is not None and not rebalance_slack >= 0:
-            raise ValueError(f"picker rebalance_slack must be >= 0 or null, got {rebalance_slack!r}")
+            raise ValueError("picker rebalance_slack must be >= 0 or null, "
+                             f"got {rebalance_slack!r}")
         if not 0 <= rebalance_budget < 1:
             raise ValueError(f"picker rebalance_budget must be in [0, 1), got {rebalance_budget!r}")
         self.penalty_s = penalty_s

@@ -177,11 +177,11 @@ class SessionRateScorer:
     requests per second (`Candidate.active_rate`), 0 for the most.
 
     The forward-looking counterpart of `requests`: what the sessions placed there now
-    will send, not what was sent over the last minute. A session's rate is its requests
-    over its age (router/liveness.py), so it folds in both how long its tool pauses are
-    and how fast its endpoint answers: an endpoint slowed by large prefills has slow
-    sessions, a low rate, and draws new sessions until its rate catches up. Like
-    `requests` it steers only requests whose session has no endpoint yet.
+    will send, not what was sent over the last minute. A session's rate comes from the
+    recent intervals between its requests (router/liveness.py), so it folds in both how
+    long its tool pauses are and how fast its endpoint answers: an endpoint slowed by
+    large prefills has slow sessions, a low rate, and draws new sessions until its rate
+    catches up. Like `requests` it steers only requests whose session has no endpoint yet.
     """
 
     def score(self, cands: list[Candidate]) -> list[float]:
