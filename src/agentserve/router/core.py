@@ -104,7 +104,7 @@ class Router:
         self._count_tokens = bool(cfg.scorers.get("session_tokens"))
         self.scorers = build_scorers(cfg.scorers)
         self.picker = build_picker(cfg.picker)
-        # Candidate.active_rate / session_rate, only for a picker that weighs them
+        # Candidate.active_rate / session_rate: only for rebalancing or the `rate` scorer
         self._count_rates = bool(getattr(self.picker, "uses_rates", False)
                                  or cfg.scorers.get("rate"))
         self.filters = [ModelFilter()]

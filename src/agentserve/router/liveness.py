@@ -56,7 +56,7 @@ class SessionLiveness:
         return self._limit
 
     def rate(self, session: str, now: float) -> float:
-        """Requests per second `session` has sent since first seen (0: never seen)."""
+        """Estimated requests per second of `session` (module docstring; 0: never seen)."""
         t = self.turns.get(session)
         if t is None:
             return 0.0
