@@ -180,6 +180,8 @@ class Router:
         weights, window = self.opts.tier_weights, self.liveness.limit_s()
         busy = self.liveness.busy
         tau = self.opts.recent_requests_s
+        rates, rate = self._count_rates, self.liveness.rate
+        mine = rate(req.session, now) if rates and req.session is not None else 0.0
         add = cands.append
         for hid, eps in by_hid.items():
             k = keys[hid] = self.keys_for(hid, req) if self.cfg.index != "none" else []
@@ -220,13 +222,10 @@ class Router:
                     st = self.session_tokens
                     own = st.get(req.session, 0) if sess_url == url else 0
                     cands[-1].active_tokens = sum(st.get(s, 0) for s in ep.active) - own
-        if self._count_rates:
-            rate, own = self.liveness.rate, req.session
-            mine = rate(own, now) if own is not None else 0.0
-            for c in cands:
-                c.session_rate = mine
-                ep = self.endpoints[c.url]
-                c.active_rate = sum(rate(s, now) for s in ep.active if s != own)
+                if rates:
+                    cands[-1].session_rate = mine
+                    cands[-1].active_rate = sum(rate(s, now) for s in ep.active
+                                                if s != req.session)
         if self._count_tokens and req.session is not None:
             st = self.session_tokens
             st.pop(req.session, None)
