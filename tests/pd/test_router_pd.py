@@ -72,8 +72,10 @@ class _Replay:
 async def pd_stack():
     made: list = []
 
-    async def make(roles: list[str], threshold: int = 64):
+    async def make(roles: list[str], threshold: int = 64, max_model_len: int | None = None):
         engines = [FakePD(f"{r}{i}") for i, r in enumerate(roles)]
+        for e in engines:
+            e.max_model_len = max_model_len
         urls = [await e.start() for e in engines]
         cfg = build_config({"policy": "default",
                             "endpoints": [{"url": u, "role": r} for u, r in zip(urls, roles)],
@@ -130,6 +132,19 @@ async def test_threshold_decides_and_params_pass_through(pd_stack) -> None:
     m = await metrics(s)
     assert 'agentserve_router_pd_requests_total{path="aggregated"} 1.0' in m
     assert 'agentserve_router_pd_requests_total{path="disaggregated"} 1.0' in m
+
+
+async def test_prompt_over_the_context_limit_is_a_400_on_the_pd_path(pd_stack) -> None:
+    """On the P/D path too, a prompt no decode endpoint's `max_model_len` leaves room under
+    gets vLLM's 400 from the router: no prefill leg, no decode leg, no decision."""
+    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=64, max_model_len=256)
+    async with s.post("/v1/completions", json=body(200)) as r:
+        assert r.status == 200 and "x-agentserve-pd" in r.headers
+    async with s.post("/v1/completions", json=body(300)) as r:
+        assert r.status == 400
+        err = (await r.json())["error"]
+    assert "maximum context length is 256 tokens" in err["message"]
+    assert len(p.calls) == 1 and len(d.calls) == 1
 
 
 async def test_request_with_own_params_is_not_split(pd_stack) -> None:

@@ -242,7 +242,7 @@ class Router:
         whole = [c for c in cands if self.role_filter.keep(c)]
         return whole or cands
 
-    def _fits(self, cands: list[Candidate], plen: int) -> list[Candidate]:
+    def fits(self, cands: list[Candidate], plen: int) -> list[Candidate]:
         """Drop endpoints whose context limit (learned `max_model_len`) the prompt leaves
         no room under; if that is all of them, the request is the client's error (400, as
         vLLM answers it), not load: it never reaches a backend or counts as a decision."""
@@ -262,7 +262,7 @@ class Router:
         now = time.monotonic()
         cands, keys = self.candidates(req, now)
         cands = self._filter(cands, req.model)
-        cands = self._fits(cands, len(req.token_ids))
+        cands = self.fits(cands, len(req.token_ids))
         if exclude:
             cands = [c for c in cands if c.url not in exclude] or cands
         return self.pick_and_book(req, cands, keys, now, t0)

@@ -225,7 +225,10 @@ class Gateway:
                      route: RouteInput) -> web.StreamResponse:
         assert self.session is not None
         if self.pd.enabled():
-            resp = await self.pd.route(request, body, route)
+            try:
+                resp = await self.pd.route(request, body, route)
+            except NoEndpoint as e:  # a prompt over every decode endpoint's context limit
+                return error(e.status, str(e), e.kind)
             if resp is not None:
                 return resp
         timeout = aiohttp.ClientTimeout(total=self.opts.request_timeout_s,

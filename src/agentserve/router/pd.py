@@ -49,6 +49,7 @@ def pick(router: Router, req: RouteInput, roles: tuple[str, ...], charge_output:
     cands = [c for c in cands if c.role in roles and c.model_ok]
     if not cands:
         raise NoEndpoint(f"no healthy endpoint with role {'/'.join(roles)}")
+    cands = router.fits(cands, len(req.token_ids))  # a prompt over every context limit: 400
     return router.pick_and_book(req, cands, keys, now, t0, charge_output)
 
 
@@ -83,7 +84,9 @@ class PDOrchestrator:
         router: Router = self.gw.router
         try:
             d = pick(router, route, ("decode", "both"), True)
-        except NoEndpoint:
+        except NoEndpoint as e:
+            if e.status == 400:
+                raise  # the prompt fits no decode endpoint: the client's error, not a reason to split
             return None
         headers: dict[str, str] = {"x-agentserve-endpoint": d.url, "x-agentserve-reason": d.reason}
         try:
