@@ -9,6 +9,7 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
+from agentserve.router import endpoints
 from agentserve.router.config import build_config
 from agentserve.router.gateway import Gateway
 
@@ -111,6 +112,24 @@ async def test_prompt_over_every_context_limit_is_a_400_from_the_router(stack):
         text = await r.text()
     assert sum(float(v) for v in re.findall(
         r"^agentserve_router_decisions_total{[^}]*} (\S+)", text, re.M)) == 3
+
+
+async def test_context_limit_is_relearned_from_a_restarted_backend(stack, monkeypatch):
+    """A backend restarted with another context limit: the router reads /v1/models again
+    when the endpoint comes back from an ejection, and every MODELS_REFRESH_S anyway."""
+    engines, urls, make = stack
+    engines[0].max_model_len = 64
+    gw, s = await make()
+    ep = gw.router.endpoints[urls[0]]
+    assert ep.max_model_len == 64
+    engines[0].max_model_len = 32  # restarted with a smaller limit while it was ejected
+    ep.healthy, ep.ejected_until = False, 0.0
+    await asyncio.sleep(0.5)  # health checks every 0.2 s
+    assert ep.healthy and ep.max_model_len == 32
+    engines[0].max_model_len = 128  # restarted between two checks: the periodic re-read
+    monkeypatch.setattr(endpoints, "MODELS_REFRESH_S", 0.3)
+    await asyncio.sleep(0.8)
+    assert ep.max_model_len == 128
 
 
 async def test_unknown_model_404(stack):

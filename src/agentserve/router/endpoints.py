@@ -81,6 +81,7 @@ class Endpoint:
     scraped_at: float = 0.0
     models: list[str] = field(default_factory=list)
     max_model_len: int | None = None  # from /v1/models (vLLM's card field); None: unknown
+    models_at: float = 0.0  # when /v1/models was last read
     inflight: int = 0
     inflight_tokens: int = 0
     pending_prefill: int = 0
@@ -175,13 +176,19 @@ class Endpoint:
         return model == self.cfg.model or model in self.models
 
 
+MODELS_REFRESH_S = 60.0  # /v1/models is read again this often (a backend restarted with
+# another model or context limit is re-learned; at once when it comes back from an ejection)
+
+
 async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Options) -> bool:
-    """One active check: /health, and /v1/models the first time (or while unknown)."""
+    """One active check: /health, and /v1/models while unknown, when the endpoint comes back
+    from an ejection, and every `MODELS_REFRESH_S`."""
     try:
         timeout = aiohttp.ClientTimeout(total=opts.connect_timeout_s)
         async with session.get(ep.url + "/health", timeout=timeout) as r:
             ok = r.status == 200
-        if ok and not ep.models:
+        if ok and (not ep.models or not ep.healthy
+                   or time.monotonic() - ep.models_at >= MODELS_REFRESH_S):
             async with session.get(ep.url + "/v1/models", timeout=timeout) as r:
                 if r.status == 200:
                     cards = (await r.json()).get("data", [])
@@ -189,6 +196,7 @@ async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Optio
                     lens = [m["max_model_len"] for m in cards
                             if isinstance(m.get("max_model_len"), int)]
                     ep.max_model_len = max(lens) if lens else None
+                    ep.models_at = time.monotonic()
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
         ok = False
     now = time.monotonic()
