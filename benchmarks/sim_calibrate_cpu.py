@@ -25,8 +25,10 @@ engine), not the trace the simulator is then checked against:
 
 - decode: `2b` streams of a `--prompt`-token prompt start together; the median gap
   between tokens while all of them decode (after the last first token, before the first
-  stream ends) is the step at batch b;
-  batches 1, 4, 16 at context `--prompt`, and batch 8 at contexts 256 and 2048;
+  stream ends) is the step at batch b, the median of three such waves;
+  batches 1, 2, 4, 8, 16 at context `--prompt` (the simulator interpolates between them:
+  the step grows faster per request at small batches than the 1-16 line says), and batch 8
+  at contexts 256 and 2048;
 - prefill: two cold prompts at once (one per engine) of `chunk` and `2 x chunk` tokens;
   TTFT(chunk) - TTFT(16) is one chunk at prefix 0; TTFT(2 chunk) - TTFT(chunk) one at
   prefix `chunk`;
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import os
 import random
@@ -116,7 +119,8 @@ def calibrate(model: str = "tiny", prompt: int = 1024, chunk: int = 2048, steps:
     slope = (dec[32] - dec[1]) / 31
     intercept = max(dec[1] - slope, 0.0)
     attn_d = max((hi - lo) / (8 * (2048 - 256)), 0.0)
-    attn_p = max((t_p1 - t_p0) / (chunk * chunk), 0.0)  # mean context differs by `chunk`
+    # mean context differs by `chunk`; the second chunk also gathers its 2 x chunk context
+    attn_p = max((t_p1 - t_p0 - attn_d * 2 * chunk) / (chunk * chunk), 0.0)
     tok = max((t_p0 - intercept - attn_p * chunk * chunk / 2) / chunk, 0.0)
     per_seq = max(slope - tok - attn_d * prompt, 0.0)
     prefill_tok_s = 2 * chunk / (t_p0 + t_p1)
@@ -127,6 +131,7 @@ def calibrate(model: str = "tiny", prompt: int = 1024, chunk: int = 2048, steps:
         "prefill_chunk_s": {"prefix_0": t_p0, f"prefix_{chunk}": t_p1},
         "prefill_tok_s": prefill_tok_s,
         "decode_step_s": {str(b): t for b, t in dec.items()},
+        "decode_ref_ctx": prompt + steps // 2,  # mean context while the steps were timed
         "decode_step_b8_s": {"256": lo, "2048": hi},
         # linear step model (perf.PerfModel uses these when present)
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
@@ -139,8 +144,10 @@ def calibrate(model: str = "tiny", prompt: int = 1024, chunk: int = 2048, steps:
 
 
 # ---- through the server -----------------------------------------------------------------
-async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int) -> list[float]:
-    """Arrival times of the streamed tokens (first = TTFT), relative to the send."""
+async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: int,
+                  ) -> tuple[str, list[float]]:
+    """(engine that served it, arrival times of the streamed tokens (first = TTFT), relative
+    to the send)."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0.0}
     t0 = time.perf_counter()
@@ -148,14 +155,15 @@ async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: 
     async with session.post(url + "/v1/completions", json=body) as r:
         if r.status != 200:
             raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
+        engine = r.headers.get("x-agentserve-endpoint", "")
         async for line in r.content:
             if line.startswith(b"data: {"):
                 out.append(time.perf_counter() - t0)
-    return out
+    return engine, out
 
 
 async def _wave(url: str, model: str, n: int, prompt: int, max_tokens: int, rng: random.Random,
-                ) -> list[list[float]]:
+                ) -> list[tuple[str, list[float]]]:
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -168,18 +176,31 @@ async def _repeat(url: str, model: str, prompt: list[int]) -> float:
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        return (await _stream(session, url, model, prompt, 1))[0]
+        return (await _stream(session, url, model, prompt, 1))[1][0]
 
 
-def _itl(waves: list[list[float]]) -> float:
-    """Median gap between tokens while every stream decodes: after the last first token
-    (all prefills done) and before the first stream ends (the batch still full)."""
-    lo, hi = max(w[0] for w in waves), min(w[-1] for w in waves)
-    gaps = [b - a for w in waves for a, b in zip(w, w[1:]) if a > lo and b < hi]
-    if len(gaps) < 8:
-        raise RuntimeError(f"only {len(gaps)} decode gaps with every stream running; "
-                           "raise out_tokens")
-    return statistics.median(gaps)
+def _itl(wave: list[tuple[str, list[float]]], batch: int) -> tuple[float, float] | None:
+    """(median gap between tokens, mean output tokens so far) while each engine decodes its
+    whole batch: per engine, after its last first token (its prefills done) and before its
+    first stream ends (the batch still full). None when the router did not give every engine
+    `batch` streams, or too few gaps."""
+    by_engine: dict[str, list[list[float]]] = {}
+    for engine, times in wave:
+        by_engine.setdefault(engine, []).append(times)
+    if any(len(ts) != batch for ts in by_engine.values()):
+        return None
+    gaps, done = [], []
+    for ts in by_engine.values():
+        lo, hi = max(t[0] for t in ts), min(t[-1] for t in ts)
+        for t in ts:
+            for i, (a, b) in enumerate(itertools.pairwise(t)):
+                if a > lo and b < hi:
+                    gaps.append(b - a)
+                    done.append(i + 1)
+    return (statistics.median(gaps), statistics.fmean(done)) if len(gaps) >= 8 else None
+
+
+DECODE_BATCHES = (1, 2, 4, 8, 16)  # per engine; perf.measured_step interpolates between them
 
 
 def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens: int = 64,
@@ -189,7 +210,7 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         model = json.loads(r.read())["data"][0]["id"]
     rng = random.Random(1)
 
-    def wave(n: int, p: int, m: int) -> list[list[float]]:
+    def wave(n: int, p: int, m: int) -> list[tuple[str, list[float]]]:
         return asyncio.run(_wave(url, model, n, p, m, rng))
 
     wave(2, 256, 4)  # warm up both engines and the router
@@ -200,19 +221,42 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     for _ in range(reps):
         asyncio.run(_repeat(url, model, long))
         cached.append(asyncio.run(_repeat(url, model, long)))
-    ttft = {n: statistics.median(min(w[0] for w in wave(2, n, 1)) for _ in range(reps))
+    ttft = {n: statistics.median(min(w[1][0] for w in wave(2, n, 1)) for _ in range(reps + 2 * (n == 16)))
             for n in (16, chunk, 2 * chunk)}
-    dec = {b: _itl(wave(2 * b, prompt, out_tokens)) for b in (1, 4, 16)}
-    lo, hi = _itl(wave(16, 256, out_tokens)), _itl(wave(16, 2048, out_tokens))
+
+    def itl(b: int, p: int) -> tuple[float, float]:
+        """(step, context it read): medians of `reps` good waves (one wave swings by ~10%
+        here); a wave the router split unevenly, or whose first streams ended before the
+        last prefills, is drawn again."""
+        got: list[tuple[float, float]] = []
+        for _ in range(4 * reps):
+            # long enough that every engine's prefills end before its first stream does
+            g = _itl(wave(2 * b, p, out_tokens + 16 * b), b)
+            if g is not None:
+                got.append(g)
+                if len(got) == reps:
+                    return statistics.median(x for x, _ in got), p + statistics.median(y for _, y in got)
+        raise RuntimeError(f"decode batch {b} x 2 engines at context {p}: only {len(got)} of "
+                           f"{4 * reps} waves were split evenly with all streams decoding")
+
+    (lo, ctx_lo), (hi, ctx_hi) = itl(8, 256), itl(8, 2048)
+    attn_d = max((hi - lo) / (8 * (ctx_hi - ctx_lo)), 0.0)
+    # each batch's step, moved to context `prompt` exactly (its streams had decoded a few dozen
+    # tokens more, more at larger batches), so the curve varies in batch size only
+    dec = {}
+    for b in DECODE_BATCHES:
+        t, ctx = itl(b, prompt)
+        dec[b] = t - attn_d * b * (ctx - prompt)
     slope = (dec[16] - dec[1]) / 15
     intercept = max(dec[1] - slope, 0.0)
-    attn_d = max((hi - lo) / (8 * (2048 - 256)), 0.0)
     t_p0 = max(ttft[chunk] - ttft[16], 1e-6)
     t_p1 = max(ttft[2 * chunk] - ttft[chunk], t_p0)
-    attn_p = max((t_p1 - t_p0) / (chunk * chunk), 0.0)
+    # the chunk at prefix `chunk` also gathers its 2 x chunk context (perf.measured_step)
+    attn_p = max((t_p1 - t_p0 - attn_d * 2 * chunk) / (chunk * chunk), 0.0)
     tok = max((t_p0 - attn_p * chunk * chunk / 2) / chunk, 0.0)
     per_seq = max(slope - tok - attn_d * prompt, 0.0)
     one_step = intercept + per_seq + tok * 16 + attn_p * 16 * 8
+
     m = model_spec("tiny")
     return {
         "model": "tiny", "prompt": prompt, "chunk": chunk, "source": "server",
@@ -221,6 +265,7 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         "prefill_chunk_s": {"prefix_0": t_p0, f"prefix_{chunk}": t_p1},
         "prefill_tok_s": 2 * chunk / (t_p0 + t_p1),
         "decode_step_s": {str(b): t for b, t in dec.items()},
+        "decode_ref_ctx": prompt,  # the context `decode_step_s` is stated at
         "decode_step_b8_s": {"256": lo, "2048": hi},
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
         "attn_prefill_s": attn_p, "attn_decode_s": attn_d,

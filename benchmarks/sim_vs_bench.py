@@ -1,7 +1,8 @@
 """SIM-1 small-scale check: does the simulator (cpu-local) predict `agentserve bench` on our stack?
 
 1. start `agentserve up --topology 2` (tiny model, `--kv-cache-tokens`);
-2. calibrate the `cpu-local` profile on it right before the real run
+2. calibrate the `cpu-local` profile on it right before the real run and again right after
+   it (on a fresh cluster), and use the mean of the two (the box drifts by 5-10% over minutes)
    (`sim_calibrate_cpu.calibrate_server`: synthetic fixed-shape requests through the router,
    client timings, so the steps carry the serving cost of these shared cores; `--calibration
    core` fits the engine core in-process instead and probes the per-request overhead);
@@ -9,7 +10,8 @@
    `run_bench` in concurrency mode on a synthesized `sweep` corpus written to a file,
    `--token-scale` K so prompts are a few hundred to a few thousand tokens;
 4. the simulator: 2 aggregated engines (`SimConfig.aggregated`), the same file, concurrency,
-   token scale, output cap, KV size, chunk budget;
+   token scale, output cap, KV size, chunk budget, and the engines' KV block size (they reuse
+   whole 16-token blocks; a token-scaled trace block is 2 tokens);
 5. compare output tok/s and TTFT p50 (target +-20%); JSON + a rich table; load average recorded.
 
     .venv/bin/python benchmarks/sim_vs_bench.py --out benchmarks/results/sim_vs_bench.json
@@ -22,6 +24,7 @@ import importlib.util
 import itertools
 import json
 import os
+import re
 import sys
 import tempfile
 import time
@@ -61,6 +64,30 @@ def probe_overhead(url: str, profile: dict, n: int = 8, prompt: int = 16) -> flo
     return max(times[len(times) // 2] - step, 0.0)
 
 
+def _engine_block(url: str) -> int:
+    """The engine's KV block size in tokens, from its `vllm:cache_config_info` metric."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    m = re.search(r'vllm:cache_config_info\{[^}]*block_size="(\d+)"', text)
+    if m is None:
+        raise RuntimeError(f"{url}/metrics has no vllm:cache_config_info block_size")
+    return int(m.group(1))
+
+
+def mean_profile(a: dict, b: dict) -> dict:
+    """Field-by-field mean of two calibration profiles (numbers averaged, dicts recursed)."""
+    out = {}
+    for k, v in a.items():
+        w = b.get(k)
+        if isinstance(v, dict) and isinstance(w, dict):
+            out[k] = mean_profile(v, w)
+        elif isinstance(v, (int, float)) and isinstance(w, (int, float)) and not isinstance(v, bool):
+            out[k] = (v + w) / 2
+        else:
+            out[k] = v
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--concurrency", default="4,8")
@@ -95,12 +122,16 @@ def main() -> None:
 
     prof_path = Path("benchmarks/results/sim_cpu_profile.json")
     load_before = os.getloadavg()
-    cluster = Cluster(work / "run", port=args.port,
-                      engine_args=["--kv-cache-tokens", str(args.kv_tokens),
-                                   "--max-num-batched-tokens", str(args.chunk)])
-    (work / "run").mkdir(parents=True, exist_ok=True)
+    def new_cluster(name: str) -> Cluster:
+        (work / name).mkdir(parents=True, exist_ok=True)
+        c = Cluster(work / name, port=args.port,
+                    engine_args=["--kv-cache-tokens", str(args.kv_tokens),
+                                 "--max-num-batched-tokens", str(args.chunk)])
+        c.start(parse_topology("2"))
+        return c
+
     url = f"http://127.0.0.1:{args.port}"
-    cluster.start(parse_topology("2"))
+    cluster = new_cluster("run")
     try:
         # 1-2. calibrate right before the real run, on the same processes
         if args.reuse_profile and prof_path.is_file():
@@ -126,8 +157,23 @@ def main() -> None:
                                        out=str(work / "bench"), progress=False, plots=False,
                                        seed=args.seed))
         bench_wall = time.time() - t0
+        engine_block = _engine_block(cluster.engines[0][0].url)
     finally:
         cluster.stop()
+    # The box drifts by 5-10% over minutes: calibrate again after the run and use the mean, so
+    # the profile covers the period the bench ran in (both are recorded). On a fresh cluster:
+    # the run's router state (recent requests per engine) would split the calibration's
+    # waves unevenly between the engines.
+    if args.calibration == "server" and not args.reuse_profile:
+        cluster = new_cluster("calibrate_after")
+        try:
+            profile_after = _calibrator().calibrate_server(url, chunk=args.chunk)
+        finally:
+            cluster.stop()
+        profile_before = profile
+        profile = mean_profile(profile_before, profile_after)
+        profile["before"], profile["after"] = profile_before, profile_after
+        prof_path.write_text(json.dumps(profile, indent=2))
     load_after = os.getloadavg()
 
     # 4. the simulator, same workload and knobs
@@ -138,6 +184,7 @@ def main() -> None:
         cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=c,
                         duration=args.stage, mtp=False, cpu_offload_gib=0, chunk=args.chunk,
                         max_seqs=128, block_size=args.token_scale, token_scale=args.token_scale,
+                        engine_block_tokens=engine_block,
                         kv_tokens=args.kv_tokens, max_output=args.max_output, seed=args.seed,
                         join_midway=False, workload=str(trace))
         t = time.time()
@@ -157,7 +204,8 @@ def main() -> None:
                                     if real.get("input_tokens") else None)
         rows.append(row)
 
-    result = {"args": vars(args), "profile": profile, "loadavg_before": load_before,
+    result = {"args": vars(args), "profile": profile, "engine_block_tokens": engine_block,
+              "loadavg_before": load_before,
               "loadavg_after": load_after, "bench_wall_s": bench_wall, "rows": rows,
               "target": "output tok/s and TTFT p50 within +-20%"}
     Path(args.out).write_text(json.dumps(result, indent=2, default=float))

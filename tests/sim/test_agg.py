@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
+from agentserve.sim.agg import AggInstance
+from agentserve.sim.cluster import Clock, Rank, SimRequest
 from agentserve.sim.memory import Topology
 from agentserve.sim.perf import PerfModel
-from agentserve.sim.run import SimConfig, parse_topology, simulate
+from agentserve.sim.run import SimConfig, Simulation, parse_topology, simulate
 from agentserve.sim.specs import cpu_local, model_spec
+from agentserve.workload.record import RequestRecord
 from agentserve.workload.schema import Session, TraceRequest
 
 PROFILE = {"tok_s": 1e-4, "step_overhead_s": 5e-3, "per_seq_s": 5e-4, "attn_prefill_s": 1e-7,
@@ -44,6 +49,63 @@ def test_measured_step_is_linear(tmp_path, monkeypatch) -> None:
     t = perf.measured_step([(100, 0)], decode_ctx=1000.0, decode_n=2)
     want = 5e-3 + 3 * 5e-4 + 102 * 1e-4 + 1e-7 * 100 * 50 + 1e-6 * 1000
     assert abs(t - want) < 1e-12
+
+
+def test_measured_decode_steps_are_interpolated_in_batch_size(tmp_path, monkeypatch) -> None:
+    """With measured decode steps per batch size, a step between them is interpolated, and
+    context beyond the calibration's is charged per token; prefill chunks add their terms."""
+    _hw(tmp_path, monkeypatch, decode_step_s={"1": 4e-3, "2": 7e-3, "4": 10e-3}, decode_ref_ctx=1000)
+    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    assert perf.measured_step([], decode_ctx=2 * 1500.0, decode_n=2) == pytest.approx(7e-3 + 1e-6 * 1000)
+    assert perf.measured_step([], decode_ctx=3 * 1000.0, decode_n=3) == pytest.approx(8.5e-3)
+    assert perf.measured_step([], decode_ctx=6 * 1000.0, decode_n=6) == pytest.approx(13e-3)  # last slope
+    with_chunk = perf.measured_step([(100, 0)], decode_ctx=2 * 1000.0, decode_n=2)
+    assert with_chunk == pytest.approx(7e-3 + 5e-4 + 100 * 1e-4 + 1e-7 * 100 * 50)
+
+
+def test_prefill_over_a_cached_prefix_gathers_its_context(tmp_path, monkeypatch) -> None:
+    _hw(tmp_path, monkeypatch)
+    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    cold = perf.measured_step([(100, 0)], decode_ctx=0.0, decode_n=0)
+    warm = perf.measured_step([(100, 900)], decode_ctx=0.0, decode_n=0)
+    assert warm - cold == pytest.approx(1e-7 * 100 * 900 + 1e-6 * 1000)
+
+
+def test_engine_reuses_whole_blocks_of_its_own_size(tmp_path, monkeypatch) -> None:
+    """With 2-token trace blocks and a 16-token engine block, every reused prefix is a
+    multiple of 16 tokens, and less is reused than at 2-token granularity."""
+    _hw(tmp_path, monkeypatch)
+    out = {}
+    for eb in (None, 16):
+        cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=1, concurrency=2, duration=30.0,
+                        mtp=False, cpu_offload_gib=0, chunk=512, block_size=2, token_scale=2,
+                        kv_tokens=20_000, max_output=4, join_midway=False, engine_block_tokens=eb)
+        sim = Simulation(cfg, iter(_sessions(40, turns=4, blocks=9)))
+        sim.run()
+        out[eb] = [r.cached_tokens for r in sim.records if r.cached_tokens]
+    assert out[16] and all(c % 16 == 0 for c in out[16])
+    assert any(c % 16 for c in out[None])
+    assert sum(out[16]) / len(out[16]) < sum(out[None]) / len(out[None])
+
+
+def test_decode_attention_reads_the_batch_padded_to_its_longest_context(tmp_path, monkeypatch) -> None:
+    """The engine's decode SDPA runs over a block table padded to the longest context, so a
+    100-token request decoding beside a 3,000-token one costs 2 x 3,000 context reads, not 3,100."""
+    _hw(tmp_path, monkeypatch, step_overhead_s=0.0, per_seq_s=0.0, tok_s=0.0, attn_prefill_s=0.0,
+        attn_decode_s=1e-6)
+    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    rank = Rank(0, 1_000, 0, 16)
+    inst = AggInstance(Clock(), perf, rank, budget=256, max_seqs=8)
+    for i, n_in in enumerate((100, 3_000)):
+        req = SimRequest(rec=RequestRecord(request_id=f"r{i}", session_id=f"s{i}", turn=0), hashes=[],
+                         n_in=n_in, n_out=10, on_done=lambda r: None)
+        req.computed, req.rank = n_in, rank
+        req.blocks = rank.pool.allocate(n_in // 16 + 1)
+        rank.running.append(req)
+    steps: list[float] = []
+    monkeypatch.setattr(inst, "_run", lambda dt, done: steps.append(dt))
+    inst._step()
+    assert steps == [pytest.approx(2 * 3_000 * 1e-6)]
 
 
 def test_aggregated_closed_loop(tmp_path, monkeypatch) -> None:

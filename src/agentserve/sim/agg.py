@@ -24,9 +24,11 @@ from agentserve.sim.pools import Instance
 class AggInstance(Instance):
     """One aggregated engine over one rank (width 1)."""
 
-    def __init__(self, clock: Clock, perf: PerfModel, rank: Rank, budget: int, max_seqs: int) -> None:
+    def __init__(self, clock: Clock, perf: PerfModel, rank: Rank, budget: int, max_seqs: int,
+                 engine_block: int | None = None) -> None:
         super().__init__(clock, perf, [rank])
         self.rank, self.budget, self.max_seqs = rank, budget, max_seqs
+        self.engine_block = engine_block or rank.pool.block_size
         self.preemptions = 0
         self.hit_tokens = self.prompt_tokens = 0
 
@@ -34,6 +36,8 @@ class AggInstance(Instance):
         r = self.rank
         bs = r.pool.block_size
         hits = r.pool.match_prefix(req.hashes[: max(0, (req.n_in - 1) // bs)])
+        if self.engine_block > bs:  # the engine reuses whole blocks of its own size only
+            hits = hits[: len(hits) * bs // self.engine_block * self.engine_block // bs]
         need = cdiv(req.n_in + req.out_done, bs) - len(hits)
         if not fits(r.pool, hits, need):
             return False
@@ -89,7 +93,10 @@ class AggInstance(Instance):
             return
         pre = [(n, q.computed) for q, n in plan if q.computed < q.n_in]
         dec = [q for q, n in plan if q.computed >= q.n_in]
-        ctx = float(sum(q.n_in + q.out_done for q in dec))
+        # Our engine's decode attention is one SDPA over a block table padded to the longest
+        # context in the batch (engine/attention.py, key-padding mask): it reads
+        # len(dec) x max context, not the sum; calibration decodes equal contexts, where the two agree.
+        ctx = float(len(dec) * max((q.n_in + q.out_done for q in dec), default=0))
         if self.perf.linear:
             dt = self.perf.measured_step(pre, ctx, len(dec))
         else:

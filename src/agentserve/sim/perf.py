@@ -66,6 +66,15 @@ MQA_LOGITS_MAX_NEXT_N = 2
 LOGIT_BYTES = 8.0  # fp32 indexer logit per (query, key, layer): written once, read by top-k
 
 
+def interp(points: list[tuple[int, float]], x: float) -> float:
+    """Piecewise-linear through sorted (x, y) points; the end segments extend beyond them."""
+    i = 1
+    while i < len(points) - 1 and points[i][0] < x:
+        i += 1
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
 def mtp_tokens_per_step(accept: tuple[float, ...] = MTP_ACCEPT) -> float:
     """Expected tokens per verify step: the bonus token plus each accepted draft position."""
     return 1.0 + sum(accept)
@@ -80,10 +89,14 @@ class PerfModel:
     topo: Topology
     eff: Efficiency = field(default_factory=Efficiency)
     mtp_draft: int = 3  # draft tokens per step when topo.mtp
+    # measured profile: (batch, step) points of the decode curve, sorted; empty when under two
+    _decode_curve: list[tuple[int, float]] = field(init=False, repr=False, default_factory=list)
 
     def __post_init__(self) -> None:
         """A measured profile (cpu-local) gives effective rates and overheads: no factors."""
         m = self.hw.measured
+        pts = sorted((int(b), float(t)) for b, t in (m or {}).get("decode_step_s", {}).items())
+        self._decode_curve = pts if len(pts) >= 2 else []
         if m and self.eff == Efficiency():
             self.eff = Efficiency(flops=1.0, attn_flops=1.0, hbm=1.0, sparse_prefill=1.0,
                                   sparse_decode=1.0, sparse_decode_h64=1.0,
@@ -290,18 +303,32 @@ class PerfModel:
         return bool(m) and "tok_s" in m
 
     def measured_step(self, prefill: list[tuple[int, int]], decode_ctx: float, decode_n: int) -> float:
-        """One engine step of a mixed batch from the calibrated profile (no roofline):
-        `step_overhead_s + per_seq_s x seqs + tok_s x tokens + attn_prefill_s x sum(new x mean
-        context) + attn_decode_s x sum(decode context)`; `prefill` = (new, prefix) chunks,
-        `decode_ctx` = summed context of the `decode_n` decoding requests."""
+        """One engine step of a mixed batch from the calibrated profile (no roofline).
+
+        Decoding part: the measured decode steps (`decode_step_s`, per batch size at the
+        calibration context `decode_ref_ctx`) interpolated in batch size, plus
+        `attn_decode_s` x the context read beyond the calibration's; without measured points,
+        the line `step_overhead_s + (per_seq_s + tok_s) x decode_n + attn_decode_s x decode_ctx`.
+        Each prefill chunk adds `per_seq_s + tok_s x new + attn_prefill_s x new x mean context`,
+        and, over a cached prefix, `attn_decode_s x (prefix + new)`: the engine then gathers the
+        chunk's whole context from the block table, as a decode does (engine/attention.py).
+        `prefill` = (new, prefix) chunks; `decode_ctx` = the context tokens the decode attention
+        of the `decode_n` decoding requests reads (our engine pads the batch to its longest
+        context: `decode_n` x longest, see agg.py)."""
         m = self.hw.measured
-        seqs = decode_n + len(prefill)
-        if seqs == 0:
+        if decode_n + len(prefill) == 0:
             return 0.0
-        tokens = decode_n + sum(n for n, _ in prefill)
+        new = sum(n for n, _ in prefill)
         pairs = sum(n * (p + n / 2) for n, p in prefill)
-        return (m["step_overhead_s"] + m["per_seq_s"] * seqs + m["tok_s"] * tokens
-                + m["attn_prefill_s"] * pairs + m["attn_decode_s"] * decode_ctx)
+        gathered = sum(p + n for n, p in prefill if p)
+        step = (m["per_seq_s"] * len(prefill) + m["tok_s"] * new + m["attn_prefill_s"] * pairs
+                + m["attn_decode_s"] * gathered)
+        curve = self._decode_curve
+        if decode_n and curve:
+            ref = m.get("decode_ref_ctx", m.get("prompt", 0))
+            return step + interp(curve, decode_n) + m["attn_decode_s"] * (decode_ctx - decode_n * ref)
+        return (step + m["step_overhead_s"] + (m["per_seq_s"] + m["tok_s"]) * decode_n
+                + m["attn_decode_s"] * decode_ctx)
 
     # -- transfers -------------------------------------------------------------------------------
     def kv_transfer_time(self, tokens: int, same_node: bool = False) -> float:

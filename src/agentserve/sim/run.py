@@ -78,6 +78,9 @@ class SimConfig:
     # `aggregated` one-rank engines that prefill and decode in the same step (agg.py); the
     # prefill/decode fields are then unused, `chunk` is the engine's max_num_batched_tokens.
     aggregated: int = 0
+    # Aggregated engines: the engine's own KV block size in tokens when it is coarser than
+    # `block_size` (a token-scaled trace block): it reuses whole blocks of its size only.
+    engine_block_tokens: int | None = None
     kv_tokens: int | None = None  # KV capacity per engine (None: the memory model's)
     # As `agentserve bench`: tokens per trace block (inputs scale by token_scale/block_size;
     # then `block_size` should equal it) and the output cap.
@@ -150,7 +153,8 @@ class Simulation:
         kv = cfg.kv_tokens or plan_memory(m, hw, topo, block_size=cfg.block_size).kv_blocks * cfg.block_size
         self.p_ranks = [Rank(i, kv // cfg.block_size, 0, cfg.block_size) for i in range(cfg.aggregated)]
         self.pperf = self.dperf = PerfModel(m, hw, topo)
-        self.aggs = [AggInstance(self.clock, self.pperf, r, cfg.chunk, cfg.max_seqs) for r in self.p_ranks]
+        self.aggs = [AggInstance(self.clock, self.pperf, r, cfg.chunk, cfg.max_seqs,
+                                 cfg.engine_block_tokens) for r in self.p_ranks]
 
     def _owner(self, ranks: list[Rank], instances: list, r: Rank):
         return instances[ranks.index(r) // len(instances[0].ranks)]
