@@ -20,7 +20,9 @@ tokens, evictions, restore decisions and where every restored block went (used, 
 wasted: restored twice, already on the device, aborted, failed, preempted before its
 first token) from /metrics. ``--kv-trace`` also records the engine's admissions and
 device evictions and replays them offline under other device eviction orders
-(``device_replay``: LRU, tail-first, agent-aware, and the Belady oracle as a bound).
+(``device_replay``: LRU, tail-first, agent-aware, and the Belady oracle as a bound), and
+counts the restored blocks the device dropped while their request already waited
+(``dropped_while_waiting``: what pinning at arrival could save).
 Writes JSON, a table, and <out>_ttft.png / <out>_restored.png (``--plot-only`` redraws).
 
     .venv/bin/python benchmarks/kvtier_sessions.py --ratios 1.5,3,5 --sessions 16 \\
@@ -229,6 +231,29 @@ def run_one(name: str, kv_tokens: int, cpu_gib: float, a: argparse.Namespace, tr
 
 
 # ---- device eviction order, replayed offline ---------------------------------------------
+def dropped_while_waiting(trace: Path) -> dict:
+    """Of the restored blocks, how many the device dropped after their request had arrived
+    (between its ``add`` and ``admit``): what pinning a waiting request's device hits at
+    arrival could have saved. The rest were dropped before the request arrived."""
+    added: dict[str, float] = {}
+    evicted: dict[str, float] = {}
+    restored = waiting = 0
+    for ln in trace.read_text().splitlines():
+        if not ln.strip():
+            continue
+        e = json.loads(ln)
+        if e["ev"] == "add":
+            added[e["rid"]] = e["t"]
+        elif e["ev"] == "evict":
+            evicted[e["h"]] = e["t"]
+        elif e["ev"] == "admit":
+            t0 = added.get(e["rid"], float("inf"))
+            for h in e["h"][e["dev"]:e["dev"] + e["res"]]:
+                restored += 1
+                waiting += evicted.get(h, float("-inf")) >= t0
+    return {"restored_blocks": restored, "dropped_while_waiting_blocks": waiting}
+
+
 def device_replay(trace: Path, capacity_blocks: int, block_size: int = 16,
                   policies: tuple[str, ...] = ("lru", "tail-first", "agent", "hazard", "belady"),
                   horizon_s: float = 2.0) -> dict:
@@ -442,6 +467,7 @@ def main() -> None:
             kvt = out_dir.parent / (out_dir.name + ".kvtrace.jsonl")
             if a.kv_trace and CONFIGS[name] and kvt.exists():
                 v["device_replay"] = device_replay(kvt, kv_tokens // 16)
+                v["restore_sources"] = dropped_while_waiting(kvt)
             print(f"{r:g}x {name}: {json.dumps(v)}", flush=True)
             Path(a.out).write_text(json.dumps(res, indent=2))
     print(table(res))
