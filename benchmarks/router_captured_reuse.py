@@ -212,7 +212,8 @@ def run_policy(name: str, raw: dict, a: argparse.Namespace, tmp: Path) -> dict:
                         "--token-scale", str(a.token_scale), "--max-turns", str(a.max_turns),
                         "--gap-cap", str(a.gap_cap), "--max-output", str(a.max_output),
                         "--duration", str(a.duration), "--seed", str(a.seed),
-                        "--out", str(out)],
+                        "--out", str(out)]
+                       + (["--max-input", str(a.max_input)] if a.max_input else []),
                        check=True, timeout=a.duration + 300, stdout=subprocess.DEVNULL)
         summ = json.loads((out / "summary.json").read_text())
         per = decisions(rurl)
@@ -237,6 +238,7 @@ def run_policy(name: str, raw: dict, a: argparse.Namespace, tmp: Path) -> dict:
             "reusable_ceiling_ratio": s.get("reusable_ceiling_ratio"),
             "engine_hits_over_queries": hits / queries if queries else None,
             "balance_max_over_min": max(counts) / max(1.0, min(counts)), "requests": counts,
+            "requests_skipped": s.get("requests_skipped", 0),
             "ttft_p50_s": (s.get("ttft_s") or {}).get("p50"),
             "ttft_p90_s": (s.get("ttft_s") or {}).get("p90"),
             "output_tok_s": s.get("output_tok_s"),
@@ -254,6 +256,10 @@ def main() -> None:
     ap.add_argument("--token-scale", type=int, default=2)
     ap.add_argument("--max-turns", type=int, default=12)
     ap.add_argument("--max-output", type=int, default=16)
+    ap.add_argument("--max-input", type=int, default=None,
+                    help="skip (and count) requests with more scaled input tokens, e.g. the "
+                         "engines' context limit less --max-output; default: send them all "
+                         "(the router answers prompts over every engine's limit with a 400)")
     ap.add_argument("--gap-cap", type=float, default=1.0)
     ap.add_argument("--duration", type=float, default=180.0)
     ap.add_argument("--policies", nargs="*", default=list(POLICIES))
