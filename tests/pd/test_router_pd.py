@@ -137,7 +137,7 @@ async def test_threshold_decides_and_params_pass_through(pd_stack) -> None:
 async def test_prompt_over_the_context_limit_is_a_400_on_the_pd_path(pd_stack) -> None:
     """On the P/D path too, a prompt no decode endpoint's `max_model_len` leaves room under
     gets vLLM's 400 from the router: no prefill leg, no decode leg, no decision."""
-    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=64, max_model_len=256)
+    _, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=64, max_model_len=256)
     async with s.post("/v1/completions", json=body(200)) as r:
         assert r.status == 200 and "x-agentserve-pd" in r.headers
     async with s.post("/v1/completions", json=body(300)) as r:

@@ -119,7 +119,7 @@ async def test_context_limit_is_relearned_from_a_restarted_backend(stack, monkey
     when the endpoint comes back from an ejection, and every MODELS_REFRESH_S anyway."""
     engines, urls, make = stack
     engines[0].max_model_len = 64
-    gw, s = await make()
+    gw, _ = await make()
     ep = gw.router.endpoints[urls[0]]
     assert ep.max_model_len == 64
     engines[0].max_model_len = 32  # restarted with a smaller limit while it was ejected
