@@ -231,17 +231,19 @@ def run_one(name: str, kv_tokens: int, cpu_gib: float, a: argparse.Namespace, tr
 
 
 # ---- device eviction order, replayed offline ---------------------------------------------
-def dropped_while_waiting(trace: Path) -> dict:
+def read_kv_trace(trace: Path) -> list[dict]:
+    """The events of an ``AGENTSERVE_KV_TRACE`` file, in order."""
+    return [json.loads(ln) for ln in trace.read_text().splitlines() if ln.strip()]
+
+
+def dropped_while_waiting(ev: list[dict]) -> dict:
     """Of the restored blocks, how many the device dropped after their request had arrived
     (between its ``add`` and ``admit``): what pinning a waiting request's device hits at
     arrival could have saved. The rest were dropped before the request arrived."""
     added: dict[str, float] = {}
     evicted: dict[str, float] = {}
     restored = waiting = 0
-    for ln in trace.read_text().splitlines():
-        if not ln.strip():
-            continue
-        e = json.loads(ln)
+    for e in ev:
         if e["ev"] == "add":
             added[e["rid"]] = e["t"]
         elif e["ev"] == "evict":
@@ -254,12 +256,12 @@ def dropped_while_waiting(trace: Path) -> dict:
     return {"restored_blocks": restored, "dropped_while_waiting_blocks": waiting}
 
 
-def device_replay(trace: Path, capacity_blocks: int, block_size: int = 16,
+def device_replay(ev: list[dict], capacity_blocks: int, block_size: int = 16,
                   policies: tuple[str, ...] = ("lru", "tail-first", "agent", "hazard", "belady"),
                   horizon_s: float = 2.0) -> dict:
     """Device prefix hits (blocks) had the device evicted in another order.
 
-    Replays the engine's own admissions (``AGENTSERVE_KV_TRACE``: each request's block
+    Replays the engine's own admissions (``ev``, from ``read_kv_trace``: each request's block
     hashes, admitted at its recorded time, released at its finish) through a device pool of
     ``capacity_blocks`` (running requests pinned, freed chains tail-first as the engine does)
     under: ``lru`` (the engine: validates the replay against the measured device hits),
@@ -273,7 +275,6 @@ def device_replay(trace: Path, capacity_blocks: int, block_size: int = 16,
     import bisect
     from collections import OrderedDict, defaultdict
 
-    ev = [json.loads(ln) for ln in trace.read_text().splitlines() if ln.strip()]
     adm = [e for e in ev if e["ev"] == "admit"]
     fin = {e["rid"]: e["t"] for e in ev if e["ev"] == "finish"}
     order = sorted([(e["t"], 1, i) for i, e in enumerate(adm)]
@@ -466,8 +467,9 @@ def main() -> None:
                                                  **run_one(name, kv_tokens, cpu_gib, a, trace, out_dir)}
             kvt = out_dir.parent / (out_dir.name + ".kvtrace.jsonl")
             if a.kv_trace and CONFIGS[name] and kvt.exists():
-                v["device_replay"] = device_replay(kvt, kv_tokens // 16)
-                v["restore_sources"] = dropped_while_waiting(kvt)
+                ev = read_kv_trace(kvt)
+                v["device_replay"] = device_replay(ev, kv_tokens // 16)
+                v["restore_sources"] = dropped_while_waiting(ev)
             print(f"{r:g}x {name}: {json.dumps(v)}", flush=True)
             Path(a.out).write_text(json.dumps(res, indent=2))
     print(table(res))
