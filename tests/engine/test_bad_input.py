@@ -72,6 +72,47 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
      400, "tool_choice", "requires tools"),
     ("stream-options-type", "/v1/completions", {"prompt": "hi", "stream_options": 3}, 400,
      "stream_options", "Expected"),
+    ("seed-over-64-bits", "/v1/completions", {"prompt": "hi", "seed": 2**70}, 400, "seed",
+     "64-bit"),
+    ("presence-penalty", "/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400,
+     "presence_penalty", "[-2, 2]"),
+    ("frequency-penalty", "/v1/chat/completions", {**OK_CHAT, "frequency_penalty": -2.5}, 400,
+     "frequency_penalty", "[-2, 2]"),
+    ("repetition-penalty", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400,
+     "repetition_penalty", "(0, 2]"),
+    ("min-p", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400, "min_p", "[0, 1]"),
+    ("logit-bias-key", "/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400,
+     "logit_bias", "token ids"),
+    ("logit-bias-value", "/v1/completions", {"prompt": "hi", "logit_bias": {"5": 101}}, 400,
+     "logit_bias", "[-100, 100]"),
+    ("logit-bias-vocab", "/v1/chat/completions", {**OK_CHAT, "logit_bias": {"99999": 1}}, 400,
+     "logit_bias", "out of range"),
+    ("logit-bias-type", "/v1/completions", {"prompt": "hi", "logit_bias": "nope"}, 400,
+     "logit_bias", "Expected"),
+    ("min-tokens-negative", "/v1/completions", {"prompt": "hi", "min_tokens": -1}, 400,
+     "min_tokens", ">= 0"),
+    ("min-tokens-over-max", "/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 3},
+     400, "min_tokens", "<= max_tokens"),
+    ("response-format-type", "/v1/chat/completions",
+     {**OK_CHAT, "response_format": {"type": "yaml"}}, 400, "response_format", "json_object"),
+    ("response-format-no-schema", "/v1/chat/completions",
+     {**OK_CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, 400,
+     "response_format", "json_schema.schema"),
+    ("response-format-bad-schema", "/v1/completions",
+     {"prompt": "hi", "response_format": {"type": "json_schema",
+                                          "json_schema": {"schema": {"type": "nope"}}}},
+     400, "response_format", "invalid response_format schema"),
+    ("response-format-with-tools", "/v1/chat/completions",
+     {**OK_CHAT, "tools": [TOOL], "response_format": {"type": "json_object"}}, 400,
+     "response_format", "cannot be combined with tools"),
+    ("best-of", "/v1/completions", {"prompt": "hi", "best_of": 3}, 400, "best_of",
+     "not supported"),
+    ("suffix", "/v1/completions", {"prompt": "hi", "suffix": "end"}, 400, "suffix",
+     "not supported"),
+    ("beam-search", "/v1/completions", {"prompt": "hi", "use_beam_search": True}, 400,
+     "use_beam_search", "not supported"),
+    ("guided-json", "/v1/chat/completions", {**OK_CHAT, "guided_json": {"type": "object"}}, 400,
+     "guided_json", "response_format json_schema"),
 ]
 
 
@@ -112,9 +153,21 @@ def test_body_too_large(served: ServerThread) -> None:
 
 
 def test_unknown_fields_are_ignored(served: ServerThread) -> None:
-    body = {"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": [1]}, "logit_bias": "nope"}
+    body = {"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": [1]}}
     status, resp = post(served, "/v1/completions", body)
     assert status == 200 and resp["object"] == "text_completion"
+
+
+def test_unsupported_fields_at_their_off_values_are_accepted(served: ServerThread) -> None:
+    body = {"prompt": "hi", "max_tokens": 2, "best_of": 1, "suffix": None, "bad_words": [],
+            "use_beam_search": False, "presence_penalty": 0, "response_format": {"type": "text"}}
+    assert post(served, "/v1/completions", body)[0] == 200
+
+
+def test_json_nested_too_deeply(served: ServerThread) -> None:
+    raw = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    err = check_error(*post(served, "/v1/completions", raw=raw), 400)
+    assert "nested too deeply" in err["message"]
 
 
 def test_model_dir_path_is_accepted(served: ServerThread) -> None:

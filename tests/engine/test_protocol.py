@@ -101,11 +101,20 @@ def test_chat_messages_for_template() -> None:
     assert assistant["tool_calls"][0]["function"] == {"name": "f", "arguments": {"x": 1}}
 
 
-def test_sampling_params_defaults() -> None:
+def test_sampling_params_defaults(tiny_tokenizer) -> None:
     p = sampling_params(decode(b'{"prompt": "p", "top_k": -1, "stop_token_ids": [3]}',
-                               CompletionRequest), 7)
+                               CompletionRequest), 7, tiny_tokenizer)
     got = (p.max_tokens, p.temperature, p.top_p, p.top_k, p.stop_token_ids)
     assert got == (7, 1.0, 1.0, 0, [3])
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.min_p) == (0, 0, 1, 0)
+    assert p.logit_bias is None and p.min_tokens == 0 and not p.penalized
+
+
+def test_min_tokens_blocks_eos_and_stop_ids(tiny_tokenizer) -> None:
+    p = sampling_params(decode(b'{"prompt": "p", "min_tokens": 2, "stop_token_ids": [3],'
+                               b' "logit_bias": {"7": -5}}', CompletionRequest), 7, tiny_tokenizer)
+    assert p.min_tokens_blocked == sorted({3, *tiny_tokenizer.eos_token_ids})
+    assert p.logit_bias == {7: -5.0}
 
 
 @dataclass

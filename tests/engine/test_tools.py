@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from agentserve.engine.constrained import (GrammarError, ToolGrammarConstraint,
+from agentserve.engine.constrained import (GrammarError, GrammarConstraint,
                                            compile_tool_grammar, tool_call_schema)
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls, top_level_spans
 
@@ -129,7 +129,7 @@ def check_schema(value: Any, schema: dict[str, Any]) -> None:
         assert isinstance(value, bool)
 
 
-def run_random(tokenizer, constraint: ToolGrammarConstraint, seed: int,
+def run_random(tokenizer, constraint: GrammarConstraint, seed: int,
                limit: int = 400) -> list[int]:
     """Sample from random logits under the constraint until it is done."""
     gen = torch.Generator().manual_seed(seed)
@@ -149,7 +149,7 @@ def run_random(tokenizer, constraint: ToolGrammarConstraint, seed: int,
 def test_required_random_logits_are_schema_valid(tokenizer, seed: int) -> None:
     tools = [WEATHER, NOARGS] if seed % 2 else [WEATHER]
     grammar = compile_tool_grammar(tokenizer, tools, None, parallel=False)
-    ids = run_random(tokenizer, ToolGrammarConstraint(tokenizer, grammar), seed)
+    ids = run_random(tokenizer, GrammarConstraint(tokenizer, grammar), seed)
     content, calls = parse_tool_calls(tokenizer.decode(ids))
     assert content is None and len(calls) == 1
     params = {"get_weather": WEATHER["function"]["parameters"], "now": {"type": "object"}}
@@ -159,7 +159,7 @@ def test_required_random_logits_are_schema_valid(tokenizer, seed: int) -> None:
 @pytest.mark.parametrize("seed", range(4))
 def test_required_on_tiny_tokenizer(tiny_tokenizer, seed: int) -> None:
     tools = [WEATHER, NOARGS]
-    constraint = ToolGrammarConstraint(tiny_tokenizer, compile_tool_grammar(
+    constraint = GrammarConstraint(tiny_tokenizer, compile_tool_grammar(
         tiny_tokenizer, tools, None, parallel=seed % 2 == 1))
     text = tiny_tokenizer.decode(run_random(tiny_tokenizer, constraint, seed, limit=1000))
     content, calls = parse_tool_calls(text)
@@ -172,7 +172,7 @@ def test_required_on_tiny_tokenizer(tiny_tokenizer, seed: int) -> None:
 def test_named_choice_forces_that_tool(tokenizer) -> None:
     grammar = compile_tool_grammar(tokenizer, [WEATHER, NOARGS], "get_weather", parallel=False)
     for seed in range(3):
-        ids = run_random(tokenizer, ToolGrammarConstraint(tokenizer, grammar), seed)
+        ids = run_random(tokenizer, GrammarConstraint(tokenizer, grammar), seed)
         _, calls = parse_tool_calls(tokenizer.decode(ids))
         assert calls[0].name == "get_weather"
 

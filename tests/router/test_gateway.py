@@ -82,8 +82,9 @@ async def test_streaming_chunk_by_chunk(stack):
 async def test_bad_requests_never_reach_engines(stack):
     engines, urls, make = stack
     gw, s = await make()
+    nested = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
     for body in (b"not json", b"[1,2]", json.dumps({"prompt": 5}).encode(),
-                 json.dumps({"messages": "hi"}).encode()):
+                 json.dumps({"messages": "hi"}).encode(), nested):
         path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
         async with s.post(path, data=body) as r:
             assert r.status == 400

@@ -1,4 +1,4 @@
-"""Constrained decoding of tool calls with llguidance.
+"""Constrained decoding of tool calls and JSON answers (response_format) with llguidance.
 
 For tool_choice "required" (any tool) or a named function, the answer must be
 
@@ -7,9 +7,10 @@ For tool_choice "required" (any tool) or a named function, the answer must be
 followed by EOS; with parallel_tool_calls and "required", more calls may follow,
 separated by a newline. The JSON part is compiled from a JSON Schema (an anyOf over
 tools, each pinning "name" with const), embedded in a Lark grammar, and enforced
-token by token by `ToolGrammarConstraint`, which implements the engine's
+token by token by `GrammarConstraint`, which implements the engine's
 `LogitsConstraint`. JSON is compact (no free whitespace) so that a weak model
-cannot wander off into blank space.
+cannot wander off into blank space. `response_format` json_object / json_schema
+is the same JSON part alone (any object, or the given schema), then EOS.
 
 `llguidance.hf.from_tokenizer` needs transformers; we build the `LLTokenizer`
 straight from the `tokenizers` JSON instead, once per tokenizer.
@@ -84,6 +85,15 @@ def compile_tool_grammar(tokenizer: Tokenizer, tools: list[dict[str, Any]], name
     return _validated(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark))
 
 
+def compile_json_grammar(tokenizer: Tokenizer, schema: dict[str, Any] | None) -> str:
+    """A validated grammar for one JSON value: `schema`, or any JSON object when None.
+    Raises GrammarError."""
+    body = {"type": "object"} if schema is None else schema
+    lark = f"start: %json {json.dumps({**body, 'x-guidance': _JSON_OPTIONS})}\n"
+    return _validated(tokenizer, llguidance.LLMatcher.grammar_from_lark(lark),
+                      "response_format schema")
+
+
 def _marker(tokenizer: Tokenizer, text: str) -> str:
     """Lark for a tool marker: a special token must be named by id (`<[id]>`),
     since llguidance never matches special tokens against literal text."""
@@ -92,16 +102,16 @@ def _marker(tokenizer: Tokenizer, text: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _validated(tokenizer: Tokenizer, grammar: str) -> str:
+def _validated(tokenizer: Tokenizer, grammar: str, what: str = "tool schema") -> str:
     # Agents send the same tools every turn: validate each grammar once.
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
         grammar, ll_tokenizer(tokenizer))
     if is_error:
-        raise GrammarError(f"invalid tool schema: {'; '.join(messages)}")
+        raise GrammarError(f"invalid {what}: {'; '.join(messages)}")
     return grammar
 
 
-class ToolGrammarConstraint:
+class GrammarConstraint:
     """A `LogitsConstraint` backed by an `llguidance.LLMatcher`."""
 
     def __init__(self, tokenizer: Tokenizer, grammar: str) -> None:
@@ -109,7 +119,7 @@ class ToolGrammarConstraint:
         self.eos = tokenizer.eos_token_ids
         self.matcher = llguidance.LLMatcher(ll_tokenizer(tokenizer), grammar, log_level=0)
         if self.matcher.is_error():
-            raise GrammarError(f"invalid tool schema: {self.matcher.get_error()}")
+            raise GrammarError(f"invalid schema: {self.matcher.get_error()}")
 
     def allowed(self) -> torch.Tensor:
         """Bool mask [n_vocab] of tokens the grammar allows next."""

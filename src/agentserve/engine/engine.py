@@ -94,12 +94,13 @@ class AsyncEngine:
             raise EngineDraining("server is shutting down; retry on another replica")
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
-        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self._queues[request_id] = q
         seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id,
                        kv_transfer=self._transfer_params(kv_transfer))
         if not params.greedy:
             seq.generator = make_generator(params.seed)
+        # registered only once nothing above can fail, so a refused request leaves no queue
+        q: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[request_id] = q
         self.core.submit(seq)
         finished = False
         try:

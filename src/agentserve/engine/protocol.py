@@ -56,12 +56,45 @@ class _Sampling(Struct, kw_only=True, omit_defaults=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # vLLM P/D disaggregation (engine/transfer.py)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extension, as HF's
+    min_p: float | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    min_tokens: int = 0  # vLLM: no EOS, stop token or stop string before this many tokens
+    response_format: ResponseFormat | None = None
+    # Fields OpenAI or vLLM define that change what is generated and that this engine does
+    # not implement: a non-default value is refused (check_unsupported), never ignored.
+    best_of: int | None = None
+    use_beam_search: bool = False
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: Any = None
+    logits_processors: Any = None
+
+
+class JsonSchemaFormat(Struct, kw_only=True, omit_defaults=True):
+    name: str | None = None
+    schema: Any = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(Struct, kw_only=True, omit_defaults=True):
+    type: str
+    json_schema: JsonSchemaFormat | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
     prompt: str | list[Any]  # text, token ids, or a list of either
     echo: bool = False
     logprobs: int | None = None
+    suffix: str | None = None
 
 
 class ContentPart(Struct, kw_only=True, omit_defaults=True):
@@ -119,6 +152,8 @@ class ChatRequest(_Sampling, kw_only=True, omit_defaults=True):
     top_logprobs: int | None = None
 
 
+_SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's bound (torch.long), what a Generator takes
+
 _PATH = re.compile(r"at `\$\.?(.*)`")
 
 
@@ -131,10 +166,60 @@ def decode(body: bytes, kind: type[T]) -> T:
         raise APIError(400, f"invalid request: {e}", param=m.group(1) if m else None) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"request body is not valid JSON: {e}") from None
+    except RecursionError:  # msgspec's answer to arrays/objects nested thousands deep
+        raise APIError(400, "request body is nested too deeply") from None
+
+
+# field -> the values that mean "off" (vLLM's defaults); anything else is refused
+_UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "best_of": (None, 1), "use_beam_search": (False,), "prompt_logprobs": (None,),
+    "allowed_token_ids": (None,), "bad_words": (None, []), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "logits_processors": (None,), "suffix": (None, ""),
+}
+_FORMATS = ("text", "json_object", "json_schema")
+
+
+def check_unsupported(req: Struct) -> None:
+    """A field this engine does not implement is refused unless it has its 'off' value."""
+    for name, off in _UNSUPPORTED.items():
+        value = getattr(req, name, None)
+        if not any(value == v and type(value) is type(v) for v in off):
+            hint = ("; use response_format json_schema" if name.startswith(("guided_", "struct"))
+                    else "")
+            raise APIError(400, f"{name} is not supported by this engine (got {value!r}){hint}",
+                           name)
 
 
 def check_sampling(req: _Sampling) -> None:
     """Range checks common to both endpoints."""
+    check_unsupported(req)
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(req, name)
+        if value is not None and not -2 <= value <= 2:
+            raise APIError(400, f"{name} must be in [-2, 2], got {value}", name)
+    if req.repetition_penalty is not None and not 0 < req.repetition_penalty <= 2:
+        raise APIError(400, f"repetition_penalty must be in (0, 2], got {req.repetition_penalty}",
+                       "repetition_penalty")
+    if req.min_p is not None and not 0 <= req.min_p <= 1:
+        raise APIError(400, f"min_p must be in [0, 1], got {req.min_p}", "min_p")
+    if req.min_tokens < 0:
+        raise APIError(400, f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
+    for key, bias in (req.logit_bias or {}).items():
+        if not key.lstrip("-").isdigit():
+            raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not -100 <= bias <= 100:
+            raise APIError(400, f"logit_bias values must be in [-100, 100], got {bias} for {key}",
+                           "logit_bias")
+    fmt = req.response_format
+    if fmt is not None:
+        if fmt.type not in _FORMATS:
+            raise APIError(400, f"response_format.type must be one of {list(_FORMATS)}, got "
+                           f"{fmt.type!r}", "response_format")
+        if fmt.type == "json_schema" and (fmt.json_schema is None
+                                          or not isinstance(fmt.json_schema.schema, dict)):
+            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON "
+                           "Schema object", "response_format")
     if req.n != 1:
         raise APIError(400, f"n must be 1 (got {req.n}); send separate requests", "n")
     if req.temperature is not None and req.temperature < 0:
@@ -145,6 +230,8 @@ def check_sampling(req: _Sampling) -> None:
         raise APIError(400, f"top_k must be -1, 0 (disabled) or >= 1, got {req.top_k}", "top_k")
     if req.max_tokens is not None and req.max_tokens <= 0:
         raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
+    if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX:
+        raise APIError(400, f"seed must be a 64-bit signed integer, got {req.seed}", "seed")
 
 
 def check_completion(req: CompletionRequest) -> None:

@@ -45,10 +45,23 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     constraint: LogitsConstraint | None = None
+    presence_penalty: float = 0.0  # minus this for every token already in the output
+    frequency_penalty: float = 0.0  # minus this per occurrence in the output
+    repetition_penalty: float = 1.0  # prompt or output tokens: positive logits /, negative *
+    min_p: float = 0.0  # drop tokens below min_p x the most likely token's probability
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    min_tokens_blocked: list[int] = field(default_factory=list)  # EOS + stop ids before min_tokens
 
     @property
     def greedy(self) -> bool:
         return self.temperature <= 1e-5
+
+    @property
+    def penalized(self) -> bool:
+        """Whether sampling reads the sequence's tokens (penalties)."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
 
 class RequestStatus(enum.Enum):

@@ -36,4 +36,4 @@ class ModelRunner:
         logits = self.model(meta, self.kv_cache)
         if not need:
             return []
-        return sample(logits, [seq.params for seq in need], [seq.generator for seq in need])
+        return sample(logits, need)

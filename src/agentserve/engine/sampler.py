@@ -1,22 +1,37 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeds, constraints.
+"""Token sampling: greedy, temperature, top-k, top-p, min-p, penalties, logit bias,
+min_tokens, per-request seeds, constraints.
 
-logits: [B, V] float32, one row per sequence that needs a token this step.
+logits: [B, V] float32, one row per sequence that needs a token this step. Everything that
+edits a row's logits (constraint, bias, min_tokens, penalties) runs only for the rows that
+asked for it, in place, before the batched greedy argmax, so plain requests pay nothing.
+Order and semantics follow vLLM: logit bias and min_tokens, then penalties (repetition over
+prompt + output, frequency and presence over the output), then temperature, min-p, top-k,
+top-p.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentserve.engine.request import SamplingParams
 
+if TYPE_CHECKING:
+    from agentserve.engine.sequence import Sequence
 
-def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """logits: [V] -> probs: [V] after temperature, top-k and top-p (nucleus) filtering."""
+
+def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+                    min_p: float = 0.0) -> torch.Tensor:
+    """logits: [V] -> probs: [V] after temperature, min-p, top-k and top-p (nucleus) filtering."""
     logits = logits / max(temperature, 1e-5)
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = torch.where(logits < kth, torch.full_like(logits, -float("inf")), logits)
     probs = torch.softmax(logits, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
     if top_p < 1.0:
         sorted_probs, idx = torch.sort(probs, descending=True)
         cum = torch.cumsum(sorted_probs, dim=-1)
@@ -28,20 +43,50 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
     return probs
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int],
+                    output_ids: list[int]) -> None:
+    """Repetition (prompt + output), frequency and presence (output) penalties, in place."""
+    vocab = row.shape[-1]
+    if p.repetition_penalty != 1:
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(prompt_ids + output_ids, dtype=torch.long)] = True
+        pen = torch.where(row > 0, 1 / p.repetition_penalty, p.repetition_penalty)
+        row.copy_(torch.where(seen.to(row.device), row * pen, row))
+    if output_ids and (p.frequency_penalty or p.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)
+        counts = counts[:vocab].to(row.device, row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+
+
+def process_row(row: torch.Tensor, seq: Sequence) -> None:
+    """Everything a request asked to change in its logits row, in place."""
+    p = seq.params
+    if p.constraint is not None:
+        p.constraint.apply(row)
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+    if p.min_tokens and seq.num_output_tokens < p.min_tokens and p.min_tokens_blocked:
+        row[torch.tensor(p.min_tokens_blocked, dtype=torch.long)] = float("-inf")
+    if p.penalized:
+        apply_penalties(row, p, seq.prompt_token_ids, seq.token_ids[seq.num_prompt_tokens:])
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """Pick one token per row. Greedy rows are batched; sampled rows use their own generator."""
-    for i, p in enumerate(params):
-        if p.constraint is not None:
-            p.constraint.apply(logits[i])
+    for i, seq in enumerate(seqs):
+        p = seq.params
+        if p.constraint is not None or p.logit_bias or p.min_tokens or p.penalized:
+            process_row(logits[i], seq)
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []
-    for i, p in enumerate(params):
+    for i, seq in enumerate(seqs):
+        p = seq.params
         if p.greedy:
             out.append(greedy[i])
             continue
-        probs = logits_to_probs(logits[i].float(), p.temperature, p.top_k, p.top_p)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i]).item()))
+        probs = logits_to_probs(logits[i].float(), p.temperature, p.top_k, p.top_p, p.min_p)
+        out.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
     return out
 
 

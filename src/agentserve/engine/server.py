@@ -56,8 +56,8 @@ def _requested_model(body: bytes) -> str | None:
     """The body's "model" field, read leniently (full validation comes later)."""
     try:
         return msgspec.json.decode(body, type=_ModelOnly).model
-    except (msgspec.DecodeError, msgspec.ValidationError):
-        return None
+    except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+        return None  # `decode` answers these with a 400 when the body is read in full
 
 
 @web.middleware

@@ -20,6 +20,7 @@ from typing import Any, Protocol
 import msgspec
 from aiohttp import web
 
+from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_json_grammar
 from agentserve.engine.engine import EngineDraining
 from agentserve.engine.metrics import RequestTimer, ServerMetrics
 from agentserve.engine.protocol import (APIError, CompletionRequest, _Sampling, check_completion,
@@ -48,14 +49,41 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sampling_params(req: _Sampling, max_tokens: int) -> SamplingParams:
-    """Request fields -> engine SamplingParams (already range-checked)."""
+def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> SamplingParams:
+    """Request fields -> engine SamplingParams (ranges already checked by `check_sampling`;
+    here what needs the tokenizer or the resolved max_tokens)."""
+    bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
+    bad = [k for k in bias if not 0 <= k < tok.vocab_size]
+    if bad:
+        raise APIError(400, f"logit_bias token id {bad[0]} is out of range [0, {tok.vocab_size})",
+                       "logit_bias")
+    if req.min_tokens > max_tokens:
+        raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})",
+                       "min_tokens")
+    stop_ids = list(req.stop_token_ids or [])
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k in (None, -1) else req.top_k,
-        seed=req.seed, stop_token_ids=list(req.stop_token_ids or []), ignore_eos=req.ignore_eos)
+        seed=req.seed, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0, logit_bias=bias or None, min_tokens=req.min_tokens,
+        min_tokens_blocked=sorted(set(tok.eos_token_ids) | set(stop_ids)) if req.min_tokens else [])
+
+
+def response_format_grammar(req: _Sampling, tok: Tokenizer) -> str | None:
+    """The grammar `response_format` asks for (json_object / json_schema), or None for text."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    schema = fmt.json_schema.schema if fmt.type == "json_schema" and fmt.json_schema else None
+    try:
+        return compile_json_grammar(tok, schema)
+    except GrammarError as e:
+        raise APIError(400, str(e), "response_format") from None
 
 
 def resolve_max_tokens(num_prompt: int, requested: int | None, default: int | None,
@@ -77,7 +105,8 @@ class Generation:
         self.kv_transfer_params: dict[str, Any] | None = None  # set by a finished prefill leg
         self.prompt_ids, self.params = prompt_ids, params
         self.detok = IncrementalDetokenizer(engine.tokenizer, prompt_ids, stop,
-                                            skip_ids=set(params.stop_token_ids))
+                                            skip_ids=set(params.stop_token_ids),
+                                            min_tokens=params.min_tokens)
         self.timer = RequestTimer(metrics, arrival)
         self.alive = alive
         self.prompt_tokens, self.cached_tokens, self.completion_tokens = len(prompt_ids), 0, 0
@@ -290,11 +319,15 @@ async def create_completion(request: web.Request, engine: EngineClient,
     cid = new_id("cmpl")
     if req.kv_transfer_params and len(prompts) > 1:
         raise APIError(400, "kv_transfer_params needs a single prompt", "kv_transfer_params")
+    grammar = await asyncio.to_thread(response_format_grammar, req, engine.tokenizer)
     gens = []
     for i, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len)
         max_tokens = pd_max_tokens(req.kv_transfer_params, max_tokens)
-        gens.append(Generation(engine, metrics, f"{cid}-{i}", ids, sampling_params(req, max_tokens),
+        params = sampling_params(req, max_tokens, engine.tokenizer)
+        if grammar is not None:  # one matcher per prompt: it follows that prompt's output
+            params.constraint = GrammarConstraint(engine.tokenizer, grammar)
+        gens.append(Generation(engine, metrics, f"{cid}-{i}", ids, params,
                                stop_list(req.stop), client_alive(request), arrival,
                                session_of(request, req.user), req.kv_transfer_params))
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),

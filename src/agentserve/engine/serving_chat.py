@@ -17,13 +17,14 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from agentserve.engine.constrained import GrammarError, ToolGrammarConstraint, compile_tool_grammar
+from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_tool_grammar
 from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice, check_chat,
                                         check_prompt_ids, decode, stop_list)
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
-                                       new_id, pd_max_tokens, resolve_max_tokens, sampling_params,
-                                       session_of, stream_sse, with_transfer)
+                                       new_id, pd_max_tokens, resolve_max_tokens,
+                                       response_format_grammar, sampling_params, session_of,
+                                       stream_sse, with_transfer)
 from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
@@ -47,13 +48,13 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
 
 
 def tool_constraint(tok: Tokenizer, tools: list[dict[str, Any]],
-                    req: ChatRequest) -> ToolGrammarConstraint | None:
+                    req: ChatRequest) -> GrammarConstraint | None:
     """Validate the tool schemas; a constraint for "required" or a named function."""
     choice = req.tool_choice or "auto"
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     try:
         grammar = compile_tool_grammar(tok, tools, name, req.parallel_tool_calls)
-        return None if choice == "auto" else ToolGrammarConstraint(tok, grammar)
+        return None if choice == "auto" else GrammarConstraint(tok, grammar)
     except GrammarError as e:
         raise APIError(400, str(e), "tools") from None
 
@@ -75,9 +76,17 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
     requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     max_tokens = pd_max_tokens(req.kv_transfer_params,
                                resolve_max_tokens(len(ids), requested, None, engine.max_model_len))
-    params = sampling_params(req, max_tokens)
+    params = sampling_params(req, max_tokens, tok)
     if tools:
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(400, "response_format json_object / json_schema cannot be combined "
+                           "with tools (a tool call is not that JSON); send tool_choice 'none' "
+                           "or drop one of them", "response_format")
         params.constraint = await asyncio.to_thread(tool_constraint, tok, tools, req)
+    else:
+        grammar = await asyncio.to_thread(response_format_grammar, req, tok)
+        if grammar is not None:
+            params.constraint = GrammarConstraint(tok, grammar)
     cid = new_id("chatcmpl")
     gen = Generation(engine, metrics, cid, ids, params, stop_list(req.stop), client_alive(request),
                      arrival, session_of(request, req.user), req.kv_transfer_params)

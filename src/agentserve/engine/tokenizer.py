@@ -144,9 +144,11 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None,
                  stop: list[str] | None = None, skip_special_tokens: bool = True,
-                 skip_ids: set[int] | None = None) -> None:
+                 skip_ids: set[int] | None = None, min_tokens: int = 0) -> None:
         self.tok = tokenizer
         self.stop = [s for s in (stop or []) if s]
+        self.min_tokens = min_tokens  # vLLM: stop strings count only from this many tokens on
+        self.num_tokens = 0
         self._skip = set(tokenizer.skip_ids) if skip_special_tokens else set()
         self._skip |= skip_ids or set()
         context = [i for i in (prompt_ids or []) if i not in self._skip][-_CONTEXT_TOKENS:]
@@ -182,7 +184,12 @@ class IncrementalDetokenizer:
         if self.stopped:
             return "", True
         self.ids.extend(i for i in new_ids if i not in self._skip)
+        self.num_tokens += len(new_ids)
         buf = self.pending + self._decode_new()
+        if self.num_tokens < self.min_tokens:  # too early for a stop: emit all, hold nothing
+            self.pending = ""
+            self.text += buf
+            return buf, False
         cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
         if cut >= 0:
             self.stopped = True

@@ -103,6 +103,8 @@ def parse_request(path: str, body: bytes, headers: Any,
             req = _DECODER.decode(body)
     except msgspec.DecodeError as e:
         raise BadRequest(f"body is not valid JSON: {e}") from e
+    except RecursionError:  # msgspec's answer to arrays/objects nested thousands deep
+        raise BadRequest("body is nested too deeply") from None
     if not isinstance(req, dict):
         raise BadRequest("body must be a JSON object")
     model = req.get("model")

@@ -1,0 +1,160 @@
+"""Sampling controls vLLM users send: logit_bias, min_tokens, penalties, min_p, and
+response_format (JSON through the grammar constraint). Unit tests of the row math, then
+the same controls end to end through a real server with the official client."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import openai
+import pytest
+import torch
+
+from agentserve.engine.request import SamplingParams
+from agentserve.engine.sampler import apply_penalties, logits_to_probs, sample
+from agentserve.engine.sequence import Sequence
+from agentserve.engine.tokenizer import IncrementalDetokenizer
+from tests.conftest import API_KEY, ServerThread
+from tests.engine.test_tools import check_schema
+
+
+def seq_with(prompt: list[int], output: list[int], **params) -> Sequence:
+    s = Sequence("r", prompt, SamplingParams(temperature=0.0, **params))
+    s.token_ids.extend(output)
+    return s
+
+
+def test_repetition_penalty_divides_positive_and_multiplies_negative_logits() -> None:
+    row = torch.tensor([2.0, -2.0, 2.0, -2.0, 1.0])
+    apply_penalties(row, SamplingParams(repetition_penalty=2.0), prompt_ids=[0], output_ids=[1])
+    # tokens 0 (prompt) and 1 (output) seen; 2-4 untouched
+    assert row.tolist() == [1.0, -4.0, 2.0, -2.0, 1.0]
+
+
+def test_frequency_counts_occurrences_presence_counts_once_output_only() -> None:
+    row = torch.zeros(4)
+    apply_penalties(row, SamplingParams(frequency_penalty=0.5, presence_penalty=1.0),
+                    prompt_ids=[3, 3, 3], output_ids=[1, 1, 2])
+    assert row.tolist() == [0.0, -2.0, -1.5, 0.0]  # prompt-only token 3 is not penalized
+
+
+def test_min_p_drops_tokens_below_the_fraction_of_the_top_probability() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = logits_to_probs(logits, 1.0, 0, 1.0, min_p=0.25)  # threshold 0.125
+    assert probs[3] == 0 and probs[2] > 0
+    assert torch.isclose(probs.sum(), torch.tensor(1.0))
+
+
+def test_logit_bias_and_min_tokens_steer_the_greedy_batch() -> None:
+    logits = torch.zeros(3, 6)
+    logits[:, 0] = 5.0  # token 0 is everyone's greedy pick (and, below, an EOS)
+    seqs = [seq_with([1], []),
+            seq_with([1], [], logit_bias={4: 9.0}),
+            seq_with([1], [2], min_tokens=3, min_tokens_blocked=[0])]
+    assert sample(logits, seqs) == [0, 4, 1]  # row 2: token 0 blocked before 3 outputs
+    logits = torch.zeros(1, 6)
+    logits[0, 0] = 5.0
+    assert sample(logits, [seq_with([1], [2, 3, 4], min_tokens=3, min_tokens_blocked=[0])]) == [0]
+
+
+def test_stop_strings_wait_for_min_tokens(tiny_tokenizer) -> None:
+    def run(min_tokens: int) -> str:
+        detok = IncrementalDetokenizer(tiny_tokenizer, stop=["stop"], min_tokens=min_tokens)
+        text = ""
+        for i in tiny_tokenizer.encode(" stop here stop there"):
+            delta, stopped = detok.push([i])
+            text += delta
+            if stopped:
+                return text
+        raise AssertionError(f"no stop in {text!r}")
+
+    assert run(0) == " "
+    assert run(len(tiny_tokenizer.encode(" stop here"))) == " stop here "
+
+
+# ---- end to end ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def client(served: ServerThread) -> openai.OpenAI:
+    return openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0)
+
+
+def complete(client: openai.OpenAI, **kw):
+    return client.completions.create(model="agentserve-tiny", prompt="def main():",
+                                     temperature=0, **kw)
+
+
+def test_logit_bias_forces_and_bans_tokens(client, served: ServerThread) -> None:
+    tok = served.engine.tokenizer
+    forced = complete(client, max_tokens=6, logit_bias={"1234": 100},
+                      extra_body={"ignore_eos": True})
+    assert forced.choices[0].text == tok.decode([1234] * 6)
+    plain = complete(client, max_tokens=8)
+    first = tok.encode(plain.choices[0].text)[0]
+    banned = complete(client, max_tokens=8, logit_bias={str(first): -100})
+    assert banned.choices[0].text != plain.choices[0].text
+
+
+def test_min_tokens_holds_back_eos(client, served: ServerThread) -> None:
+    eos = served.engine.tokenizer.eos_token_ids[0]
+    quick = complete(client, max_tokens=20, logit_bias={str(eos): 100})
+    assert quick.choices[0].finish_reason == "stop" and quick.usage.completion_tokens <= 1
+    held = complete(client, max_tokens=20, logit_bias={str(eos): 100},
+                    extra_body={"min_tokens": 5})
+    assert held.choices[0].finish_reason == "stop"
+    assert 5 <= held.usage.completion_tokens <= 6  # 5 tokens, then the EOS (counted, as vLLM)
+
+
+def test_repetition_penalty_changes_a_looping_greedy_answer(client) -> None:
+    plain = complete(client, max_tokens=48, extra_body={"ignore_eos": True})
+    pen = complete(client, max_tokens=48,
+                   extra_body={"ignore_eos": True, "repetition_penalty": 2.0})
+    assert pen.choices[0].text != plain.choices[0].text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_response_format_json_schema_is_obeyed(client, stream: bool) -> None:
+    schema = {"type": "object", "additionalProperties": False, "required": ["color", "n"],
+              "properties": {"color": {"enum": ["red", "green"]}, "n": {"type": "integer"}}}
+    kw = {"model": "agentserve-tiny", "max_tokens": 200, "temperature": 1.0, "seed": 3,
+          "messages": [{"role": "user", "content": "pick a color"}],
+          "response_format": {"type": "json_schema",
+                              "json_schema": {"name": "pick", "schema": schema}}}
+    if stream:
+        text, finish = "", None
+        for chunk in client.chat.completions.create(stream=True, **kw):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+    else:
+        r = client.chat.completions.create(**kw)
+        text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+    assert finish == "stop", text
+    check_schema(json.loads(text), schema)
+
+
+def test_response_format_json_object_on_completions(client) -> None:
+    r = complete(client, max_tokens=300, extra_body={"response_format": {"type": "json_object"}})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].text), dict)
+    else:  # ran out of tokens inside the object: still a JSON object's beginning
+        assert r.choices[0].text.startswith("{")
+
+
+def test_a_generate_refused_at_submission_leaves_nothing_behind(served: ServerThread) -> None:
+    import asyncio
+
+    async def first(seed: int):
+        stream = served.engine.generate("refused-1", [5, 6, 7], SamplingParams(max_tokens=1,
+                                                                               seed=seed))
+        async with contextlib.aclosing(stream):
+            return await stream.__anext__()
+
+    def run(seed: int):
+        return asyncio.run_coroutine_threadsafe(first(seed), served.loop).result(30)
+
+    with pytest.raises((ValueError, RuntimeError, OverflowError)):
+        run(2**70)  # past a torch.Generator's range: refused before submission
+    # the same id again is not a "duplicate request id": nothing of the first stayed
+    assert run(7).request_id == "refused-1"
