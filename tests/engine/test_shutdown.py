@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 from agentserve.procs import start_engine
 
@@ -36,3 +40,21 @@ def test_sigterm_drains_in_flight_then_exits(tmp_path) -> None:
     finishes = [json.loads(ln[6:])["choices"][0]["finish_reason"] for ln in out["lines"][:-1]
                 if json.loads(ln[6:]).get("choices")]
     assert finishes[-1] == "length"
+
+
+def _serve(*flags: str) -> subprocess.CompletedProcess:
+    cli = str(Path(sys.executable).parent / "agentserve")
+    return subprocess.run([cli, "serve", *flags], capture_output=True, text=True, timeout=120)
+
+
+def test_startup_errors_are_one_line_and_exit_2() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        r = _serve("--port", str(port))
+        assert r.returncode == 2 and "cannot listen on 127.0.0.1" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+        assert "engine ready" not in r.stderr  # refused before the model was loaded
+        assert time.monotonic() - t0 < 60
+    r = _serve("--model", "/nonexistent/model", "--port", "0")
+    assert r.returncode == 2 and "no config.json" in r.stderr and "Traceback" not in r.stderr

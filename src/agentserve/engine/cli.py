@@ -57,6 +57,7 @@ def serve(
 ) -> None:
     """Serve a model over the OpenAI API with paged KV, prefix caching and KV events."""
     from agentserve.engine.builder import EngineArgs, EngineConfigError
+    from agentserve.engine.checkpoint import CheckpointError
     from agentserve.engine.serve import run_server
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -78,7 +79,10 @@ def serve(
                       kv_transfer_timeout=kv_transfer_timeout, kv_transfer_token=kv_transfer_token)
     try:
         run_server(args, host=host, port=port, api_key=api_key, max_body_bytes=max_body_mib << 20)
-    except EngineConfigError as exc:
+    except (EngineConfigError, CheckpointError, OSError) as exc:
+        # startup problems the user fixes (flags, model folder, a taken port): one line, no
+        # traceback; the traceback stays available at --log-level debug
+        logging.getLogger("agentserve.serve").debug("startup failed", exc_info=True)
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from exc
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 from aiohttp import web
 
@@ -19,12 +20,19 @@ async def serve_async(args: EngineArgs, host: str, port: int, api_key: str | Non
                       max_body_bytes: int, drain_timeout: float = 30.0,
                       ready: asyncio.Event | None = None) -> None:
     """Serve until SIGTERM/SIGINT, then drain in-flight requests (bounded) and exit."""
-    engine = await asyncio.to_thread(AsyncEngine.from_args, **_as_kwargs(args))
+    # Take the port before loading the model (as vLLM does): a taken port fails in
+    # milliseconds, not after the weights are in memory.
+    sock = listen_socket(host, port)
+    try:
+        engine = await asyncio.to_thread(AsyncEngine.from_args, **_as_kwargs(args))
+    except BaseException:
+        sock.close()
+        raise
     await engine.start()
     app = build_app(engine, api_key=api_key, max_body_bytes=max_body_bytes)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, host, port)
+    site = web.SockSite(runner, sock)
     await site.start()
     log.info("serving %s on http://%s:%d", engine.model_name, host, port)
     stop = asyncio.Event()
@@ -37,6 +45,15 @@ async def serve_async(args: EngineArgs, host: str, port: int, api_key: str | Non
     log.info("shutting down: draining %d in-flight requests", engine.num_inflight)
     await engine.shutdown(drain_timeout)
     await runner.cleanup()
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A bound, listening TCP socket for host:port (IPv4 or IPv6); OSError when taken."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    try:
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from e
 
 
 def _as_kwargs(args: EngineArgs) -> dict:

@@ -53,7 +53,8 @@ def _open(ctx: zmq.Context, kind: int, endpoint: str, bind: bool | None = None
             sock.connect(endpoint)
     except zmq.ZMQError as e:
         sock.close(linger=0)
-        raise ValueError(f"cannot open KV events socket on {endpoint!r}: {e}") from e
+        # OSError, like a taken HTTP port: the CLIs report it in one line
+        raise OSError(f"cannot open KV events socket on {endpoint!r}: {e}") from e
     return sock, endpoint
 
 
