@@ -261,3 +261,26 @@ def test_release_endpoint_frees_pins_at_once(pd: tuple[ServerThread, ServerThrea
     wait_clean(p, timeout=3)
     assert transfer(p)["pins_released"] == before + 1
     post(p.url, {"remote_request_id": "unknown"}, "/v1/kv_transfer/release")  # a no-op
+
+
+@pytest.mark.parametrize("prompt_len", [60, 900])
+def test_prefill_leg_whose_client_left_frees_its_pins(pd: tuple[ServerThread, ServerThread],
+                                                      prompt_len: int) -> None:
+    """The router's client left while the prefill leg ran: the params never reach anyone,
+    so the engine frees the pins at once (before: they waited the 30 s timeout here)."""
+    import http.client
+
+    p, _ = pd
+    wait_clean(p)
+    before = transfer(p)["pins_released"]
+    leg = {"prompt": list(range(5, 5 + prompt_len)), "max_tokens": 1, "temperature": 0,
+           "kv_transfer_params": {"do_remote_decode": True}}
+    conn = http.client.HTTPConnection("127.0.0.1", int(p.url.rsplit(":", 1)[1]), timeout=10)
+    conn.request("POST", "/v1/completions", json.dumps(leg), {"Content-Type": "application/json"})
+    conn.sock.shutdown(socket.SHUT_RDWR)  # gone before the engine answers
+    conn.close()
+    deadline = time.monotonic() + 10
+    while transfer(p)["pins_released"] == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert transfer(p)["pins_released"] == before + 1
+    wait_clean(p, timeout=5)

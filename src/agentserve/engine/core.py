@@ -118,6 +118,10 @@ class EngineCore:
     def _finish_abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
+            # Finished already. A prefill leg whose client left before taking its params
+            # pinned KV that nobody will pull: free it now, not at --kv-transfer-timeout.
+            if self.remote is not None:
+                self.remote.release(request_id)
             return None
         self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
         return self._output(seq, [], "abort")

@@ -124,6 +124,14 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
+    def release_transfer(self, request_id: str) -> bool:
+        """Free a finished prefill leg's pinned KV (thread-safe; an unknown or already
+        pulled id is a no-op). False when this engine has no KV transfer (--role both)."""
+        if self.core.remote is None:
+            return False
+        self.core.remote.release(request_id)
+        return True
+
     def stats(self) -> EngineStats:
         sch = self.core.scheduler
         return EngineStats(

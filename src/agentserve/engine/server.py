@@ -128,10 +128,9 @@ async def kv_transfer_release(request: web.Request) -> web.Response:
         rid = None
     if not isinstance(rid, str) or not rid:
         return json_response(APIError(400, "remote_request_id (string) is required").body(), 400)
-    remote = getattr(getattr(_engine(request), "core", None), "remote", None)
-    if remote is None:
+    release = getattr(_engine(request), "release_transfer", None)
+    if release is None or not release(rid):
         return json_response(APIError(404, "this engine has no KV transfer (--role both)").body(), 404)
-    remote.release(rid)  # thread-safe; unknown or already pulled ids are a no-op
     return json_response({"released": rid})
 
 

@@ -186,10 +186,19 @@ def pd_max_tokens(params: dict[str, Any] | None, max_tokens: int) -> int:
     return 1 if params and params.get("do_remote_decode") else max_tokens
 
 
-def with_transfer(body: dict[str, Any], gens: list[Generation]) -> dict[str, Any]:
-    """Add the prefill leg's ``kv_transfer_params`` to a response body, as vLLM does."""
+def with_transfer(body: dict[str, Any], gens: list[Generation], request: web.Request,
+                  engine: EngineClient) -> dict[str, Any]:
+    """Add the prefill leg's ``kv_transfer_params`` to a response body, as vLLM does.
+
+    When the client has already left, nobody will learn the params, so nobody would pull
+    the pinned KV: it is freed now instead of at --kv-transfer-timeout."""
     params = next((g.kv_transfer_params for g in gens if g.kv_transfer_params), None)
-    return {**body, "kv_transfer_params": params} if params is not None else body
+    if params is None:
+        return body
+    release = getattr(engine, "release_transfer", None)
+    if not client_alive(request)() and release is not None:
+        release(str(params.get("remote_request_id")))
+    return {**body, "kv_transfer_params": params}
 
 
 def session_of(request: web.Request, user: str | None) -> str | None:
@@ -341,7 +350,8 @@ async def create_completion(request: web.Request, engine: EngineClient,
             texts[i] += text or ""
     choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason, "logprobs": None}
                for i, g in enumerate(gens)]
-    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)}, gens))
+    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)}, gens,
+                                       request, engine))
 
 
 async def _completion_events(base: dict[str, Any], gens: list[Generation],

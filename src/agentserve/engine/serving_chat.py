@@ -104,7 +104,8 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
         message["tool_calls"] = [c.to_openai() for c in calls]
     finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
     choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-    return json_response(with_transfer({**base, "choices": [choice], "usage": gen.usage()}, [gen]))
+    return json_response(with_transfer({**base, "choices": [choice], "usage": gen.usage()}, [gen],
+                                       request, engine))
 
 
 def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:
