@@ -22,6 +22,7 @@ class FakeEngine:
         self.cancelled = 0
         self.waiting = 0
         self.max_model_len: int | None = None  # on the /v1/models card when set (as vLLM)
+        self.die_after: int | None = None  # streams: drop the connection after N chunks
         self.server: TestServer | None = None
 
     def app(self) -> web.Application:
@@ -69,6 +70,10 @@ class FakeEngine:
         await resp.prepare(request)
         try:
             for i in range(self.chunks):
+                if i == self.die_after:  # as a killed engine: no [DONE], connection gone
+                    assert request.transport is not None
+                    request.transport.abort()
+                    return resp
                 chunk = {"choices": [{"index": 0, "text": f"{self.name}{i}"}]}
                 await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
                 await asyncio.sleep(self.chunk_gap_s)

@@ -79,6 +79,31 @@ async def test_streaming_chunk_by_chunk(stack):
     assert first_text < 0.3 and arrivals[-1][0] > 0.5  # not buffered until the end
 
 
+async def test_stream_cut_by_a_dying_engine_ends_in_an_error_event(stack):
+    """The openai client ends a stream without [DONE] silently, as if it were whole: the
+    router says in-band that it broke, so the client raises."""
+    import openai
+
+    engines, urls, make = stack
+    for e in engines:
+        e.chunks, e.die_after, e.chunk_gap_s = 5, 2, 0.05
+    gw, s = await make()
+    async with s.post("/v1/completions", json=prompt(stream=True)) as r:
+        data = await r.read()
+    assert data.endswith(b"data: [DONE]\n\n")
+    events = [json.loads(ln[6:]) for ln in data.decode().splitlines()
+              if ln.startswith("data: {")]
+    assert [e["choices"][0]["text"][1:] for e in events[:-1]] == ["0", "1"]
+    assert "broke mid-answer" in events[-1]["error"]["message"]
+    client = openai.AsyncOpenAI(base_url=str(s._base_url) + "/v1", api_key="x", max_retries=0)
+    texts = []
+    with pytest.raises(openai.APIError, match="broke mid-answer"):
+        async for chunk in await client.completions.create(stream=True, **prompt()):
+            texts.append(chunk.choices[0].text)
+    assert len(texts) == 2
+    await client.close()
+
+
 async def test_bad_requests_never_reach_engines(stack):
     engines, urls, make = stack
     gw, s = await make()

@@ -3,20 +3,25 @@
 The body is forwarded byte for byte (never re-encoded). A streamed answer is written to
 the client as each upstream chunk arrives; the last few KB are kept to read the final
 `usage` chunk. `Upstream` errors raised *before the first byte* let the gateway retry
-on another endpoint; after the first byte the stream is the client's and an upstream
-failure just ends it. A client disconnect cancels the handler, which closes the
-upstream connection, which makes the engine abort the request.
+on another endpoint; after the first byte the stream is the client's, and a stream the
+upstream ends without `data: [DONE]` (engine died, connection broke) gets an OpenAI error
+event and `[DONE]`, as vLLM's server does for its own errors, so that clients raise rather
+than take a truncated answer for a whole one. A client disconnect cancels the handler,
+which closes the upstream connection, which makes the engine abort the request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 import msgspec
 from aiohttp import web
+
+logger = logging.getLogger(__name__)
 
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive",
         "accept-encoding"}
@@ -118,16 +123,29 @@ async def _stream(request: web.Request, resp: aiohttp.ClientResponse,
         "Cache-Control": "no-cache", **extra_headers})
     await out.prepare(request)
     tail = first[-_TAIL:]
+    broke = "the stream ended without [DONE]"
     try:
         if first:
             await out.write(first)
         async for chunk in it:
             await out.write(chunk)
             tail = (tail + chunk)[-_TAIL:]
-    except (aiohttp.ClientError, asyncio.TimeoutError):
-        pass  # upstream died mid-stream: the client sees the stream end without [DONE]
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        broke = f"{type(e).__name__}: {e}"
     except (ConnectionResetError, RuntimeError):
         resp.close()  # the client went away: drop the upstream connection (engine aborts)
         raise
+    if not tail.rstrip().endswith(b"data: [DONE]"):
+        logger.warning("upstream %s broke mid-stream (%s)", resp.url, broke)
+        await out.write(stream_error(tail, f"the engine's stream broke mid-answer ({broke}); "
+                                     "the output above is incomplete"))
     await out.write_eof()
     return out, usage_from_sse(tail)
+
+
+def stream_error(tail: bytes, message: str) -> bytes:
+    """An SSE error event (OpenAI error object) and [DONE], starting on an event boundary."""
+    body = msgspec.json.encode({"error": {"message": message, "type": "internal_error",
+                                          "param": None, "code": 502}})
+    sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"  # close a cut-off event
+    return sep + b"data: " + body + b"\n\ndata: [DONE]\n\n"
