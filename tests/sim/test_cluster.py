@@ -92,6 +92,24 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     assert out["gpus"] == 2
 
 
+@pytest.mark.parametrize("args, message", [
+    (["sim", "--model", "nope"], "unknown model 'nope'"),
+    (["sim", "--topology", "3X1D"], "expected xPyD"),
+    (["sim", "--concurrency", "-4"], "--concurrency must be >= 1"),
+    (["sim", "--duration", "0"], "--duration must be >= 1"),
+    (["sim", "--workload", "/nonexistent/trace.jsonl"], "no such trace file"),
+    (["plan", "--gpus", "0"], "--gpus must be >= 1"),
+    (["plan", "--widths", "a"], "comma-separated integers"),
+    (["plan", "--gpus", "8", "--widths", "16"], "fits 8 GPUs"),
+])
+def test_cli_bad_flags_are_one_line_errors(args: list[str], message: str) -> None:
+    app = typer.Typer()
+    sim_cli.register(app)
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
 def test_decode_preempts_newest_when_blocks_run_out() -> None:
     """A decode rank too small for two growing requests preempts one and still finishes both;
     the preempted one recomputes the KV it lost."""

@@ -106,6 +106,32 @@ def test_cli_registered_with_flags() -> None:
     assert bad.exit_code != 0
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--url", "localhost:8000"], "--url must be an http(s)://"),
+    (["--sessions", "0"], "--sessions must be >= 1"),
+    (["--token-scale", "-3"], "--token-scale must be >= 1"),
+    (["--duration", "-1"], "--duration must be positive"),
+    (["--gap-scale", "-0.5"], "--gap-scale must be >= 0"),
+    (["--trace", "BAD"], ":1: not a JSON object"),
+    (["--trace", "/nonexistent/t.jsonl"], "no such trace file"),
+])
+def test_cli_refuses_bad_flags_and_traces_before_sending(tmp_path, flags, message) -> None:
+    """Checked before any request: the URL below would refuse every connection."""
+    bad_trace = tmp_path / "bad.jsonl"
+    bad_trace.write_text('{"truncated\n')
+    app = typer.Typer()
+    register_bench(app)
+    app.command("other")(lambda: None)
+    args = {"--url": "http://127.0.0.1:9", "--trace": str(tmp_path / "w.jsonl"),
+            "--out": str(tmp_path / "o")}
+    for k, v in zip(flags[::2], flags[1::2]):
+        args[k] = str(bad_trace) if v == "BAD" else v
+    (tmp_path / "w.jsonl").write_text('{"id": "s", "requests": []}\n')
+    res = CliRunner().invoke(app, ["bench", *[x for kv in args.items() for x in kv]],
+                             env={"COLUMNS": "200"})
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
 @pytest.fixture
 def stub_thread():
     """The stub on its own event loop thread, for sync callers such as the CLI runner."""

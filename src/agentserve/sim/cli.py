@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
@@ -13,6 +14,19 @@ from agentserve.sim.run import SimConfig, parse_topology, simulate
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
         "gpus", "cost_per_m_input", "cost_per_m_output", "cpu_restore_gib", "prefill_gpu_hit_rate",
         "rejected_share")
+
+
+def fail(message: str) -> NoReturn:
+    """A bad flag or input file: one line on stderr, exit 2 (as `serve` and `trace`)."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def check_ranges(**flags: tuple[float | None, float]) -> None:
+    """Each flag (value, lowest allowed); None values are unset and pass."""
+    for name, (value, low) in flags.items():
+        if value is not None and value < low:
+            fail(f"--{name.replace('_', '-')} must be >= {low:g}, got {value:g}")
 
 
 def register(app: typer.Typer) -> None:
@@ -36,13 +50,18 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
-        p, d = parse_topology(topology)
-        cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
-                        decode_width=decode_width, concurrency=concurrency, mtp=mtp,
-                        cpu_offload_gib=cpu_offload_gib, workload=workload, duration=duration,
-                        warmup=warmup,
-                        seed=seed, aggregated=d if p == 0 else 0)
-        s = simulate(cfg)
+        check_ranges(prefill_width=(prefill_width, 1), decode_width=(decode_width, 1),
+                     concurrency=(concurrency, 1), cpu_offload_gib=(cpu_offload_gib, 0),
+                     duration=(duration, 1), warmup=(warmup, 0))
+        try:
+            p, d = parse_topology(topology)
+            cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
+                            decode_width=decode_width, concurrency=concurrency, mtp=mtp,
+                            cpu_offload_gib=cpu_offload_gib, workload=workload, duration=duration,
+                            warmup=warmup, seed=seed, aggregated=d if p == 0 else 0)
+            s = simulate(cfg)
+        except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
+            fail(str(e))
         if as_json:
             typer.echo(json.dumps(s, default=float))
             return
@@ -76,13 +95,30 @@ def register_plan(app: typer.Typer) -> None:
         """Search xPyD x DEP width x MTP x CPU tier under the budget; frontier and cheapest config."""
         from agentserve.sim import plan as pl
 
-        cands = pl.candidates(model, gpu, gpus, tuple(int(w) for w in widths.split(",")))
-        ladder = [int(c) for c in concurrency.split(",")]
+        try:
+            width_list = tuple(int(w) for w in widths.split(","))
+            ladder = [int(c) for c in concurrency.split(",")]
+        except ValueError:
+            fail(f"--widths and --concurrency are comma-separated integers, got {widths!r} and "
+                 f"{concurrency!r}")
+        check_ranges(gpus=(gpus, 1), min_tok_s_per_user=(min_tok_s_per_user, 0), price=(price, 0),
+                     concurrency=(min(ladder), 1), widths=(min(width_list), 1),
+                     workers=(workers, 1), duration=(duration, 1), warmup=(warmup, 0))
+        try:
+            cands = pl.candidates(model, gpu, gpus, width_list)
+        except ValueError as e:
+            fail(str(e))
+        if not cands:
+            fail(f"no xPyD configuration of DEP{'/'.join(map(str, width_list))} instances fits "
+                 f"{gpus} GPUs of {gpu} (1P1D needs 2 instances whose weights fit a GPU)")
         dur, warm = (600.0, 120.0) if long else (duration, warmup)
         typer.echo(f"simulating {len(cands)} configurations x {len(ladder)} concurrencies, "
                    f"{warm:g} s warm-up + {dur:g} s stages, {workers} workers")
         t0 = time.perf_counter()
-        points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm)
+        try:
+            points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm)
+        except (ValueError, OSError) as e:  # an unreadable trace
+            fail(str(e))
         pl.price(points, price)
         front, best = pl.frontier(points), pl.recommend(points, min_tok_s_per_user)
         pl.write(out, points, front, best, {"model": model, "gpu": gpu, "gpus": gpus,

@@ -22,15 +22,22 @@ MOONCAKE_BLOCK = 512
 
 
 def detect_format(path: str) -> str:
-    """"weka" or "mooncake", from the first JSON object of the (optionally gzipped) file."""
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt") as f:
-        for line in f:
+    """"weka" or "mooncake", from the first JSON object of the (optionally gzipped) file,
+    or of a folder's first trace file."""
+    from agentserve.workload.traces import TraceFormatError, trace_files
+
+    file = trace_files(path)[0]
+    opener = gzip.open if file.name.endswith(".gz") else open
+    with opener(file, "rt") as f:
+        for no, line in enumerate(f, 1):
             if line.strip():
-                first = json.loads(line)
+                try:
+                    first = json.loads(line)
+                except ValueError as e:  # JSONDecodeError, or bytes that are not UTF-8 text
+                    raise TraceFormatError(file, no, f"not a JSON object: {e}") from None
                 break
         else:
-            raise ValueError(f"{path}: empty trace")
+            raise ValueError(f"{file}: empty trace")
     if isinstance(first, dict) and "requests" in first:
         return "weka"
     if isinstance(first, dict) and ("input_length" in first or "timestamp" in first):

@@ -62,7 +62,8 @@ class MooncakeRecord(msgspec.Struct, omit_defaults=True):
 _SUFFIXES = (".jsonl", ".json", ".jsonl.gz", ".json.gz")
 
 
-def _files(path: str | Path) -> list[Path]:
+def trace_files(path: str | Path) -> list[Path]:
+    """The trace files at `path`: the file itself, or a folder's .json/.jsonl(.gz) files."""
     p = Path(path)
     if p.is_dir():
         files = sorted(f for f in p.iterdir() if f.name.endswith(_SUFFIXES))
@@ -82,7 +83,7 @@ def _read(p: Path) -> bytes:
 def iter_lines(path: str | Path) -> Iterator[tuple[Path, int, bytes]]:
     """Yield (file, line number, JSON text) for every object: a line of a .jsonl file,
     or the whole of a .json file (which may be pretty-printed)."""
-    for p in _files(path):
+    for p in trace_files(path):
         data = _read(p)
         if p.name.endswith((".json", ".json.gz")):
             if data.strip():
