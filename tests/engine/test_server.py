@@ -55,6 +55,22 @@ def test_greedy_is_deterministic_and_stream_matches(client: openai.OpenAI,
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_in_every_chunk(client: openai.OpenAI, served: ServerThread,
+                                               chat: bool) -> None:
+    kw = dict(model=served.engine.model_name, max_tokens=6, temperature=0, stream=True,
+              stream_options={"include_usage": True, "continuous_usage_stats": True},
+              extra_body={"ignore_eos": True})
+    if chat:
+        chunks = list(client.chat.completions.create(
+            messages=[{"role": "user", "content": "hi"}], **kw))
+    else:
+        chunks = list(client.completions.create(prompt="hello", **kw))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert all(c.usage is not None for c in chunks)
+    assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6
+
+
 def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI, served: ServerThread) -> None:
     prompt = " ".join(f"word{i}" for i in range(120))
     kw = dict(model=served.engine.model_name, prompt=prompt, max_tokens=1, temperature=0)

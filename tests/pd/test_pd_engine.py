@@ -90,6 +90,15 @@ def test_greedy_identical_aggregated_and_pd(pd: tuple[ServerThread, ServerThread
     wait_clean(p, d)
 
 
+def test_sampling_controls_survive_the_split(pd: tuple[ServerThread, ServerThread]) -> None:
+    """min_tokens above the prefill leg's single token, penalties and bias: same answer
+    aggregated and disaggregated (greedy)."""
+    p, d = pd
+    body = {"prompt": list(range(30, 330)), "max_tokens": 12, "temperature": 0, "min_tokens": 8,
+            "repetition_penalty": 1.3, "logit_bias": {"7": 3.0}, "ignore_eos": True}
+    assert disagg(p, d, body)["choices"][0]["text"] == post(d.url, body)["choices"][0]["text"]
+
+
 def test_chat_with_tools_on_both_legs(pd: tuple[ServerThread, ServerThread]) -> None:
     p, d = pd
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {

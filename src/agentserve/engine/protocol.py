@@ -37,6 +37,7 @@ _TYPES = {401: "authentication_error", 404: "invalid_request_error", 413: "inval
 
 class StreamOptions(Struct, kw_only=True, omit_defaults=True):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far in every chunk
 
 
 class _Sampling(Struct, kw_only=True, omit_defaults=True):
@@ -194,6 +195,9 @@ def check_unsupported(req: Struct) -> None:
 def check_sampling(req: _Sampling) -> None:
     """Range checks common to both endpoints."""
     check_unsupported(req)
+    if req.stream_options is not None and not req.stream:
+        raise APIError(400, "stream_options can only be set when stream is true (as vLLM)",
+                       "stream_options")
     for name in ("presence_penalty", "frequency_penalty"):
         value = getattr(req, name)
         if value is not None and not -2 <= value <= 2:

@@ -23,8 +23,9 @@ from aiohttp import web
 from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_json_grammar
 from agentserve.engine.engine import EngineDraining
 from agentserve.engine.metrics import RequestTimer, ServerMetrics
-from agentserve.engine.protocol import (APIError, CompletionRequest, _Sampling, check_completion,
-                                        check_length, check_prompt_ids, decode, stop_list)
+from agentserve.engine.protocol import (APIError, CompletionRequest, StreamOptions, _Sampling,
+                                        check_completion, check_length, check_prompt_ids, decode,
+                                        stop_list)
 from agentserve.engine.request import RequestOutput, SamplingParams
 from agentserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -57,7 +58,8 @@ def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> Sampling
     if bad:
         raise APIError(400, f"logit_bias token id {bad[0]} is out of range [0, {tok.vocab_size})",
                        "logit_bias")
-    if req.min_tokens > max_tokens:
+    prefill_leg = bool(req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"))
+    if req.min_tokens > max_tokens and not prefill_leg:  # a prefill leg makes one token anyway
         raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})",
                        "min_tokens")
     stop_ids = list(req.stop_token_ids or [])
@@ -70,7 +72,7 @@ def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> Sampling
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
-        min_p=req.min_p or 0.0, logit_bias=bias or None, min_tokens=req.min_tokens,
+        min_p=req.min_p or 0.0, logit_bias=bias or None, min_tokens=min(req.min_tokens, max_tokens),
         min_tokens_blocked=sorted(set(tok.eos_token_ids) | set(stop_ids)) if req.min_tokens else [])
 
 
@@ -341,9 +343,8 @@ async def create_completion(request: web.Request, engine: EngineClient,
                                session_of(request, req.user), req.kv_transfer_params))
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     if req.stream:
-        return await stream_sse(request, _completion_events(base, gens, include_usage))
+        return await stream_sse(request, _completion_events(base, gens, req.stream_options))
     texts = [""] * len(gens)
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
         async for i, text in merged:
@@ -354,13 +355,21 @@ async def create_completion(request: web.Request, engine: EngineClient,
                                        request, engine))
 
 
+def usage_mode(opts: StreamOptions | None) -> tuple[bool, bool]:
+    """(a final usage chunk, usage so far in every chunk), as vLLM reads stream_options:
+    continuous_usage_stats counts only with include_usage."""
+    final = bool(opts and opts.include_usage)
+    return final, final and bool(opts and opts.continuous_usage_stats)
+
+
 async def _completion_events(base: dict[str, Any], gens: list[Generation],
-                             include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    extra = {"usage": None} if include_usage else {}
+                             opts: StreamOptions | None) -> AsyncIterator[dict[str, Any]]:
+    include_usage, every = usage_mode(opts)
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
         async for i, text in merged:
             finish = gens[i].finish_reason if text is None else None
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+            extra = {"usage": sum_usage(gens) if every else None} if include_usage else {}
             yield {**base, "choices": [choice], **extra}
     if include_usage:
         yield {**base, "choices": [], "usage": sum_usage(gens)}

@@ -19,12 +19,13 @@ from aiohttp import web
 
 from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_tool_grammar
 from agentserve.engine.metrics import ServerMetrics
-from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice, check_chat,
-                                        check_prompt_ids, decode, stop_list)
+from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice,
+                                        StreamOptions, check_chat, check_prompt_ids, decode,
+                                        stop_list)
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
                                        new_id, pd_max_tokens, resolve_max_tokens,
                                        response_format_grammar, sampling_params, session_of,
-                                       stream_sse, with_transfer)
+                                       stream_sse, usage_mode, with_transfer)
 from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
@@ -93,9 +94,8 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
     base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
         base["object"] = "chat.completion.chunk"
-        return await stream_sse(request, _chat_events(base, gen, use_tools, include_usage))
+        return await stream_sse(request, _chat_events(base, gen, use_tools, req.stream_options))
     async with contextlib.aclosing(gen.deltas()) as deltas:
         text = "".join([t async for t in deltas])
     content, calls = parse_tool_calls(text) if use_tools else (text, [])
@@ -116,11 +116,12 @@ def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = Fals
 
 
 async def _chat_events(base: dict[str, Any], gen: Generation, parse: bool,
-                       include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    extra = {"usage": None} if include_usage else {}
+                       opts: StreamOptions | None) -> AsyncIterator[dict[str, Any]]:
+    include_usage, every = usage_mode(opts)
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
         choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        extra = {"usage": gen.usage() if every else None} if include_usage else {}
         return {**base, "choices": [choice], **extra}
 
     parser = StreamingToolParser() if parse else None
