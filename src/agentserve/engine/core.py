@@ -55,6 +55,7 @@ class EngineCore:
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.inbox: queue.Queue[Sequence | _Abort | _Tick | None] = queue.Queue()
+        self.dead: BaseException | None = None  # why the core thread ended, if it did
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
@@ -85,18 +86,25 @@ class EngineCore:
 
     # ---- the loop ----------------------------------------------------------------
     def _loop(self, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
-        while not self._stop.is_set():
-            outputs = self._drain_inbox(block=not self.scheduler.has_work())
-            if self.remote is not None:
-                self.remote.service()  # pins pulled, released or expired
-            if self.scheduler.has_work():
-                try:
-                    outputs.extend(self.step())
-                except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
-                    log.exception("engine step failed")
-                    outputs.extend(self._fail_running(f"engine step failed: {exc!r}"))
-            if outputs:
-                on_outputs(outputs)
+        try:
+            while not self._stop.is_set():
+                outputs = self._drain_inbox(block=not self.scheduler.has_work())
+                if self.remote is not None:
+                    self.remote.service()  # pins pulled, released or expired
+                if self.scheduler.has_work():
+                    try:
+                        outputs.extend(self.step())
+                    except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
+                        log.exception("engine step failed")
+                        outputs.extend(self._fail_running(f"engine step failed: {exc!r}"))
+                if outputs:
+                    on_outputs(outputs)
+        except BaseException as exc:  # the thread is ending: nobody may wait on it forever
+            log.exception("engine core stopped")
+            self.dead = exc
+            on_outputs([self._output(seq, [], "error", error=f"engine core stopped: {exc!r}")
+                        for seq in self.seqs.values()])
+            self.seqs.clear()
 
     def _drain_inbox(self, block: bool) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
@@ -104,8 +112,9 @@ class EngineCore:
             item = self.inbox.get(timeout=0.5) if block else self.inbox.get_nowait()
             while True:
                 if isinstance(item, Sequence):
-                    self.seqs[item.request_id] = item
-                    self.scheduler.add(item)
+                    out = self._admit(item)
+                    if out is not None:
+                        outputs.append(out)
                 elif isinstance(item, _Abort):
                     out = self._finish_abort(item.request_id)
                     if out is not None:
@@ -114,6 +123,19 @@ class EngineCore:
         except queue.Empty:
             pass
         return outputs
+
+    def _admit(self, seq: Sequence) -> RequestOutput | None:
+        """Queue a new request; one that cannot be queued fails alone (an error output)."""
+        self.seqs[seq.request_id] = seq
+        try:
+            self.scheduler.add(seq)
+        except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
+            log.exception("could not queue request %s", seq.request_id)
+            self.seqs.pop(seq.request_id, None)
+            if seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+            return self._output(seq, [], "error", error=f"could not queue the request: {exc!r}")
+        return None
 
     def _finish_abort(self, request_id: str) -> RequestOutput | None:
         seq = self.seqs.pop(request_id, None)

@@ -92,6 +92,8 @@ class AsyncEngine:
                        kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
         if self.draining:
             raise EngineDraining("server is shutting down; retry on another replica")
+        if self.core.dead is not None:
+            raise EngineDraining(f"engine core stopped ({self.core.dead!r}); restart the server")
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
         seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id,

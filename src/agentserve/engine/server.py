@@ -110,8 +110,12 @@ async def models(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
-    if getattr(_engine(request), "draining", False):
+    engine = _engine(request)
+    if getattr(engine, "draining", False):
         return json_response(APIError(503, "server is draining").body(), 503)
+    dead = getattr(getattr(engine, "core", None), "dead", None)
+    if dead is not None:  # the router ejects us; a supervisor should restart us
+        return json_response(APIError(503, f"engine core stopped: {dead!r}").body(), 503)
     return web.Response(status=200)
 
 
