@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `make bench`: every benchmark script, one after another (never in parallel: 2 cores).
-# Each writes JSON under bench-out/ and prints its table. Takes ~30-40 minutes on 2 cores.
+# Each writes JSON under bench-out/ and prints its table. Takes about an hour on 2 cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -15,3 +15,13 @@ run benchmarks/router_index_memory.py
 run benchmarks/router_captured_reuse.py
 run benchmarks/kvtier_micro.py
 run benchmarks/kvtier_sessions.py
+WEKA=../shared/traces/weka-cc-sample.jsonl.gz  # the full sample when present, else the bundled mini
+run benchmarks/kvtier_pause_signal.py $( [ -f "$WEKA" ] && echo --trace "$WEKA" ) \
+    --out bench-out/kvtier_pause_signal.json
+run benchmarks/pd_transfer.py --out bench-out/pd_transfer.json
+run benchmarks/pd_itl.py --out bench-out/pd_itl.json
+run benchmarks/pd_ttft.py --out bench-out/pd_ttft.json
+run benchmarks/engine_speed.py --out bench-out/engine_speed.json
+run benchmarks/sim_speed.py --out bench-out/sim_speed.json
+run benchmarks/sim_calibration.py --duration 600 --out bench-out/sim_calibration.json
+run benchmarks/sim_vs_bench.py --out bench-out/sim_vs_bench.json
