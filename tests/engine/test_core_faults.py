@@ -75,3 +75,24 @@ def test_a_stopped_core_fails_in_flight_requests_and_health(server: ServerThread
         urllib.request.urlopen(server.url + "/health", timeout=10)
     assert exc.value.code == 503
     monkeypatch.setattr(core, "step", real_step)
+
+
+def test_a_request_queued_as_the_core_stops_does_not_wait_forever(server: ServerThread,
+                                                                   monkeypatch) -> None:
+    """The window between generate()'s check and the core's end: the wait is bounded."""
+    from agentserve.engine import engine as engine_mod
+
+    core = server.engine.core
+    monkeypatch.setattr(core, "step", lambda: (_ for _ in ()).throw(_Crash()))
+    post(server, "/v1/completions", {"prompt": [40, 41], "max_tokens": 2})  # stops the core
+    assert core.dead is not None
+    monkeypatch.setattr(engine_mod, "_DEAD_CHECK_S", 0.2)
+    dead, core.dead = core.dead, None  # as if generate() checked just before the core stopped
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(r=post(server, "/v1/completions",
+                                                              {"prompt": [42], "max_tokens": 2})))
+    t.start()
+    time.sleep(0.3)
+    core.dead = dead
+    t.join(10)
+    assert not t.is_alive() and result["r"][0] == 503

@@ -43,6 +43,9 @@ class EngineStats:
     transfer: dict | None = None  # P/D transfer counters (engine.transfer.TransferStats); None: off
 
 
+_DEAD_CHECK_S = 5.0  # how often a waiting request checks that the core thread still runs
+
+
 class EngineDraining(RuntimeError):
     """Raised by generate() once shutdown has begun."""
 
@@ -107,13 +110,24 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = await q.get()
+                out = q.get_nowait() if not q.empty() else await self._next(q)
                 finished = out.finished
                 yield out
         finally:
             self._queues.pop(request_id, None)
             if not finished:
                 self.core.abort(request_id)
+
+    async def _next(self, q: asyncio.Queue[RequestOutput]) -> RequestOutput:
+        """The request's next output; fails (rather than waits forever) if the core thread
+        has stopped, which it checks every few seconds while nothing arrives."""
+        while True:
+            try:
+                return await asyncio.wait_for(q.get(), _DEAD_CHECK_S)
+            except TimeoutError:
+                if self.core.dead is not None:
+                    raise EngineDraining(f"engine core stopped ({self.core.dead!r}); restart "
+                                         "the server") from None
 
     def _transfer_params(self, p: dict | None) -> dict | None:
         """P/D params this engine acts on; None when transfer is off or they ask nothing."""

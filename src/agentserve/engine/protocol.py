@@ -9,6 +9,7 @@ OpenAI error object `{"error": {"message", "type", "param", "code"}}`.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -192,50 +193,58 @@ def check_unsupported(req: Struct) -> None:
                            name)
 
 
+# field -> (allowed?, what the message says it must be); unset (None) fields pass
+_RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "temperature": (lambda v: v >= 0, ">= 0"),
+    "top_p": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "top_k": (lambda v: v >= -1, "-1, 0 (disabled) or >= 1"),
+    "max_tokens": (lambda v: v >= 1, ">= 1"),
+    "min_p": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "min_tokens": (lambda v: v >= 0, ">= 0"),
+    "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
+    "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2]"),
+    "seed": (lambda v: _SEED_MIN <= v <= _SEED_MAX, "a 64-bit signed integer"),
+}
+
+
 def check_sampling(req: _Sampling) -> None:
-    """Range checks common to both endpoints."""
+    """Checks common to both endpoints: unsupported fields, ranges, bias, response_format."""
     check_unsupported(req)
+    if req.n != 1:
+        raise APIError(400, f"n must be 1 (got {req.n}); send separate requests", "n")
+    for name, (ok, what) in _RANGES.items():
+        value = getattr(req, name)
+        if value is not None and not ok(value):
+            raise APIError(400, f"{name} must be {what}, got {value}", name)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be set when stream is true (as vLLM)",
                        "stream_options")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(req, name)
-        if value is not None and not -2 <= value <= 2:
-            raise APIError(400, f"{name} must be in [-2, 2], got {value}", name)
-    if req.repetition_penalty is not None and not 0 < req.repetition_penalty <= 2:
-        raise APIError(400, f"repetition_penalty must be in (0, 2], got {req.repetition_penalty}",
-                       "repetition_penalty")
-    if req.min_p is not None and not 0 <= req.min_p <= 1:
-        raise APIError(400, f"min_p must be in [0, 1], got {req.min_p}", "min_p")
-    if req.min_tokens < 0:
-        raise APIError(400, f"min_tokens must be >= 0, got {req.min_tokens}", "min_tokens")
-    for key, bias in (req.logit_bias or {}).items():
+    check_logit_bias(req.logit_bias)
+    check_response_format(req.response_format)
+
+
+def check_logit_bias(bias: dict[str, float] | None) -> None:
+    """Keys are token ids (as strings), values in [-100, 100]; the vocabulary is checked
+    where it is known (`serving.sampling_params`)."""
+    for key, value in (bias or {}).items():
         if not key.lstrip("-").isdigit():
             raise APIError(400, f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
-        if not -100 <= bias <= 100:
-            raise APIError(400, f"logit_bias values must be in [-100, 100], got {bias} for {key}",
-                           "logit_bias")
-    fmt = req.response_format
-    if fmt is not None:
-        if fmt.type not in _FORMATS:
-            raise APIError(400, f"response_format.type must be one of {list(_FORMATS)}, got "
-                           f"{fmt.type!r}", "response_format")
-        if fmt.type == "json_schema" and (fmt.json_schema is None
-                                          or not isinstance(fmt.json_schema.schema, dict)):
-            raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON "
-                           "Schema object", "response_format")
-    if req.n != 1:
-        raise APIError(400, f"n must be 1 (got {req.n}); send separate requests", "n")
-    if req.temperature is not None and req.temperature < 0:
-        raise APIError(400, f"temperature must be >= 0, got {req.temperature}", "temperature")
-    if req.top_p is not None and not 0 < req.top_p <= 1:
-        raise APIError(400, f"top_p must be in (0, 1], got {req.top_p}", "top_p")
-    if req.top_k is not None and req.top_k < -1:
-        raise APIError(400, f"top_k must be -1, 0 (disabled) or >= 1, got {req.top_k}", "top_k")
-    if req.max_tokens is not None and req.max_tokens <= 0:
-        raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
-    if req.seed is not None and not _SEED_MIN <= req.seed <= _SEED_MAX:
-        raise APIError(400, f"seed must be a 64-bit signed integer, got {req.seed}", "seed")
+        if not -100 <= value <= 100:
+            raise APIError(400, f"logit_bias values must be in [-100, 100], got {value} for "
+                           f"{key}", "logit_bias")
+
+
+def check_response_format(fmt: ResponseFormat | None) -> None:
+    if fmt is None:
+        return
+    if fmt.type not in _FORMATS:
+        raise APIError(400, f"response_format.type must be one of {list(_FORMATS)}, got "
+                       f"{fmt.type!r}", "response_format")
+    if fmt.type == "json_schema" and (fmt.json_schema is None
+                                      or not isinstance(fmt.json_schema.schema, dict)):
+        raise APIError(400, "response_format json_schema needs json_schema.schema, a JSON "
+                       "Schema object", "response_format")
 
 
 def check_completion(req: CompletionRequest) -> None:

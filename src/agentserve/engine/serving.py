@@ -58,8 +58,8 @@ def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> Sampling
     if bad:
         raise APIError(400, f"logit_bias token id {bad[0]} is out of range [0, {tok.vocab_size})",
                        "logit_bias")
-    prefill_leg = bool(req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"))
-    if req.min_tokens > max_tokens and not prefill_leg:  # a prefill leg makes one token anyway
+    if req.min_tokens > max_tokens and not is_prefill_leg(req.kv_transfer_params):
+        # (a prefill leg makes its one token whatever the request's min_tokens)
         raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})",
                        "min_tokens")
     stop_ids = list(req.stop_token_ids or [])
@@ -183,9 +183,14 @@ def sum_usage(gens: list[Generation]) -> dict[str, Any]:
                  sum(g.cached_tokens for g in gens), tiers)
 
 
+def is_prefill_leg(params: dict[str, Any] | None) -> bool:
+    """`kv_transfer_params` of a P/D prefill leg (do_remote_decode)?"""
+    return bool(params and params.get("do_remote_decode"))
+
+
 def pd_max_tokens(params: dict[str, Any] | None, max_tokens: int) -> int:
-    """A prefill leg (do_remote_decode) produces one token, as vLLM's P/D proxy asks."""
-    return 1 if params and params.get("do_remote_decode") else max_tokens
+    """A prefill leg produces one token, as vLLM's P/D proxy asks."""
+    return 1 if is_prefill_leg(params) else max_tokens
 
 
 def with_transfer(body: dict[str, Any], gens: list[Generation], request: web.Request,
