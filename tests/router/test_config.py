@@ -30,6 +30,11 @@ def test_every_preset_builds(policy):
     ({"bogus": 1}, "unknown router config keys"),
     ({"options": {"nope": 1}}, "unknown router options"),
     ({"endpoints": [{"url": "http://a", "role": "x"}]}, "role must be"),
+    ({"endpoints": [{"url": "localhost:8000"}]}, "url must be http"),
+    ({"endpoints": [{"url": 8000}]}, "url must be http"),
+    ({"endpoints": [{"url": "http://a", "kv_events": "localhost:5557"}]}, "ZMQ endpoint"),
+    ({"endpoints": [{"url": "http://a", "block_size": 0}]}, "block_size must be a positive"),
+    ({"endpoints": [{"url": "http://a", "dp_ranks": "2"}]}, "dp_ranks must be a positive"),
 ])
 def test_errors_say_what_is_wrong(raw, msg):
     with pytest.raises(ValueError, match=msg):

@@ -252,6 +252,26 @@ async def test_api_key_and_admin(stack):
     async with s.post("/admin/endpoints", json={"url": urls[0]}, headers=auth) as r:
         assert r.status == 200
     assert urls[0] in gw.router.endpoints
+    for bad in ({"url": 5}, {"url": "notaurl"}, {"url": urls[1], "kv_events": "garbage"}, [1]):
+        async with s.post("/admin/endpoints", json=bad, headers=auth) as r:
+            assert r.status == 400, bad
+            assert "bad endpoint config" in (await r.json())["error"]["message"]
+    assert set(gw.router.endpoints) == {u.rstrip("/") for u in urls}
+
+
+async def test_reload_of_a_broken_config_is_a_400_and_changes_nothing(stack, tmp_path):
+    engines, urls, make = stack
+    gw, s = await make(api_key=KEY)
+    path = tmp_path / "router.yaml"
+    path.write_text("endpoints: [\n")  # not YAML
+    gw.config_path = str(path)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    async with s.post("/admin/reload", headers=auth) as r:
+        assert r.status == 400 and "reload failed" in (await r.json())["error"]["message"]
+    path.write_text("endpoints:\n  - url: not-a-url\n")
+    async with s.post("/admin/reload", headers=auth) as r:
+        assert r.status == 400 and "url must be http" in (await r.json())["error"]["message"]
+    assert set(gw.router.endpoints) == {u.rstrip("/") for u in urls}
 
 
 async def test_body_limit_413(stack):

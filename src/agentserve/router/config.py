@@ -25,6 +25,7 @@ outside `PRESETS`.
 from __future__ import annotations
 
 import copy
+import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -62,6 +63,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+_URL = re.compile(r"^https?://(\[[0-9a-fA-F:.]+\]|[^\s/:\[\]]+)(:\d+)?(/\S*)?$")
+_ZMQ = re.compile(r"^(tcp://\S+:(\d+|\*)|ipc://\S+|inproc://\S+)$")
+
+
 @dataclass(slots=True)
 class EndpointConfig:
     """One backend engine (ours or vLLM)."""
@@ -78,14 +83,24 @@ class EndpointConfig:
     capacity_blocks: int | None = None  # approximate index size; scraped num_gpu_blocks otherwise
 
     def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not _URL.match(self.url):
+            raise ValueError(f"endpoint url must be http(s)://host[:port][/path], got {self.url!r}")
         self.url = self.url.rstrip("/")
+        for name in ("kv_events", "replay"):
+            zmq_ep = getattr(self, name)
+            if zmq_ep is not None and (not isinstance(zmq_ep, str) or not _ZMQ.match(zmq_ep)):
+                raise ValueError(f"endpoint {self.url}: {name} must be a ZMQ endpoint "
+                                 f"(tcp://host:port, ipc://path), got {zmq_ep!r}")
+        for name in ("dp_ranks", "block_size", "capacity_blocks"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+                raise ValueError(f"endpoint {self.url}: {name} must be a positive integer, "
+                                 f"got {n!r}")
         if self.role not in ("both", "prefill", "decode"):
             raise ValueError(f"endpoint {self.url}: role must be both|prefill|decode, "
                              f"not {self.role!r}")
         if self.hash_seed is not None:
             self.hash_seed = str(self.hash_seed)
-        if self.dp_ranks < 1:
-            raise ValueError(f"endpoint {self.url}: dp_ranks must be >= 1")
 
 
 @dataclass(slots=True)

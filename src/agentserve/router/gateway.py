@@ -23,6 +23,7 @@ from typing import Any
 
 import aiohttp
 import msgspec
+import yaml
 from aiohttp import web
 
 from agentserve.router.config import EndpointConfig, RouterConfig, load_config
@@ -35,6 +36,7 @@ from agentserve.router.rawprompt import RawPromptCache
 from agentserve.router.requests import BadRequest, parse_request
 
 logger = logging.getLogger(__name__)
+RELOAD_ERRORS = (OSError, ValueError, TypeError, yaml.YAMLError)  # a bad config file
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error",
@@ -168,7 +170,13 @@ class Gateway:
         return {"added": added, "removed": removed}
 
     def _on_sighup(self) -> None:
-        asyncio.get_running_loop().create_task(self.reload())
+        asyncio.get_running_loop().create_task(self._reload_logged())
+
+    async def _reload_logged(self) -> None:
+        try:
+            logger.info("SIGHUP reload: %s", await self.reload())
+        except RELOAD_ERRORS as e:
+            logger.error("SIGHUP reload failed, configuration unchanged: %s", e)
 
     # ---- admission ------------------------------------------------------------------
     async def _admit(self) -> bool:
@@ -339,7 +347,7 @@ class Gateway:
             return error(401, "admin needs the router's API key", "authentication_error")
         try:
             return web.json_response(await self.reload())
-        except (OSError, ValueError) as e:
+        except RELOAD_ERRORS as e:  # the running configuration stays as it was
             return error(400, f"reload failed: {e}")
 
 
