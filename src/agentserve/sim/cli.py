@@ -9,6 +9,7 @@ from typing import NoReturn
 
 import typer
 
+from agentserve.cli_checks import flag_range_error
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
@@ -23,10 +24,10 @@ def fail(message: str) -> NoReturn:
 
 
 def check_ranges(**flags: tuple[float | None, float]) -> None:
-    """Each flag (value, lowest allowed); None values are unset and pass."""
-    for name, (value, low) in flags.items():
-        if value is not None and value < low:
-            fail(f"--{name.replace('_', '-')} must be >= {low:g}, got {value:g}")
+    """name=(value, minimum) for each flag; the first one below its minimum fails."""
+    message = flag_range_error(**flags)
+    if message is not None:
+        fail(message)
 
 
 def register(app: typer.Typer) -> None:

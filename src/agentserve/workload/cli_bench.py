@@ -6,6 +6,8 @@ from typing import Optional
 
 import typer
 
+from agentserve.cli_checks import POSITIVE, flag_range_error
+
 
 def _ints(text: str) -> list[int]:
     try:
@@ -15,14 +17,6 @@ def _ints(text: str) -> list[int]:
     if not vals or min(vals) < 1:
         raise typer.BadParameter("concurrency levels must be positive integers")
     return vals
-
-
-def _at_least(**flags: tuple[float | None, float]) -> None:
-    """Each flag (value, lowest allowed; 1e-9 means "positive"); unset (None) flags pass."""
-    for name, (value, low) in flags.items():
-        if value is not None and value < low:
-            what = "positive" if low == 1e-9 else f">= {low:g}"
-            raise typer.BadParameter(f"--{name.replace('_', '-')} must be {what}, got {value:g}")
 
 
 def bench(
@@ -57,12 +51,15 @@ def bench(
         raise typer.BadParameter(f"--mode must be one of {', '.join(MODES)}")
     if not url.startswith(("http://", "https://")):
         raise typer.BadParameter(f"--url must be an http(s):// base URL, got {url!r}")
-    _at_least(sessions=(sessions, 1), session_rate=(session_rate, 1e-9),
-              stage_duration=(stage_duration, 1e-9), token_scale=(token_scale, 1),
-              gap_cap=(gap_cap, 0), gap_scale=(gap_scale, 0), duration=(duration, 1e-9),
-              max_turns=(max_turns, 1), max_input=(max_input, 1), max_output=(max_output, 1),
-              output_scale=(output_scale, 1e-9), vocab_size=(vocab_size, 2),
-              request_timeout=(request_timeout, 1e-9), gpus=(gpus, 1))
+    message = flag_range_error(
+        sessions=(sessions, 1), session_rate=(session_rate, POSITIVE),
+        stage_duration=(stage_duration, POSITIVE), token_scale=(token_scale, 1),
+        gap_cap=(gap_cap, 0), gap_scale=(gap_scale, 0), duration=(duration, POSITIVE),
+        max_turns=(max_turns, 1), max_input=(max_input, 1), max_output=(max_output, 1),
+        output_scale=(output_scale, POSITIVE), vocab_size=(vocab_size, 2),
+        request_timeout=(request_timeout, POSITIVE), gpus=(gpus, 1))
+    if message is not None:
+        raise typer.BadParameter(message)
     if api not in ("completions", "chat"):
         raise typer.BadParameter("--api must be completions or chat")
     cfg = BenchConfig(url=url, trace=trace, mode=mode, sessions=sessions, session_rate=session_rate,
