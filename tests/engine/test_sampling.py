@@ -58,6 +58,20 @@ def test_logit_bias_and_min_tokens_steer_the_greedy_batch() -> None:
     assert sample(logits, [seq_with([1], [2, 3, 4], min_tokens=3, min_tokens_blocked=[0])]) == [0]
 
 
+def test_min_tokens_yields_to_a_grammar_that_allows_only_eos() -> None:
+    """Blocking the only allowed token would leave no token at all (a NaN draw that fails
+    the whole step): the hard constraint wins over min_tokens."""
+    class OnlyEos:
+        def apply(self, row: torch.Tensor) -> None:
+            row[1:] = float("-inf")
+
+    logits = torch.zeros(1, 6)
+    seq = seq_with([1], [], min_tokens=5, min_tokens_blocked=[0], constraint=OnlyEos())
+    seq.params.temperature = 1.0
+    seq.generator = torch.Generator().manual_seed(0)
+    assert sample(logits, [seq]) == [0]
+
+
 def test_stop_strings_wait_for_min_tokens(tiny_tokenizer) -> None:
     def run(min_tokens: int) -> str:
         detok = IncrementalDetokenizer(tiny_tokenizer, stop=["stop"], min_tokens=min_tokens)

@@ -67,7 +67,11 @@ def process_row(row: torch.Tensor, seq: Sequence) -> None:
         ids = torch.tensor(list(p.logit_bias), dtype=torch.long, device=row.device)
         row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
     if p.min_tokens and seq.num_output_tokens < p.min_tokens and p.min_tokens_blocked:
-        row[torch.tensor(p.min_tokens_blocked, dtype=torch.long)] = float("-inf")
+        blocked = torch.tensor(p.min_tokens_blocked, dtype=torch.long, device=row.device)
+        kept = row[blocked].clone()
+        row[blocked] = float("-inf")
+        if not torch.isfinite(row).any():  # a grammar that allows only EOS here wins
+            row[blocked] = kept
     if p.penalized:
         apply_penalties(row, p, seq.prompt_token_ids, seq.token_ids[seq.num_prompt_tokens:])
 
