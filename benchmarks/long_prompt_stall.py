@@ -98,7 +98,7 @@ def main() -> None:
         time.sleep(4.0)
         q1 = time.monotonic()
         ttfts = []
-        for i in range(a.turns):
+        for _ in range(a.turns):
             turn = context + [rng.randrange(5, 4000) for _ in range(16)]
             t = time.monotonic()
             r = post(url, {"prompt": turn, "max_tokens": 1})
