@@ -112,3 +112,26 @@ def test_tiny_model_tokenizer(tiny_tokenizer: Tokenizer) -> None:
     assert prompt.endswith("<|im_start|>assistant\n") and '"name": "f"' in prompt
     ids = tok.encode("<tool_call>{}</tool_call>")
     assert tok.decode(ids) == "<tool_call>{}</tool_call>"  # markers survive skip_special
+
+
+def test_a_run_of_invalid_bytes_streams_out_and_stays_linear(tiny_tokenizer: Tokenizer) -> None:
+    """A weak model can emit hundreds of tokens that are lone UTF-8 continuation bytes. The
+    text used to be held back until the run ended (a 400 ms silent gap on the tiny model's
+    greedy output) while each step re-decoded the whole growing run."""
+    import time
+
+    tok = tiny_tokenizer
+    bad = next(i for i in range(tok.vocab_size) if tok.hf.decode([i]) == "\ufffd")
+    ids = [bad] * 3000 + tok.encode("😀 ok 👍") + [bad] * 5 + tok.encode("end")
+    detok = IncrementalDetokenizer(tok)
+    text, silent, longest = "", 0, 0
+    t0 = time.perf_counter()
+    for i in ids:
+        delta, _ = detok.push([i])
+        text += delta
+        silent = 0 if delta else silent + 1
+        longest = max(longest, silent)
+    text += detok.flush()
+    assert time.perf_counter() - t0 < 2.0  # was quadratic: ~4.5M token decodes for this run
+    assert longest <= 9
+    assert text == tok.hf.decode(ids)  # the same text, emoji intact

@@ -30,6 +30,7 @@ TEXT_SPECIAL_TOKENS = ("<tool_call>", "</tool_call>")
 # vLLM decodes this many prompt tokens before the first output token so that
 # tokenizers which strip a leading space (sentencepiece) decode it correctly.
 _CONTEXT_TOKENS = 5
+_MAX_HELD = 8  # tokens a stream may wait for one character to complete (a char <= 4 bytes)
 
 
 def _token_content(value: Any) -> str | None:
@@ -160,13 +161,33 @@ class IncrementalDetokenizer:
         self.stopped = False
 
     def _decode_new(self) -> str:
-        """Text of tokens past read_offset, or "" while it ends mid-character."""
-        prefix = self.tok.hf.decode(self.ids[self.prefix_offset:self.read_offset],
-                                    skip_special_tokens=False)
-        full = self.tok.hf.decode(self.ids[self.prefix_offset:], skip_special_tokens=False)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+        """Text of tokens past read_offset, holding back only a character still in progress.
+
+        A character is at most 4 bytes, so when the text ends in U+FFFD the character in
+        progress lies in the last 3 tokens: the longest cut among those that decodes cleanly
+        is let out. When none does, the tail holds bytes that are invalid UTF-8 (a weak model
+        can emit hundreds in a row); after `_MAX_HELD` tokens they are let out as U+FFFD, all
+        but the last 3, so a stream never stalls on them and each step decodes a bounded
+        window."""
+        def text(end: int) -> str:
+            return self.tok.hf.decode(self.ids[self.prefix_offset:end], skip_special_tokens=False)
+
+        prefix, end = text(self.read_offset), len(self.ids)
+        full = text(end)
+        if full.endswith("\ufffd"):
+            for cut in range(end - 1, max(end - 4, self.read_offset), -1):
+                head = text(cut)
+                if not head.endswith("\ufffd"):
+                    end, full = cut, head
+                    break
+            else:
+                if end - self.read_offset <= _MAX_HELD:
+                    return ""
+                end -= 3
+                full = text(end)
+        if len(full) <= len(prefix):
             return ""
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        self.prefix_offset, self.read_offset = self.read_offset, end
         return full[len(prefix):]
 
     def _hold_len(self, buf: str) -> int:
