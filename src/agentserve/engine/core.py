@@ -132,8 +132,6 @@ class EngineCore:
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
             log.exception("could not queue request %s", seq.request_id)
             self.seqs.pop(seq.request_id, None)
-            if seq in self.scheduler.waiting:
-                self.scheduler.waiting.remove(seq)
             return self._output(seq, [], "error", error=f"could not queue the request: {exc!r}")
         return None
 

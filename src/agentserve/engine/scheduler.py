@@ -84,10 +84,11 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        """Queue a new request; if the tier hooks raise, it is not queued at all."""
         if self.tiers is not None:
             self.kv.update_hashes(seq)
             self.tiers.on_add(seq)
+        self.waiting.append(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.pulling
