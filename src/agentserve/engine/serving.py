@@ -193,19 +193,23 @@ def pd_max_tokens(params: dict[str, Any] | None, max_tokens: int) -> int:
     return 1 if is_prefill_leg(params) else max_tokens
 
 
-def with_transfer(body: dict[str, Any], gens: list[Generation], request: web.Request,
-                  engine: EngineClient) -> dict[str, Any]:
-    """Add the prefill leg's ``kv_transfer_params`` to a response body, as vLLM does.
-
-    When the client has already left, nobody will learn the params, so nobody would pull
-    the pinned KV: it is freed now instead of at --kv-transfer-timeout."""
+def with_transfer(body: dict[str, Any], gens: list[Generation]) -> dict[str, Any]:
+    """Add the prefill leg's ``kv_transfer_params`` to a response body, as vLLM does."""
     params = next((g.kv_transfer_params for g in gens if g.kv_transfer_params), None)
-    if params is None:
-        return body
+    return {**body, "kv_transfer_params": params} if params is not None else body
+
+
+def release_unread_pins(request: web.Request, engine: EngineClient,
+                        gens: list[Generation]) -> None:
+    """A prefill leg whose client left before its answer: nobody will learn its params, so
+    nobody would pull its pinned KV. Free it now instead of at --kv-transfer-timeout."""
     release = getattr(engine, "release_transfer", None)
-    if not client_alive(request)() and release is not None:
-        release(str(params.get("remote_request_id")))
-    return {**body, "kv_transfer_params": params}
+    if release is None or client_alive(request)():
+        return
+    for g in gens:
+        rid = (g.kv_transfer_params or {}).get("remote_request_id")
+        if rid:
+            release(str(rid))
 
 
 def session_of(request: web.Request, user: str | None) -> str | None:
@@ -356,8 +360,8 @@ async def create_completion(request: web.Request, engine: EngineClient,
             texts[i] += text or ""
     choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason, "logprobs": None}
                for i, g in enumerate(gens)]
-    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)}, gens,
-                                       request, engine))
+    release_unread_pins(request, engine, gens)
+    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)}, gens))
 
 
 def usage_mode(opts: StreamOptions | None) -> tuple[bool, bool]:

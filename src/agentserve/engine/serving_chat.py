@@ -23,9 +23,10 @@ from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToo
                                         StreamOptions, check_chat, check_prompt_ids, decode,
                                         stop_list)
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
-                                       new_id, pd_max_tokens, resolve_max_tokens,
-                                       response_format_grammar, sampling_params, session_of,
-                                       stream_sse, usage_mode, with_transfer)
+                                       new_id, pd_max_tokens, release_unread_pins,
+                                       resolve_max_tokens, response_format_grammar,
+                                       sampling_params, session_of, stream_sse, usage_mode,
+                                       with_transfer)
 from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
@@ -104,8 +105,8 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
         message["tool_calls"] = [c.to_openai() for c in calls]
     finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
     choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-    return json_response(with_transfer({**base, "choices": [choice], "usage": gen.usage()}, [gen],
-                                       request, engine))
+    release_unread_pins(request, engine, [gen])
+    return json_response(with_transfer({**base, "choices": [choice], "usage": gen.usage()}, [gen]))
 
 
 def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:
