@@ -140,3 +140,20 @@ def test_weka_to_mooncake_to_weka_sample(tmp_path):
     mains = {s.id: [(q.input_tokens, q.output_tokens) for q in s.main_requests] for s in back}
     for s in src:
         assert mains[s.id] == [(q.input_tokens, q.output_tokens) for q in s.main_requests]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["synth", "--sessions", "0", "--out", "OUT"], "--sessions must be >= 1"),
+    (["synth", "--profile", "sweep", "--sessions", "2", "--max-input", "-5", "--out", "OUT"],
+     "--max-input must be >= 1"),
+    (["synth", "--sessions", "1", "--out", "/proc/no/such/dir/s.jsonl"], "cannot write"),
+    (["stats", "IN", "--block-size", "0"], "--block-size must be >= 1"),
+    (["convert", "IN", "/proc/no/such/dir/x.jsonl"], "cannot write"),
+])
+def test_cli_bad_flags_and_unwritable_outputs_are_one_line_errors(tmp_path, args, message) -> None:
+    trace = Path(str(resources.files("agentserve.data") / "traces" / "weka-cc-mini.jsonl"))
+    args = [str(trace) if a == "IN" else str(tmp_path / "s.jsonl") if a == "OUT" else a
+            for a in args]
+    res = CliRunner().invoke(trace_app, args)
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert res.exception is None or isinstance(res.exception, SystemExit)
