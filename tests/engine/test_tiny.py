@@ -117,3 +117,20 @@ def test_default_model_dir(tmp_path, monkeypatch):
     d = default_model_dir()
     assert d == tmp_path / "models" / "tiny-s0" and (d / "model.safetensors").is_file()
     assert default_model_dir() == d and not [p for p in d.parent.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--out", "OUT", "--preset", "huge"], "unknown preset 'huge'"),
+    (["--out", "/proc/no/such/dir/m"], "No such file or directory"),
+])
+def test_make_tiny_cli_errors_are_one_line(tmp_path, args, message):
+    import typer
+    from typer.testing import CliRunner
+
+    from agentserve.engine import cli as engine_cli
+
+    app = typer.Typer()
+    engine_cli.register(app)
+    args = [str(tmp_path / "m") if a == "OUT" else a for a in args]
+    res = CliRunner().invoke(app, ["model", "make-tiny", *args])
+    assert res.exit_code == 2 and message in res.output, res.output

@@ -96,7 +96,11 @@ def make_tiny_cmd(
     """Build a deterministic random-weight Llama checkpoint with a BPE tokenizer, offline."""
     from agentserve.engine.tiny import make_tiny
 
-    path = make_tiny(out, preset=preset, seed=seed)
+    try:
+        path = make_tiny(out, preset=preset, seed=seed)
+    except (ValueError, OSError) as exc:  # an unknown preset, an unwritable folder
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from exc
     typer.echo(str(path))
 
 
