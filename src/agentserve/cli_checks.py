@@ -1,6 +1,10 @@
-"""Range checks of numeric flags, shared by the command-line tools (each reports in its own way)."""
+"""Flag checks and one-line errors shared by the command-line tools."""
 
 from __future__ import annotations
+
+from typing import NoReturn
+
+import typer
 
 POSITIVE = 1e-9  # as a minimum: the flag must be > 0 ("must be positive")
 
@@ -13,3 +17,16 @@ def flag_range_error(**flags: tuple[float | None, float]) -> str | None:
             what = "positive" if low == POSITIVE else f">= {low:g}"
             return f"--{name.replace('_', '-')} must be {what}, got {value:g}"
     return None
+
+
+def fail(message: str) -> NoReturn:
+    """A bad flag or input file: one line on stderr, exit 2."""
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def check_flags(**flags: tuple[float | None, float]) -> None:
+    """`fail` on the first flag below its minimum (see `flag_range_error`)."""
+    message = flag_range_error(**flags)
+    if message is not None:
+        fail(message)

@@ -8,6 +8,8 @@ from typing import Optional
 
 import typer
 
+from agentserve.cli_checks import fail
+
 model_app = typer.Typer(help="Model checkpoints.", no_args_is_help=True)
 
 
@@ -83,8 +85,7 @@ def serve(
         # startup problems the user fixes (flags, model folder, a taken port): one line, no
         # traceback; the traceback stays available at --log-level debug
         logging.getLogger("agentserve.serve").debug("startup failed", exc_info=True)
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(str(exc))
 
 
 @model_app.command("make-tiny")
@@ -99,8 +100,7 @@ def make_tiny_cmd(
     try:
         path = make_tiny(out, preset=preset, seed=seed)
     except (ValueError, OSError) as exc:  # an unknown preset, an unwritable folder
-        typer.echo(f"error: {exc}", err=True)
-        raise typer.Exit(2) from exc
+        fail(str(exc))
     typer.echo(str(path))
 
 

@@ -95,8 +95,7 @@ class AsyncEngine:
                        kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
         if self.draining:
             raise EngineDraining("server is shutting down; retry on another replica")
-        if self.core.dead is not None:
-            raise EngineDraining(f"engine core stopped ({self.core.dead!r}); restart the server")
+        self._check_core()
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
         seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id,
@@ -125,9 +124,11 @@ class AsyncEngine:
             try:
                 return await asyncio.wait_for(q.get(), _DEAD_CHECK_S)
             except TimeoutError:
-                if self.core.dead is not None:
-                    raise EngineDraining(f"engine core stopped ({self.core.dead!r}); restart "
-                                         "the server") from None
+                self._check_core()
+
+    def _check_core(self) -> None:
+        if self.core.dead is not None:
+            raise EngineDraining(f"engine core stopped ({self.core.dead!r}); restart the server")
 
     def _transfer_params(self, p: dict | None) -> dict | None:
         """P/D params this engine acts on; None when transfer is off or they ask nothing."""

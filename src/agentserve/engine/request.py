@@ -63,6 +63,12 @@ class SamplingParams:
         return (self.presence_penalty != 0 or self.frequency_penalty != 0
                 or self.repetition_penalty != 1)
 
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the sampler must edit this request's logits row (`sampler.process_row`)."""
+        return bool(self.constraint is not None or self.logit_bias or self.min_tokens
+                    or self.penalized)
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"

@@ -79,8 +79,7 @@ def process_row(row: torch.Tensor, seq: Sequence) -> None:
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
     """Pick one token per row. Greedy rows are batched; sampled rows use their own generator."""
     for i, seq in enumerate(seqs):
-        p = seq.params
-        if p.constraint is not None or p.logit_bias or p.min_tokens or p.penalized:
+        if seq.params.edits_logits:
             process_row(logits[i], seq)
     greedy = logits.argmax(dim=-1).tolist()
     out: list[int] = []

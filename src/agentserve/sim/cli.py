@@ -5,29 +5,15 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 
-from agentserve.cli_checks import flag_range_error
+from agentserve.cli_checks import check_flags, fail
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
         "gpus", "cost_per_m_input", "cost_per_m_output", "cpu_restore_gib", "prefill_gpu_hit_rate",
         "rejected_share")
-
-
-def fail(message: str) -> NoReturn:
-    """A bad flag or input file: one line on stderr, exit 2 (as `serve` and `trace`)."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
-
-
-def check_ranges(**flags: tuple[float | None, float]) -> None:
-    """name=(value, minimum) for each flag; the first one below its minimum fails."""
-    message = flag_range_error(**flags)
-    if message is not None:
-        fail(message)
 
 
 def register(app: typer.Typer) -> None:
@@ -51,7 +37,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
-        check_ranges(prefill_width=(prefill_width, 1), decode_width=(decode_width, 1),
+        check_flags(prefill_width=(prefill_width, 1), decode_width=(decode_width, 1),
                      concurrency=(concurrency, 1), cpu_offload_gib=(cpu_offload_gib, 0),
                      duration=(duration, 1), warmup=(warmup, 0))
         try:
@@ -102,7 +88,7 @@ def register_plan(app: typer.Typer) -> None:
         except ValueError:
             fail(f"--widths and --concurrency are comma-separated integers, got {widths!r} and "
                  f"{concurrency!r}")
-        check_ranges(gpus=(gpus, 1), min_tok_s_per_user=(min_tok_s_per_user, 0), price=(price, 0),
+        check_flags(gpus=(gpus, 1), min_tok_s_per_user=(min_tok_s_per_user, 0), price=(price, 0),
                      concurrency=(min(ladder), 1), widths=(min(width_list), 1),
                      workers=(workers, 1), duration=(duration, 1), warmup=(warmup, 0))
         try:

@@ -9,20 +9,13 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 
-from agentserve.cli_checks import flag_range_error
+from agentserve.cli_checks import check_flags, fail
 
 trace_app = typer.Typer(help="Agentic traces: measure (stats), generate (synth), convert.",
                         no_args_is_help=True, add_completion=False)
-
-
-def _fail(message: str) -> NoReturn:
-    """A bad flag or file: one line on stderr, exit 2."""
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def _fmt(x: float | None, unit: str = "") -> str:
@@ -72,13 +65,11 @@ def stats(file: Path = typer.Argument(..., help="Weka or mooncake trace (file or
     from agentserve.workload.stats import compute_stats
     from agentserve.workload.traces import TraceFormatError, load_any
 
-    bad = flag_range_error(block_size=(block_size, 1))
-    if bad:
-        _fail(bad)
+    check_flags(block_size=(block_size, 1))
     try:
         res = load_any(file, block_size=block_size, skip_bad=skip_bad)
     except (TraceFormatError, FileNotFoundError) as e:
-        _fail(str(e))
+        fail(str(e))
     if res.skipped:
         typer.echo(f"skipped {res.skipped} malformed line(s); first: {res.errors[0]}", err=True)
     out = compute_stats(res.sessions)
@@ -99,16 +90,14 @@ def synth(profile: str = typer.Option("claude-code", help="claude-code | sweep")
     from agentserve.workload.traces import write_sessions
 
     if profile not in PROFILES:
-        _fail(f"unknown profile {profile!r}; choose one of: {', '.join(PROFILES)}")
-    bad = flag_range_error(sessions=(sessions, 1), max_input=(max_input, 1))
-    if bad:
-        _fail(bad)
+        fail(f"unknown profile {profile!r}; choose one of: {', '.join(PROFILES)}")
+    check_flags(sessions=(sessions, 1), max_input=(max_input, 1))
     t0 = time.perf_counter()
     corpus = synthesize(profile, sessions, seed, max_input)
     try:
         write_sessions(corpus, out)
     except OSError as e:
-        _fail(f"cannot write {out}: {e}")
+        fail(f"cannot write {out}: {e}")
     typer.echo(f"wrote {len(corpus)} sessions to {out} in {time.perf_counter() - t0:.1f} s",
                err=True)
 
@@ -124,20 +113,18 @@ def convert(src: Path = typer.Argument(..., help="input trace (Weka or mooncake,
                                             write_sessions)
 
     if to not in ("weka", "mooncake"):
-        _fail("--to must be weka or mooncake")
-    bad = flag_range_error(block_size=(block_size, 1))
-    if bad:
-        _fail(bad)
+        fail("--to must be weka or mooncake")
+    check_flags(block_size=(block_size, 1))
     try:
         res = load_any(src, block_size=block_size, skip_bad=skip_bad)
     except (TraceFormatError, FileNotFoundError) as e:
-        _fail(str(e))
+        fail(str(e))
     try:
         if to == "weka":
             write_sessions(res.sessions, dst)
         else:
             write_mooncake(res.sessions, dst, block_size=block_size)
     except OSError as e:
-        _fail(f"cannot write {dst}: {e}")
+        fail(f"cannot write {dst}: {e}")
     typer.echo(f"wrote {len(res.sessions)} sessions to {dst} ({to}); skipped {res.skipped}",
                err=True)
