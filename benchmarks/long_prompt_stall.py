@@ -16,8 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import subprocess
-import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -27,7 +26,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-ROOT = Path(__file__).resolve().parents[1]
+from agentserve.procs import start_engine
+
+STREAM_TOKENS = 20_000  # per decoding stream: outlasts the run (~7 ms a token here)
 
 
 def post(url: str, body: dict) -> dict:
@@ -43,13 +44,13 @@ def stream(url: str, prompt: list[int], max_tokens: int, arrivals: list[float]) 
             "temperature": 0}
     req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
                                  {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=600) as r:
+    with urllib.request.urlopen(req, timeout=600) as r:  # a refused request raises here
+        try:
             for line in r:
                 if line.startswith(b"data: {"):
                     arrivals.append(time.monotonic())
-    except OSError:
-        pass
+        except OSError:
+            pass  # the server was killed at the end of the run
 
 
 def gaps_in(arrivals: list[list[float]], t0: float, t1: float) -> np.ndarray:
@@ -67,30 +68,24 @@ def main() -> None:
                     help="tokens (the tiny model's cold prefill of 60K takes ~1 min on 2 cores)")
     ap.add_argument("--turns", type=int, default=12)
     ap.add_argument("--streams", type=int, default=4)
-    ap.add_argument("--port", type=int, default=8611)
+    ap.add_argument("--port", type=int, default=None, help="default: any free port")
     ap.add_argument("--out", default="bench-out/long_prompt_stall.json")
     a = ap.parse_args()
 
-    url = f"http://127.0.0.1:{a.port}"
-    cli = str(Path(sys.executable).parent / "agentserve")
-    proc = subprocess.Popen([cli, "serve", "--port", str(a.port), "--kv-cache-tokens",
-                             str(2 * a.context + 65536), "--log-level", "warning"])
+    tmp = tempfile.TemporaryDirectory()
+    eng = start_engine(Path(tmp.name), port=a.port,
+                       extra=["--kv-cache-tokens", str(2 * a.context + a.streams * STREAM_TOKENS
+                                                         + 4096)])
+    url = eng.url
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                urllib.request.urlopen(url + "/health", timeout=2)
-                break
-            except OSError:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise SystemExit("server did not start") from None
-                time.sleep(0.5)
+        eng.wait_healthy(120)
         rng = random.Random(0)
         context = [rng.randrange(5, 4000) for _ in range(a.context)]
         post(url, {"prompt": context, "max_tokens": 1})  # cache it
         arrivals: list[list[float]] = [[] for _ in range(a.streams)]
-        threads = [threading.Thread(target=stream, args=(url, [7 + i] * 64, 100_000, arrivals[i]),
-                                    daemon=True) for i in range(a.streams)]
+        threads = [threading.Thread(target=stream, daemon=True,
+                                    args=(url, [7 + i] * 64, STREAM_TOKENS, arrivals[i]))
+                   for i in range(a.streams)]
         for t in threads:
             t.start()
         time.sleep(3.0)  # streams settle
@@ -107,8 +102,8 @@ def main() -> None:
         b1 = time.monotonic()
         quiet, busy = gaps_in(arrivals, q0, q1), gaps_in(arrivals, q1, b1)
     finally:  # the streams are still running: no drain wanted
-        proc.kill()
-        proc.wait(30)
+        eng.stop(timeout=0)
+        tmp.cleanup()
 
     def stats(x: np.ndarray) -> dict:
         return {"n": int(x.size), "p50": float(np.percentile(x, 50)),
