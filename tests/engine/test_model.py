@@ -163,3 +163,28 @@ def test_rope_long_positions():
             ang = p * (1.0 / 500000.0 ** (2 * j / 64))
             assert abs(cos[r, 0, j].item() - math.cos(ang)) < 1e-6
             assert abs(sin[r, 0, j].item() - math.sin(ang)) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lower_right_causal_bias_reaches_every_layer(dtype):
+    """Off the CPU a chunk after a cached prefix carries a lower-right ``CausalBias``, which
+    every layer reuses. Converting it to the model dtype (as bool masks are) once gave the
+    second layer a CausalBias without its lengths: every bf16 prefix hit failed on CUDA."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from agentserve.engine.attention import PrefillMeta, _prefill_attention
+
+    g = torch.Generator().manual_seed(0)
+    start, n, heads, kv_heads, dim, bs = 20, 12, 4, 2, 16, 8
+    kv_len = start + n
+    kc, vc = (torch.randn(4, bs, kv_heads, dim, generator=g).to(dtype) for _ in "kv")
+    q = torch.randn(n, heads, dim, generator=g).to(dtype)
+    k, v = kc.view(-1, kv_heads, dim)[start:kv_len], vc.view(-1, kv_heads, dim)[start:kv_len]
+    blocks = torch.arange(4)
+    bias = PrefillMeta(0, n, start, kv_len, blocks, causal_lower_right(n, kv_len))
+    q_pos = torch.arange(start, kv_len)
+    explicit = PrefillMeta(0, n, start, kv_len, blocks, torch.arange(kv_len)[None, :] <= q_pos[:, None])
+    for _layer in range(2):
+        got = _prefill_attention(q, k, v, kc, vc, bias, 0.25)
+        want = _prefill_attention(q, k, v, kc, vc, explicit, 0.25)
+        torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)

@@ -211,7 +211,9 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: to
     if p.mask is None:  # nothing cached before this chunk: plain causal over the chunk
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=gqa)
     else:
-        if isinstance(p.mask, torch.Tensor):
+        # CausalBias is a Tensor subclass too, but it must reach SDPA as it is: converting
+        # it to another dtype yields a CausalBias without its lengths.
+        if isinstance(p.mask, torch.Tensor) and not isinstance(p.mask, CausalBias):
             p.mask = _additive(p.mask, q.dtype)  # once per step, then reused by every layer
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=p.mask, scale=scale,
                                            enable_gqa=gqa)
