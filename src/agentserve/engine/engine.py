@@ -101,7 +101,7 @@ class AsyncEngine:
         seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id,
                        kv_transfer=self._transfer_params(kv_transfer))
         if not params.greedy:
-            seq.generator = make_generator(params.seed)
+            seq.generator = make_generator(params.seed, self.device)  # on the logits' device
         # registered only once nothing above can fail, so a refused request leaves no queue
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = q
