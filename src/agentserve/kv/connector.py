@@ -231,21 +231,25 @@ class TierConnector:
     def _load_job(self, plan: RestorePlan, block_ids: list[int]) -> list[Key]:
         """Worker thread: copy every source; returns the keys found corrupt (stops there)."""
         cpu, disk = self.mgr.cpu, self.mgr.disk
-        at = 0
+        # copied in groups of at most the worker's staging size, so a long restore from disk
+        # holds a bounded amount of read-back bytes
+        group = max(1, self.worker.stage_bytes // cpu.block_bytes)
+        hosts: list[torch.Tensor] = []
+        at, skip = 0, plan.skip
         for i, (key, src) in enumerate(zip(plan.keys, plan.sources)):
-            first = plan.skip if i == 0 else 0
-            n = self.k - first
             if src.tier == "cpu":
-                host = cpu.buf[src.slot]
+                hosts.append(cpu.buf[src.slot])
             else:
                 assert disk is not None and src.loc is not None
                 raw = disk.read_block(key, src.loc)
                 if raw is None:
                     return [key]
-                host = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
-                    cpu.buf.dtype).view(cpu.buf.shape[1:])
-            self.worker.host_to_device(host, first, block_ids[at:at + n])
-            at += n
+                hosts.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
+                    cpu.buf.dtype).view(cpu.buf.shape[1:]))
+            if len(hosts) == group or i == len(plan.keys) - 1:
+                n = len(hosts) * self.k - skip
+                self.worker.host_to_device(hosts, skip, block_ids[at:at + n])
+                hosts, at, skip = [], at + n, 0
         return []
 
     def _load_done(self, rid: str, result: Any) -> LoadDone | None:

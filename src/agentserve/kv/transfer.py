@@ -20,11 +20,22 @@ Job = Callable[[], Any]
 
 
 class TransferWorker:
-    """Runs store and load jobs off the engine-core thread; results go to ``done``."""
+    """Runs store and load jobs off the engine-core thread; results go to ``done``.
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor) -> None:
+    ``batched`` (default: on CUDA) moves many blocks per copy: on a GPU every small copy is
+    a launch, and one restore of 16K tokens of the tiny model as 1,024 per-block copies ran
+    at 0.3 GB/s. Batched, loads go through a reused device staging buffer (at most
+    ``stage_bytes``) and stores write whole slots, both as asynchronous copies from and to
+    the CPU tier's pinned memory. On CPU the per-block copies are already single memcpys.
+    """
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, batched: bool | None = None,
+                 stage_bytes: int = 64 << 20) -> None:
         self.k, self.v = k, v  # device KV: [num_layers, num_blocks, block_size, Hkv, D]
         self.cuda = k.is_cuda
+        self.batched = self.cuda if batched is None else batched
+        self.stage_bytes = stage_bytes
+        self._stage = torch.empty(0, dtype=k.dtype, device=k.device)  # grown as needed (load lane)
         self.done: queue.Queue[tuple[str, Any, Any]] = queue.Queue()
         self._queues = {"store": queue.Queue(), "load": queue.Queue()}
         self._threads = [threading.Thread(target=self._run, args=(name,), name=f"kv-{name}",
@@ -86,23 +97,62 @@ class TransferWorker:
         """dst[slot] = [k, v] of the device blocks of each group. dst: [S, 2, L, T, H, D]."""
         groups, per = len(block_ids), len(block_ids[0])
         idx = torch.tensor([b for g in block_ids for b in g], device=self.k.device)
-        for kv_i, src in enumerate((self.k, self.v)):
+        kv = []
+        for src in (self.k, self.v):
             g = src.index_select(1, idx)  # [L, G*per, bs, H, D]
             L, _, bs, H, D = g.shape
-            g = g.view(L, groups, per * bs, H, D).transpose(0, 1)  # [G, L, T, H, D]
+            kv.append(g.view(L, groups, per * bs, H, D).transpose(0, 1))  # [G, L, T, H, D]
+        if self.batched:  # whole slots, one async copy per run of consecutive slots
+            both = torch.stack(kv, dim=1)  # [G, 2, L, T, H, D], contiguous
+            at = 0
+            for first, length in _runs(slots):
+                dst[first:first + length].copy_(both[at:at + length], non_blocking=self.cuda)
+                at += length
+            return
+        for kv_i, g in enumerate(kv):
             for j, slot in enumerate(slots):
                 dst[slot, kv_i].copy_(g[j], non_blocking=self.cuda)
 
     @torch.inference_mode()
-    def host_to_device(self, src: torch.Tensor, first: int, block_ids: list[int]) -> None:
-        """Device blocks ``block_ids`` = sub-blocks first.. of one offload block [2, L, T, H, D]."""
-        n, bs = len(block_ids), self.k.shape[2]
+    def host_to_device(self, sources: list[torch.Tensor], first: int, block_ids: list[int]) -> None:
+        """Offload blocks ``sources`` (each [2, L, T, H, D] on the host) -> device blocks
+        ``block_ids``: the first source from its sub-block ``first`` on, the others whole."""
+        if not self.batched:
+            at = 0
+            for i, src in enumerate(sources):
+                skip = first if i == 0 else 0
+                n = src.shape[2] // self.k.shape[2] - skip
+                self._scatter(src.unsqueeze(0), skip, block_ids[at:at + n])
+                at += n
+            return
+        per_chunk = max(1, self.stage_bytes // sources[0].nbytes)
+        at = 0
+        for c in range(0, len(sources), per_chunk):
+            chunk = sources[c:c + per_chunk]
+            stage = self._staging(len(chunk), sources[0])
+            for i, src in enumerate(chunk):  # pinned CPU slots: asynchronous copies
+                stage[i].copy_(src, non_blocking=self.cuda)
+            skip = first if c == 0 else 0
+            n = len(chunk) * (sources[0].shape[2] // self.k.shape[2]) - skip
+            self._scatter(stage, skip, block_ids[at:at + n])
+            at += n
+
+    def _staging(self, m: int, like: torch.Tensor) -> torch.Tensor:
+        """[m, *like.shape] on the cache's device, reused by every load (one load lane)."""
+        n = m * like.numel()
+        if self._stage.numel() < n:
+            self._stage = torch.empty(n, dtype=self.k.dtype, device=self.k.device)
+        return self._stage[:n].view(m, *like.shape)
+
+    def _scatter(self, blocks: torch.Tensor, skip: int, block_ids: list[int]) -> None:
+        """blocks [m, 2, L, T, H, D] -> device blocks ``block_ids``, from sub-block ``skip``."""
+        m, _, L, T, H, D = blocks.shape
+        bs = self.k.shape[2]
         idx = torch.tensor(block_ids, device=self.k.device)
         for kv_i, dst in enumerate((self.k, self.v)):
-            part = src[kv_i, :, first * bs:(first + n) * bs]  # [L, n*bs, H, D]
-            L, _, H, D = part.shape
-            part = part.reshape(L, n, bs, H, D).to(dst.device, non_blocking=self.cuda)
-            dst.index_copy_(1, idx, part)
+            part = blocks[:, kv_i].reshape(m, L, T // bs, bs, H, D).transpose(0, 1)
+            part = part.reshape(L, m * (T // bs), bs, H, D)[:, skip:skip + len(block_ids)]
+            dst.index_copy_(1, idx, part.to(dst.device, non_blocking=self.cuda))
 
 
 # ---- whole-request block movement (P/D transfer; shared shapes with the tiers above) --------
