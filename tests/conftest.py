@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 import urllib.error
@@ -14,6 +15,10 @@ from typing import Any
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+# The engine tests that take it (engine core, tiers, P/D) run on this device; CI and `make test`
+# use the CPU. `scripts/gpu_checks.sh` sets it to "cuda" on a machine with a GPU.
+TEST_DEVICE = os.environ.get("AGENTSERVE_TEST_DEVICE", "cpu")
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
 CHATML = (
@@ -117,9 +122,9 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[ServerThread]:
-    """One server per test module: tiny model, CPU, small KV cache, invariant checks on."""
+    """One server per test module: tiny model, small KV cache, invariant checks on."""
     server = ServerThread(api_key=API_KEY, model=None, kv_cache_tokens=8192, block_size=16,
-                          max_model_len=MAX_MODEL_LEN, max_num_seqs=16,
+                          max_model_len=MAX_MODEL_LEN, max_num_seqs=16, device=TEST_DEVICE,
                           max_num_batched_tokens=512, seed=0, check_invariants=True).start()
     yield server
     server.close()

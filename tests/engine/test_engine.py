@@ -11,6 +11,7 @@ import pytest
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.request import SamplingParams
 from agentserve.engine.tiny import default_model_dir
+from tests.conftest import TEST_DEVICE
 from tests.engine.reference import DenseLlama
 
 
@@ -32,7 +33,7 @@ def _greedy(n: int) -> SamplingParams:
 
 
 async def _with_engine(coro_fn, **kw):
-    eng = AsyncEngine.from_args(check_invariants=True, **kw)
+    eng = AsyncEngine.from_args(check_invariants=True, **{"device": TEST_DEVICE, **kw})
     await eng.start()
     try:
         return await coro_fn(eng)

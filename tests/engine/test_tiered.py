@@ -13,10 +13,10 @@ import pytest
 
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.request import SamplingParams
-from tests.conftest import ServerThread
+from tests.conftest import TEST_DEVICE, ServerThread
 
 # 512 device tokens: a 400-token prompt of another request evicts the first one.
-BASE = dict(check_invariants=True, block_size=16, kv_cache_tokens=512)
+BASE = dict(check_invariants=True, block_size=16, kv_cache_tokens=512, device=TEST_DEVICE)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -115,6 +115,14 @@ def test_no_tier_is_the_plain_engine() -> None:
     (_, _, last), eng = _with(lambda e: _evict_and_resume(e, A, B))
     assert eng.core.tiers is None and eng.stats().tiers is None
     assert last.cached_by_tier is None
+
+
+@pytest.mark.skipif(not TEST_DEVICE.startswith("cuda"), reason="pinned memory is for CUDA caches")
+def test_cpu_tier_is_pinned_memory_on_cuda(reference) -> None:
+    """On CUDA the host tier is page-locked, so its copies can run asynchronously."""
+    (_, again, last), eng = _with(lambda e: _evict_and_resume(e, A, B), kv_cpu_gib=0.01)
+    assert eng.core.tiers.mgr.cpu.buf.is_pinned() and eng.core.runner.kv_cache.k.is_cuda
+    assert again == reference and last.cached_by_tier["cpu"] > 0
 
 
 def test_restore_never_recomputes(reference) -> None:

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import ServerThread
+from tests.conftest import TEST_DEVICE, ServerThread
 
 KW = dict(model=None, kv_cache_tokens=8192, block_size=16, max_model_len=1024, max_num_seqs=16,
-          max_num_batched_tokens=512, seed=0, check_invariants=True)
+          max_num_batched_tokens=512, seed=0, check_invariants=True, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")

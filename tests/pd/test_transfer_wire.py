@@ -13,6 +13,7 @@ from agentserve.engine.transfer_api import PullSpec
 from agentserve.engine.transfer_frames import TransferError, block_shape, block_sums
 from agentserve.engine.transfer_wire import TcpBackend
 from agentserve.kv.transfer import StagingBuffer, block_views, gather_blocks
+from tests.conftest import TEST_DEVICE
 
 
 class Source:
@@ -38,23 +39,30 @@ class Source:
         self.released.append(rid)
 
 
-def cache(blocks: int = 40, dtype: torch.dtype = torch.float32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def cache(blocks: int = 40, dtype: torch.dtype = torch.float32, seed: int = 0,
+          device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     shape = (3, blocks, 4, 2, 8)  # L, blocks, bs, H, D
-    return (torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype))
+    return (torch.randn(shape, generator=g).to(device, dtype), torch.randn(shape, generator=g).to(device, dtype))
+
+
+def staged_device(staged: bool) -> str:
+    """The staged path is the one device caches take: on a GPU machine its caches live there."""
+    return TEST_DEVICE if staged else "cpu"
 
 
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk", [1, 3, 64])
 def test_pull_into_matches_gather(staged: bool, dtype: torch.dtype, chunk: int) -> None:
-    k, v = cache(dtype=dtype)
+    dev = staged_device(staged)
+    k, v = cache(dtype=dtype, device=dev)
     src = Source(k, v)
     srv = TcpBackend("t", staged=staged)
     port = srv.serve(src, "127.0.0.1", 0)
     cli = TcpBackend("t", chunk_blocks=chunk, staged=staged)
     try:
-        dk, dv = torch.zeros(3, 30, 4, 2, 8, dtype=dtype), torch.zeros(3, 30, 4, 2, 8, dtype=dtype)
+        dk, dv = (torch.zeros(3, 30, 4, 2, 8, dtype=dtype, device=dev) for _ in "kv")
         dst = [29, 3, 4, 5, 6, 0, 1, 2, 10, 11]  # mixed runs on the receiving side
         idx = list(range(10))
         for _ in range(3):  # buffers and connections are reused across pulls
@@ -142,7 +150,8 @@ class PinnedSource(Source):
 def test_pinned_sums_are_sent_and_every_byte_is_checked(staged: bool) -> None:
     """The sender trusts the sums taken at pin time; the receiver still sums every byte it
     gets: a wrong precomputed sum, or a pinned block changed after it, fails the pull."""
-    k, v = cache()
+    dev = staged_device(staged)
+    k, v = cache(device=dev)
     src = PinnedSource(k, v)
     srv = TcpBackend("t", staged=staged)
     port = srv.serve(src, "127.0.0.1", 0)
@@ -150,7 +159,7 @@ def test_pinned_sums_are_sent_and_every_byte_is_checked(staged: bool) -> None:
     spec = PullSpec("127.0.0.1", port, "r", list(range(10)), [b""] * 10, release=False)
     dst = [29, 3, 4, 5, 6, 0, 1, 2, 10, 11]
     try:
-        dk, dv = torch.zeros(3, 30, 4, 2, 8), torch.zeros(3, 30, 4, 2, 8)
+        dk, dv = (torch.zeros(3, 30, 4, 2, 8, device=dev) for _ in "kv")
         cli.pull_into(spec, dk, dv, dst)
         assert src.asked == 1
         assert torch.equal(gather_blocks(dk, dv, dst), gather_blocks(k, v, [i * 2 for i in range(10)]))
