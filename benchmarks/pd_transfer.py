@@ -32,6 +32,7 @@ each side (receiver: this process; sender: the child), which depends less on how
 the machine is. Target: ratio >= 0.7. Writes JSON and prints a table.
 
     .venv/bin/python benchmarks/pd_transfer.py --out benchmarks/results/pd_transfer.json
+    python3 benchmarks/pd_transfer.py --device cuda   # the staged path on a GPU (scripts/gpu_checks.sh)
 """
 
 from __future__ import annotations
@@ -97,18 +98,22 @@ def make_cache(shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def sender(conn, shape: tuple[int, ...], max_bytes: int) -> None:
-    """The child process: raw server + KV transfer servers; answers CPU-time queries."""
+def sender(conn, shape: tuple[int, ...], max_bytes: int, device: str) -> None:
+    """The child process: raw server + KV transfer servers; answers CPU-time queries.
+
+    The staged server sends from a copy of the cache on ``device`` (the path a GPU
+    engine's pins take); the zero-copy servers send from host memory."""
     torch.set_num_threads(1)
     k, v = make_cache(shape)
     t0 = time.perf_counter()
     pinned = Source(k, v, presum=True)
     pin_sum_s = time.perf_counter() - t0
+    staged = pinned if device == "cpu" else Source(k.to(device), v.to(device), presum=True)
     lst = socket.create_server(("127.0.0.1", 0))
     threading.Thread(target=raw_server, args=(lst, max_bytes), daemon=True).start()
     ports: dict = {"raw": lst.getsockname()[1], "pin_sum_s": pin_sum_s}
     servers = {"zero-copy": (TcpBackend("tok", staged=False), pinned),
-               "staged": (TcpBackend("tok", staged=True), pinned),
+               "staged": (TcpBackend("tok", staged=True), staged),
                "zero-copy live": (TcpBackend("tok", staged=False), Source(k, v, presum=False))}
     for name, (be, src) in servers.items():
         ports[name] = be.serve(src, "127.0.0.1", 0)
@@ -153,10 +158,11 @@ class KvPair:
     """The decode side: a client backend pulling into its own (reused) cache."""
 
     def __init__(self, port: int, shape: tuple[int, ...], staged: bool, chunk: int, layout: str,
-                 checksum: bool = True) -> None:
+                 checksum: bool = True, device: str = "cpu") -> None:
         self.port, self.layout = port, layout
         self.cli = TcpBackend("tok", staged=staged, chunk_blocks=chunk, checksum=checksum)
-        self.dk, self.dv = torch.zeros(shape), torch.zeros(shape)  # the decode side's cache
+        # the decode side's cache
+        self.dk, self.dv = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
 
     def round(self, blocks: int, nbytes: int) -> int:
         ids = list(range(blocks))
@@ -182,6 +188,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0, help="order of the variants in each round")
+    ap.add_argument("--device", default="cpu",
+                    help="where the staged variants' caches live (cuda: the GPU path, both sides)")
     ap.add_argument("--out", default="benchmarks/results/pd_transfer.json")
     a = ap.parse_args()
     sizes = [int(x) for x in a.blocks.split(",")]
@@ -194,14 +202,15 @@ def main() -> None:
     load_start = os.getloadavg()
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=sender, args=(child, shape, max_bytes), daemon=True)
+    proc = ctx.Process(target=sender, args=(child, shape, max_bytes, a.device), daemon=True)
     proc.start()
     ports = parent.recv()
     pairs: dict = {"raw": RawPair(ports["raw"], max_bytes)}
     for name in ("zero-copy", "staged"):
         for layout in ("contiguous", "fragmented"):
-            pairs[f"{name} {layout}"] = KvPair(ports[name], shape, name == "staged",
-                                               a.chunk_blocks, layout)
+            staged = name == "staged"
+            pairs[f"{name} {layout}"] = KvPair(ports[name], shape, staged, a.chunk_blocks, layout,
+                                               device=a.device if staged else "cpu")
     pairs["zero-copy contiguous, sums at pull"] = KvPair(ports["zero-copy live"], shape, False,
                                                          a.chunk_blocks, "contiguous")
     pairs["zero-copy contiguous, no checksum"] = KvPair(ports["zero-copy"], shape, False,
@@ -285,7 +294,7 @@ def main() -> None:
           f"({max_bytes / 2**20:.0f} MiB cold)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
-        "shape": list(shape), "block_bytes": block_bytes, "chunk_blocks": a.chunk_blocks,
+        "shape": list(shape), "device": a.device, "block_bytes": block_bytes, "chunk_blocks": a.chunk_blocks,
         "rounds": a.rounds, "warmup": a.warmup, "statistic": "median", "target_ratio": 0.7,
         "cpu_count": os.cpu_count(), "loadavg_start": [round(x, 2) for x in load_start],
         "loadavg_end": [round(x, 2) for x in os.getloadavg()], "pin_sum_gbps": round(pin_gbps, 3),

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# The GPU checks of ENGINE-1, KVTIER-1 and PD-1, as one script for a machine with an NVIDIA GPU
+# and a Python that already has torch with CUDA (the project's tests never need one).
+#
+#   OUT=/tmp/gpu-out scripts/gpu_checks.sh            # from the repository root
+#
+# Packages torch's image lacks can come as wheels in .whl/ (installed into /tmp/site first).
+# Each step has its own time limit and the whole run a budget (GPU_CHECKS_BUDGET_S, default
+# 420 s): a step that would start past the budget is skipped, so what ran always comes back.
+# Writes to $OUT: gpu_checks.log (everything), the benchmarks' JSON, pytest's junit XML.
+set -u
+OUT=${OUT:-bench-out/gpu}
+BUDGET=${GPU_CHECKS_BUDGET_S:-420}
+PY=${PYTHON:-python3}
+DEV=${GPU_CHECKS_DEVICE:-cuda}  # cpu: a dry run of the script itself on a machine without a GPU
+mkdir -p "$OUT"
+LOG="$OUT/gpu_checks.log"
+T0=$(date +%s)
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+if [[ -z ${GPU_CHECKS_NO_WHEELS:-} ]] && compgen -G ".whl/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl >>"$LOG" 2>&1 || { echo "wheel install failed" | tee -a "$LOG"; exit 1; }
+  export PYTHONPATH=/tmp/site:${PWD}/src
+else
+  export PYTHONPATH=${PWD}/src${PYTHONPATH:+:$PYTHONPATH}
+fi
+
+step() {  # step NAME LIMIT_S CMD...: run one check, log its exit status and seconds
+  local name=$1 limit=$2; shift 2
+  local now=$(( $(date +%s) - T0 ))
+  if (( now + 10 > BUDGET )); then
+    echo "=== $name: SKIPPED (budget: ${now}s of ${BUDGET}s used)" | tee -a "$LOG"
+    return
+  fi
+  (( limit > BUDGET - now )) && limit=$(( BUDGET - now ))
+  echo "=== $name (limit ${limit}s, at ${now}s)" | tee -a "$LOG"
+  local s=$(date +%s)
+  timeout -k 5 "$limit" "$@" >>"$LOG" 2>&1
+  local rc=$?
+  echo "=== $name: rc=$rc in $(( $(date +%s) - s ))s" | tee -a "$LOG"
+}
+
+step env 30 bash -c "nvidia-smi -L; $PY -c 'import sys, torch; print(sys.version.split()[0], torch.__version__, torch.cuda.is_available())' && $PY -c 'import openai, msgspec, zmq, llguidance, cbor2, agentserve.cli'"
+
+# Correctness on CUDA: the engine core against the dense reference, the OpenAI server
+# (sampling, seeds, penalties, tools, bad input), CPU/disk tiers (pinned host memory,
+# side-stream copies, restore == recompute), P/D between two CUDA engines, and the staged
+# transfer path with CUDA caches on both ends.
+step pytest-cuda 180 env AGENTSERVE_TEST_DEVICE=$DEV "$PY" -m pytest -q -p no:cacheprovider \
+  --junitxml="$OUT/pytest_cuda.xml" -o addopts="" \
+  tests/engine/test_engine.py tests/engine/test_server.py tests/engine/test_sampling.py \
+  tests/engine/test_tools.py tests/engine/test_bad_input.py tests/engine/test_tiered.py \
+  tests/pd/test_pd_engine.py tests/pd/test_transfer_wire.py
+
+# ENGINE-1: prefill and decode tok/s on CUDA, small preset in bf16 (and tiny in fp32).
+step engine-speed-small-bf16 90 "$PY" benchmarks/engine_speed.py --preset small --device $DEV \
+  --dtype bfloat16 --batches 1,8,32,128 --out "$OUT/engine_speed_small_cuda_bf16.json"
+step engine-speed-tiny-fp32 60 "$PY" benchmarks/engine_speed.py --preset tiny --device $DEV \
+  --dtype float32 --batches 1,8,32,128 --out "$OUT/engine_speed_tiny_cuda_fp32.json"
+
+# KVTIER-1: restore vs recompute of a 16K prefix, cold start on a warm disk tier, store
+# overhead, with the CPU tier in pinned memory.
+step kvtier-micro-small-bf16 100 "$PY" benchmarks/kvtier_micro.py --preset small --device $DEV \
+  --dtype bfloat16 --prefix 16384 --out "$OUT/kvtier_micro_small_cuda_bf16.json"
+step kvtier-micro-tiny-fp32 80 "$PY" benchmarks/kvtier_micro.py --preset tiny --device $DEV \
+  --dtype float32 --prefix 16384 --out "$OUT/kvtier_micro_tiny_cuda_fp32.json"
+step kvtier-micro-tiny-fp32-256 60 "$PY" benchmarks/kvtier_micro.py --preset tiny --device $DEV \
+  --dtype float32 --prefix 16384 --offload-block-tokens 256 --only restore \
+  --out "$OUT/kvtier_micro_tiny_cuda_fp32_256.json"
+
+# PD-1: the staged (device) transfer path with CUDA caches on both ends, over loopback.
+step pd-transfer-cuda 80 "$PY" benchmarks/pd_transfer.py --device $DEV --rounds 5 \
+  --out "$OUT/pd_transfer_cuda.json"
+
+# A profile of one restore, where a session brought one (bench-out/ is ignored by git).
+if [[ -f bench-out/prof_restore.py ]]; then
+  step restore-profile 60 "$PY" bench-out/prof_restore.py $DEV float32
+fi
+
+echo "=== done in $(( $(date +%s) - T0 ))s" | tee -a "$LOG"
+grep -E "passed|failed|error" "$LOG" | tail -3
