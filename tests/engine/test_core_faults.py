@@ -96,3 +96,66 @@ def test_a_request_queued_as_the_core_stops_does_not_wait_forever(server: Server
     core.dead = dead
     t.join(10)
     assert not t.is_alive() and result["r"][0] == 503
+
+
+class _BrokenGrammar:
+    """A constraint that breaks at its ``after``-th token, in ``apply`` or in ``accept``."""
+
+    def __init__(self, after: int, where: str) -> None:
+        self.after, self.where, self.n = after, where, 0
+
+    def apply(self, logits) -> None:
+        if self.where == "apply" and self.n >= self.after:
+            raise RuntimeError("grammar broke in apply")
+
+    def accept(self, token_id: int) -> None:
+        self.n += 1
+        if self.where == "accept" and self.n > self.after:
+            raise RuntimeError("grammar broke in accept")
+
+    def done(self) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("where", ["apply", "accept", "draw"])
+def test_a_request_whose_sampling_fails_ends_alone(where: str) -> None:
+    """A broken grammar or a row that is no distribution fails its own request; the other
+    requests of the same steps go on unchanged, and no block leaks."""
+    import asyncio
+
+    from agentserve.engine.engine import AsyncEngine
+    from agentserve.engine.request import SamplingParams
+
+    greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    if where == "draw":  # a NaN logit: the row's probabilities are not a distribution
+        bad = SamplingParams(max_tokens=24, temperature=1.0, ignore_eos=True,
+                             logit_bias={7: float("nan")})
+    else:
+        bad = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True,
+                             constraint=_BrokenGrammar(3, where))
+
+    async def collect(eng, rid, prompt, params):
+        toks, last = [], None
+        async for out in eng.generate(rid, prompt, params):
+            toks += out.new_token_ids
+            last = out
+        return toks, last
+
+    async def go():
+        eng = AsyncEngine.from_args(**{**KW, "max_num_batched_tokens": 512})
+        await eng.start()
+        try:
+            alone, _ = await collect(eng, "alone", list(range(40, 80)), greedy)
+            (ok, ok_last), (toks, bad_last) = await asyncio.gather(
+                collect(eng, "ok", list(range(40, 80)), greedy),
+                collect(eng, "bad", list(range(100, 130)), bad))
+            return alone, ok, ok_last, toks, bad_last, eng
+        finally:
+            await eng.shutdown(5)
+
+    alone, ok, ok_last, toks, bad_last, eng = asyncio.run(go())
+    assert ok == alone and len(ok) == 24 and ok_last.error is None
+    assert bad_last.finished and bad_last.error and "failed" in bad_last.error
+    assert len(toks) <= 3  # what it had before the break
+    assert eng.core.kv.pool.num_used_blocks == 0 and not eng.core.seqs
+    eng.core.kv.pool.check_invariants()

@@ -147,12 +147,14 @@ class EngineCore:
         return self._output(seq, [], "abort")
 
     def _fail_running(self, message: str) -> list[RequestOutput]:
-        outs = []
-        for seq in list(self.scheduler.running):
-            self.seqs.pop(seq.request_id, None)
-            self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
-            outs.append(self._output(seq, [], "error", error=message))
-        return outs
+        """A step failed as a whole (the forward pass): every request in it ends with an error."""
+        return [self._fail_one(seq, message) for seq in list(self.scheduler.running)]
+
+    def _fail_one(self, seq: Sequence, message: str) -> RequestOutput:
+        """End one request with an error output; its blocks go back to the pool."""
+        self.seqs.pop(seq.request_id, None)
+        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        return self._output(seq, [], "error", error=message)
 
     # ---- one step -----------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -182,12 +184,20 @@ class EngineCore:
             if not done_prompt:
                 continue
             token = next(it)
+            if isinstance(token, Exception):  # this request's own sampling failed: it alone ends
+                outputs.append(self._fail_one(seq, f"sampling failed: {token!r}"))
+                continue
             if seq.num_output_tokens == 0:  # first token: the prompt is prefilled
                 self.prompt_tokens += seq.num_prompt_tokens
             seq.token_ids.append(token)
             self.generation_tokens += 1
             if seq.params.constraint is not None:
-                seq.params.constraint.accept(token)
+                try:
+                    seq.params.constraint.accept(token)
+                except Exception as exc:  # noqa: BLE001 - its grammar broke: it alone ends
+                    seq.token_ids.pop()
+                    outputs.append(self._fail_one(seq, f"constraint failed: {exc!r}"))
+                    continue
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.seqs.pop(seq.request_id, None)

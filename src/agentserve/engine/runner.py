@@ -30,8 +30,9 @@ class ModelRunner:
         self.device = device
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> list[int]:
-        """Compute the step; return one sampled token per entry that completes its prompt."""
+    def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> list[int | Exception]:
+        """Compute the step; return one sampled token per entry that completes its prompt
+        (or the exception that failed that entry's sampling alone: see ``sample``)."""
         chunks: list[SeqChunk] = []
         need = []
         for s in out.scheduled:

@@ -76,20 +76,35 @@ def process_row(row: torch.Tensor, seq: Sequence) -> None:
         apply_penalties(row, p, seq.prompt_token_ids, seq.token_ids[seq.num_prompt_tokens:])
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
-    """Pick one token per row. Greedy rows are batched; sampled rows use their own generator."""
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
+    """Pick one token per row. Greedy rows are batched; sampled rows use their own generator.
+
+    What a request asked for is its own: a row whose processing or draw fails (a grammar,
+    a generator, probabilities that are not a distribution) gets the exception in place of
+    a token, so that request fails alone and the rest of the batch goes on.
+    """
+    failed: dict[int, Exception] = {}
     for i, seq in enumerate(seqs):
         if seq.params.edits_logits:
-            process_row(logits[i], seq)
+            try:
+                process_row(logits[i], seq)
+            except Exception as exc:  # noqa: BLE001 - fails this request only (see above)
+                failed[i] = exc
+                logits[i] = 0.0  # keeps a broken row out of the batched argmax
     greedy = logits.argmax(dim=-1).tolist()
-    out: list[int] = []
+    out: list[int | Exception] = []
     for i, seq in enumerate(seqs):
         p = seq.params
-        if p.greedy:
+        if i in failed:
+            out.append(failed[i])
+        elif p.greedy:
             out.append(greedy[i])
-            continue
-        probs = logits_to_probs(logits[i].float(), p.temperature, p.top_k, p.top_p, p.min_p)
-        out.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
+        else:
+            try:
+                probs = logits_to_probs(logits[i].float(), p.temperature, p.top_k, p.top_p, p.min_p)
+                out.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                out.append(exc)
     return out
 
 
