@@ -71,6 +71,35 @@ def test_continuous_usage_stats_in_every_chunk(client: openai.OpenAI, served: Se
     assert counts == sorted(counts) and counts[-1] == 6 and counts[0] < 6
 
 
+def test_x_request_id_names_the_request(client: openai.OpenAI, served: ServerThread) -> None:
+    """As in vLLM: the response id is {prefix}-{X-Request-Id} and the header comes back;
+    two requests sent with the same header both run; without one the id is echoed."""
+    import concurrent.futures
+
+    def complete(rid: str | None, **kw):
+        headers = {"X-Request-Id": rid} if rid else {}
+        return client.completions.with_raw_response.create(
+            model=served.engine.model_name, prompt="hello", max_tokens=3, extra_headers=headers, **kw)
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        raws = list(pool.map(lambda _: complete("trace-42"), range(2)))
+    for raw in raws:
+        assert raw.headers["X-Request-Id"] == "trace-42"
+        assert raw.parse().id == "cmpl-trace-42" and raw.parse().usage.completion_tokens == 3
+    stream = complete("trace-43", stream=True)
+    assert stream.headers["X-Request-Id"] == "trace-43"
+    assert [c.id for c in stream.parse()][0] == "cmpl-trace-43"
+    chat = client.chat.completions.with_raw_response.create(
+        model=served.engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_headers={"X-Request-Id": "trace-44"})
+    assert chat.parse().id == "chatcmpl-trace-44" and chat.headers["X-Request-Id"] == "trace-44"
+    plain = complete(None)
+    assert plain.headers["X-Request-Id"] == plain.parse().id
+    with pytest.raises(openai.BadRequestError, match="X-Request-Id"):
+        complete("x" * 300)
+    wait_idle(served)
+
+
 def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI, served: ServerThread) -> None:
     prompt = " ".join(f"word{i}" for i in range(120))
     kw = dict(model=served.engine.model_name, prompt=prompt, max_tokens=1, temperature=0)

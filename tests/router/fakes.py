@@ -15,6 +15,7 @@ class FakeEngine:
     def __init__(self, name: str, model: str = "tiny") -> None:
         self.name, self.model = name, model
         self.calls: list[dict] = []
+        self.request_ids: list[str | None] = []  # X-Request-Id of each generate call
         self.status = 200  # HTTP status for generate calls
         self.delay_s = 0.0  # before the first byte
         self.chunk_gap_s = 0.0
@@ -53,6 +54,7 @@ class FakeEngine:
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.calls.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id"))
         try:
             await asyncio.sleep(self.delay_s)
         except asyncio.CancelledError:

@@ -62,6 +62,21 @@ async def test_non_streaming_pass_through_and_metrics(stack):
     assert "agentserve_router_prediction_checked_total 1.0" in text
 
 
+async def test_request_id_reaches_the_engine_and_comes_back(stack):
+    """The client's X-Request-Id, or one the router makes up, goes to the engine and back."""
+    engines, urls, make = stack
+    gw, s = await make()
+    async with s.post("/v1/completions", json=prompt(), headers={"X-Request-Id": "trace-7"}) as r:
+        assert r.status == 200 and r.headers["X-Request-Id"] == "trace-7"
+    async with s.post("/v1/completions", json=prompt(stream=True)) as r:
+        made = r.headers["X-Request-Id"]
+        await r.read()
+    seen = [rid for e in engines for rid in e.request_ids]
+    assert sorted(seen) == sorted(["trace-7", made]) and made != "trace-7"
+    async with s.post("/v1/completions", json={"model": "tiny", "prompt": 5}) as r:
+        assert r.status == 400 and r.headers["X-Request-Id"]  # the router's own errors too
+
+
 async def test_streaming_chunk_by_chunk(stack):
     engines, urls, make = stack
     for e in engines:

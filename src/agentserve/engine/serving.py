@@ -50,6 +50,34 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID_MAX = 256  # characters; a longer header is refused rather than cut
+REQUEST_ID_KEY = web.RequestKey("request_id", str)  # what the response's X-Request-Id echoes
+
+
+def request_ids(request: web.Request, prefix: str) -> tuple[str, str]:
+    """(the response's ``id``, the engine's request id) for one HTTP request.
+
+    As in vLLM, a client's ``X-Request-Id`` names the request: the response's id is
+    ``{prefix}-{X-Request-Id}``, the engine logs and aborts it under that name, and the
+    header comes back on the response (the router forwards it, or makes one up). The
+    engine's id has a random suffix, so two requests sent with the same header never
+    collide in the engine. Without the header both are a fresh random id.
+    """
+    given = request.headers.get(REQUEST_ID_HEADER, "")
+    if len(given) > REQUEST_ID_MAX:
+        raise APIError(400, f"{REQUEST_ID_HEADER} is longer than {REQUEST_ID_MAX} characters")
+    if not given:
+        cid = new_id(prefix)
+        request[REQUEST_ID_KEY] = cid
+        return cid, cid
+    request[REQUEST_ID_KEY] = given
+    cid = f"{prefix}-{given}"
+    return cid, f"{cid}-{uuid.uuid4().hex[:8]}"
+
+
+
+
 def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> SamplingParams:
     """Request fields -> engine SamplingParams (ranges already checked by `check_sampling`;
     here what needs the tokenizer or the resolved max_tokens)."""
@@ -333,10 +361,10 @@ def completion_prompts(prompt: str | list[Any], tok: Tokenizer) -> list[list[int
 async def create_completion(request: web.Request, engine: EngineClient,
                             metrics: ServerMetrics, body: bytes) -> web.StreamResponse:
     arrival = time.monotonic()
+    cid, eid = request_ids(request, "cmpl")
     req = decode(body, CompletionRequest)
     check_completion(req)
     prompts = completion_prompts(req.prompt, engine.tokenizer)
-    cid = new_id("cmpl")
     if req.kv_transfer_params and len(prompts) > 1:
         raise APIError(400, "kv_transfer_params needs a single prompt", "kv_transfer_params")
     grammar = await asyncio.to_thread(response_format_grammar, req, engine.tokenizer)
@@ -347,7 +375,7 @@ async def create_completion(request: web.Request, engine: EngineClient,
         params = sampling_params(req, max_tokens, engine.tokenizer)
         if grammar is not None:  # one matcher per prompt: it follows that prompt's output
             params.constraint = GrammarConstraint(engine.tokenizer, grammar)
-        gens.append(Generation(engine, metrics, f"{cid}-{i}", ids, params,
+        gens.append(Generation(engine, metrics, f"{eid}-{i}", ids, params,
                                stop_list(req.stop), client_alive(request), arrival,
                                session_of(request, req.user), req.kv_transfer_params))
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),

@@ -23,7 +23,7 @@ from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToo
                                         StreamOptions, check_chat, check_prompt_ids, decode,
                                         stop_list)
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
-                                       new_id, pd_max_tokens, release_unread_pins,
+                                       pd_max_tokens, request_ids, release_unread_pins,
                                        resolve_max_tokens, response_format_grammar,
                                        sampling_params, session_of, stream_sse, usage_mode,
                                        with_transfer)
@@ -64,6 +64,7 @@ def tool_constraint(tok: Tokenizer, tools: list[dict[str, Any]],
 async def create_chat(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
                       body: bytes) -> web.StreamResponse:
     arrival = time.monotonic()
+    cid, eid = request_ids(request, "chatcmpl")
     req = decode(body, ChatRequest)
     check_chat(req)
     tok = engine.tokenizer
@@ -89,8 +90,7 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
         grammar = await asyncio.to_thread(response_format_grammar, req, tok)
         if grammar is not None:
             params.constraint = GrammarConstraint(tok, grammar)
-    cid = new_id("chatcmpl")
-    gen = Generation(engine, metrics, cid, ids, params, stop_list(req.stop), client_alive(request),
+    gen = Generation(engine, metrics, eid, ids, params, stop_list(req.stop), client_alive(request),
                      arrival, session_of(request, req.user), req.kv_transfer_params)
     base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
             "model": engine.model_name}

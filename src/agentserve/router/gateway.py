@@ -31,7 +31,7 @@ from agentserve.router.core import NoEndpoint, RouteInput, Router
 from agentserve.router.endpoints import cancel, poll_loop
 from agentserve.router.events import EventApplier, subscribe
 from agentserve.router.metrics import RouterMetrics
-from agentserve.router.proxy import Upstream, forward
+from agentserve.router.proxy import Upstream, echo_request_id, forward
 from agentserve.router.rawprompt import RawPromptCache
 from agentserve.router.requests import BadRequest, parse_request
 
@@ -95,6 +95,7 @@ class Gateway:
         app.router.add_post("/admin/endpoints", self.handle_add)
         app.router.add_delete("/admin/endpoints", self.handle_remove)
         app.router.add_post("/admin/reload", self.handle_reload)
+        app.on_response_prepare.append(echo_request_id)
         app.on_startup.append(self._start)
         app.on_cleanup.append(self._stop)
         return app

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Any
 
@@ -39,8 +40,31 @@ class Upstream(Exception):
         self.headers = headers or {}
 
 
+REQUEST_ID_HEADER = "X-Request-Id"
+_REQUEST_ID_KEY = web.RequestKey("request_id", str)
+
+
+def request_id(request: web.Request) -> str:
+    """The client's X-Request-Id, or one made up once for this request: every engine leg
+    gets it (so their logs and response ids name the same request) and so does the client."""
+    rid = request.get(_REQUEST_ID_KEY)
+    if rid is None:
+        rid = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        request[_REQUEST_ID_KEY] = rid
+    return rid
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    """``on_response_prepare``: the request id on every /v1/ answer, errors included."""
+    if request.path.startswith("/v1/") and request.method == "POST":
+        response.headers[REQUEST_ID_HEADER] = request_id(request)
+
+
 def forward_headers(request: web.Request) -> dict[str, str]:
-    return {k: v for k, v in request.headers.items() if k.lower() not in _HOP}
+    headers = {k: v for k, v in request.headers.items()
+               if k.lower() not in _HOP and k.lower() != "x-request-id"}
+    headers[REQUEST_ID_HEADER] = request_id(request)
+    return headers
 
 
 def cached_tokens_of(usage: Any) -> int | None:
