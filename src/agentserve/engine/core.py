@@ -187,17 +187,16 @@ class EngineCore:
             if isinstance(token, Exception):  # this request's own sampling failed: it alone ends
                 outputs.append(self._fail_one(seq, f"sampling failed: {token!r}"))
                 continue
-            if seq.num_output_tokens == 0:  # first token: the prompt is prefilled
-                self.prompt_tokens += seq.num_prompt_tokens
-            seq.token_ids.append(token)
-            self.generation_tokens += 1
             if seq.params.constraint is not None:
                 try:
                     seq.params.constraint.accept(token)
                 except Exception as exc:  # noqa: BLE001 - its grammar broke: it alone ends
-                    seq.token_ids.pop()
                     outputs.append(self._fail_one(seq, f"constraint failed: {exc!r}"))
                     continue
+            if seq.num_output_tokens == 0:  # first token: the prompt is prefilled
+                self.prompt_tokens += seq.num_prompt_tokens
+            seq.token_ids.append(token)
+            self.generation_tokens += 1
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.seqs.pop(seq.request_id, None)

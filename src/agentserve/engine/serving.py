@@ -76,8 +76,6 @@ def request_ids(request: web.Request, prefix: str) -> tuple[str, str]:
     return cid, f"{cid}-{uuid.uuid4().hex[:8]}"
 
 
-
-
 def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> SamplingParams:
     """Request fields -> engine SamplingParams (ranges already checked by `check_sampling`;
     here what needs the tokenizer or the resolved max_tokens)."""
