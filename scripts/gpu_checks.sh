@@ -4,7 +4,12 @@
 #
 #   OUT=/tmp/gpu-out scripts/gpu_checks.sh            # from the repository root
 #
-# Packages torch's image lacks can come as wheels in .whl/ (installed into /tmp/site first).
+# Packages torch's image lacks can come as wheels in .whl/ (installed into /tmp/site first;
+# keep .whl/ out of git). On the lent H200 image (Python 3.12, torch 2.11) these were missing:
+# msgspec pyzmq cbor2 llguidance openai httpx2 httpcore2 truststore jiter pydantic
+# pydantic_core annotated-types typing-inspection sniffio anyio h11 idna pytest-asyncio
+# pytest-timeout, at the versions pyproject.toml and .venv pin
+# (`pip download --no-deps --only-binary=:all: --python-version 3.12 ... -d .whl NAME==VER`).
 # Each step has its own time limit and the whole run a budget (GPU_CHECKS_BUDGET_S, default
 # 420 s): a step that would start past the budget is skipped, so what ran always comes back.
 # Writes to $OUT: gpu_checks.log (everything), the benchmarks' JSON, pytest's junit XML.
