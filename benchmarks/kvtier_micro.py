@@ -52,9 +52,10 @@ async def with_engine(fn, **kw):
 def restore_vs_recompute(model: str | None, n: int, **dev) -> dict:
     """P, then Q (evicts P from the device), then P again: restore vs recompute.
 
-    Twice per engine: the first resume pays one-time costs (the copy threads' first CUDA
-    work, staging buffers), the second is the steady state, and in ``auto`` mode it is
-    decided on what the first one measured. Both are reported; ``speedup`` uses the second.
+    Twice per engine: the first resume pays one-time costs (on an H200 about 0.1 s more,
+    not yet attributed; BENCHMARKS.md), the second is the steady state, and in ``auto``
+    mode it is decided on what the first one measured. Both are reported; ``speedup``
+    uses the second.
     """
     kw = dict(model=model, kv_cache_tokens=n + n // 8, max_num_batched_tokens=4096,
               kv_cpu_gib=4.0 * n / 16384, **dev)
