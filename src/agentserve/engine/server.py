@@ -21,8 +21,8 @@ from aiohttp import web
 
 from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import APIError
-from agentserve.engine.serving import (REQUEST_ID_HEADER, REQUEST_ID_KEY, EngineClient,
-                                      create_completion, json_response)
+from agentserve.engine.request_id import echo_request_id
+from agentserve.engine.serving import EngineClient, create_completion, json_response
 from agentserve.engine.serving_chat import create_chat
 
 log = logging.getLogger("agentserve.server")
@@ -139,13 +139,6 @@ async def kv_transfer_release(request: web.Request) -> web.Response:
     return json_response({"released": rid})
 
 
-async def _echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
-    """The request's X-Request-Id (the client's, or the id it was given) on its response."""
-    rid = request.get(REQUEST_ID_KEY)
-    if rid is not None:
-        response.headers[REQUEST_ID_HEADER] = rid
-
-
 def build_app(engine: EngineClient, api_key: str | None = None,
               max_body_bytes: int = 32 << 20) -> web.Application:
     """The aiohttp app for one engine; the caller runs it (and starts the engine)."""
@@ -156,7 +149,7 @@ def build_app(engine: EngineClient, api_key: str | None = None,
     app[API_KEY] = api_key
     app[CREATED] = int(time.time())
     app[MAX_BODY] = max_body_bytes
-    app.on_response_prepare.append(_echo_request_id)
+    app.on_response_prepare.append(echo_request_id)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
@@ -27,6 +26,7 @@ from agentserve.engine.protocol import (APIError, CompletionRequest, StreamOptio
                                         check_completion, check_length, check_prompt_ids, decode,
                                         stop_list)
 from agentserve.engine.request import RequestOutput, SamplingParams
+from agentserve.engine.request_id import request_ids
 from agentserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -44,36 +44,6 @@ class EngineClient(Protocol):
                  ) -> AsyncIterator[RequestOutput]: ...
 
     def stats(self) -> Any: ...
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-REQUEST_ID_HEADER = "X-Request-Id"
-REQUEST_ID_MAX = 256  # characters; a longer header is refused rather than cut
-REQUEST_ID_KEY = web.RequestKey("request_id", str)  # what the response's X-Request-Id echoes
-
-
-def request_ids(request: web.Request, prefix: str) -> tuple[str, str]:
-    """(the response's ``id``, the engine's request id) for one HTTP request.
-
-    As in vLLM, a client's ``X-Request-Id`` names the request: the response's id is
-    ``{prefix}-{X-Request-Id}``, the engine logs and aborts it under that name, and the
-    header comes back on the response (the router forwards it, or makes one up). The
-    engine's id has a random suffix, so two requests sent with the same header never
-    collide in the engine. Without the header both are a fresh random id.
-    """
-    given = request.headers.get(REQUEST_ID_HEADER, "")
-    if len(given) > REQUEST_ID_MAX:
-        raise APIError(400, f"{REQUEST_ID_HEADER} is longer than {REQUEST_ID_MAX} characters")
-    if not given:
-        cid = new_id(prefix)
-        request[REQUEST_ID_KEY] = cid
-        return cid, cid
-    request[REQUEST_ID_KEY] = given
-    cid = f"{prefix}-{given}"
-    return cid, f"{cid}-{uuid.uuid4().hex[:8]}"
 
 
 def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> SamplingParams:

@@ -22,8 +22,9 @@ from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice,
                                         StreamOptions, check_chat, check_prompt_ids, decode,
                                         stop_list)
+from agentserve.engine.request_id import request_ids
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
-                                       pd_max_tokens, request_ids, release_unread_pins,
+                                       pd_max_tokens, release_unread_pins,
                                        resolve_max_tokens, response_format_grammar,
                                        sampling_params, session_of, stream_sse, usage_mode,
                                        with_transfer)
