@@ -56,6 +56,7 @@ step pytest-cuda 180 env AGENTSERVE_TEST_DEVICE=$DEV "$PY" -m pytest -q -p no:ca
   --junitxml="$OUT/pytest_cuda.xml" -o addopts="" \
   tests/engine/test_engine.py tests/engine/test_server.py tests/engine/test_sampling.py \
   tests/engine/test_tools.py tests/engine/test_bad_input.py tests/engine/test_tiered.py \
+  tests/engine/test_writeback.py \
   tests/pd/test_pd_engine.py tests/pd/test_transfer_wire.py
 
 # ENGINE-1: prefill and decode tok/s on CUDA, small preset in bf16 (and tiny in fp32).

@@ -39,6 +39,38 @@ def test_a_request_that_cannot_be_queued_fails_alone(server: ServerThread, monke
     assert not sched.waiting and not server.engine.core.seqs
 
 
+def test_a_request_that_cannot_be_scheduled_fails_alone(server: ServerThread,
+                                                        monkeypatch) -> None:
+    """Scheduling the queue head raises (a bug, a broken tier): that request ends with an
+    error at once, instead of failing the same way every step for ever, and the requests
+    behind it and beside it are served."""
+    sched = server.engine.core.scheduler
+    real = sched.kv.get_computed_blocks
+
+    def get_computed_blocks(seq):
+        if seq.prompt_token_ids[:2] == [13, 13]:
+            raise RuntimeError("boom")
+        return real(seq)
+
+    monkeypatch.setattr(sched.kv, "get_computed_blocks", get_computed_blocks)
+    results: dict[str, tuple] = {}
+    long = threading.Thread(target=lambda: results.update(r=post(
+        server, "/v1/completions", {"prompt": list(range(30, 90)), "max_tokens": 60,
+                                    "ignore_eos": True})))
+    long.start()
+    deadline = time.monotonic() + 20
+    while not sched.running and time.monotonic() < deadline:
+        time.sleep(0.01)
+    status, body = post(server, "/v1/completions", {"prompt": [13, 13, 14], "max_tokens": 2})
+    assert status == 500 and "could not schedule the request" in body["error"]["message"]
+    status, body = post(server, "/v1/completions", {"prompt": [20, 21, 22], "max_tokens": 2})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+    long.join(60)
+    assert results["r"][0] == 200 and results["r"][1]["usage"]["completion_tokens"] == 60
+    assert not sched.waiting and not server.engine.core.seqs
+    assert sched.kv.pool.num_used_blocks == 0
+
+
 class _Crash(BaseException):
     """Something no step handler catches (as a SystemExit raised deep inside a library)."""
 
@@ -59,7 +91,7 @@ def test_a_stopped_core_fails_in_flight_requests_and_health(server: ServerThread
         time.sleep(0.01)
     real_step = core.step
 
-    def step():
+    def step(failed):
         raise _Crash()
 
     monkeypatch.setattr(core, "step", step)
@@ -83,7 +115,7 @@ def test_a_request_queued_as_the_core_stops_does_not_wait_forever(server: Server
     from agentserve.engine import engine as engine_mod
 
     core = server.engine.core
-    monkeypatch.setattr(core, "step", lambda: (_ for _ in ()).throw(_Crash()))
+    monkeypatch.setattr(core, "step", lambda failed: (_ for _ in ()).throw(_Crash()))
     post(server, "/v1/completions", {"prompt": [40, 41], "max_tokens": 2})  # stops the core
     assert core.dead is not None
     monkeypatch.setattr(engine_mod, "_DEAD_CHECK_S", 0.2)

@@ -65,6 +65,7 @@ class EngineArgs:
     kv_disk_gib: float | None = None
     kv_offload_block_tokens: int | None = None
     kv_store_threshold: int = 1
+    kv_store_on: str = "fill"  # fill (write-through) | evict (write-back: a victim cache)
     kv_max_loads: int = 4
     kv_session_ttl: float = 600.0
     kv_restore_mode: str = "auto"
@@ -96,12 +97,15 @@ def _tier_config(args: EngineArgs) -> TierConfig | None:
         raise EngineConfigError(f"--kv-cpu-policy must be lru, arc or session, got {args.kv_cpu_policy!r}")
     if args.kv_restore_mode not in ("auto", "always", "never"):
         raise EngineConfigError(f"--kv-restore must be auto, always or never, got {args.kv_restore_mode!r}")
+    if args.kv_store_on not in ("fill", "evict"):
+        raise EngineConfigError(f"--kv-store-on must be fill or evict, got {args.kv_store_on!r}")
     if args.kv_store_threshold < 1 or args.kv_max_loads < 1:
         raise EngineConfigError("--kv-store-threshold and --kv-max-loads must be >= 1")
     return TierConfig(cpu_bytes=int(args.kv_cpu_gib * 2**30), disk_dir=args.kv_disk_dir,
                       disk_bytes=int((args.kv_disk_gib or 0) * 2**30),
                       block_tokens=args.kv_offload_block_tokens, cpu_policy=args.kv_cpu_policy,
-                      store_threshold=args.kv_store_threshold, max_loads=args.kv_max_loads,
+                      store_threshold=args.kv_store_threshold, store_on=args.kv_store_on,
+                      max_loads=args.kv_max_loads,
                       session_ttl=args.kv_session_ttl, restore_mode=args.kv_restore_mode)
 
 

@@ -42,6 +42,9 @@ def serve(
     kv_offload_block_tokens: Optional[int] = typer.Option(
         None, help="Offload unit in tokens (a multiple of --block-size; default: block size)."),
     kv_store_threshold: int = typer.Option(1, help="Offload a block once seen this many times."),
+    kv_store_on: str = typer.Option(
+        "fill", help="When blocks go to the CPU tier: fill (as they fill: write-through) | "
+        "evict (when the device evicts them: write-back, the tier adds to the device)."),
     kv_max_loads: int = typer.Option(4, help="Concurrent tier restores (backpressure beyond)."),
     kv_session_ttl: float = typer.Option(600.0, help="Session policy: idle seconds = finished."),
     kv_restore: str = typer.Option("auto", help="auto (restore when faster) | always | never."),
@@ -73,7 +76,8 @@ def serve(
                       kv_events_replay_endpoint=kv_events_replay_endpoint, seed=seed,
                       kv_cpu_gib=kv_cpu_gib, kv_cpu_policy=kv_cpu_policy, kv_disk_dir=kv_disk_dir,
                       kv_disk_gib=kv_disk_gib, kv_offload_block_tokens=kv_offload_block_tokens,
-                      kv_store_threshold=kv_store_threshold, kv_max_loads=kv_max_loads,
+                      kv_store_threshold=kv_store_threshold, kv_store_on=kv_store_on,
+                      kv_max_loads=kv_max_loads,
                       kv_session_ttl=kv_session_ttl, kv_restore_mode=kv_restore, role=role,
                       kv_transfer_port=kv_transfer_port,
                       kv_transfer_host=kv_transfer_host or (host if host not in ("0.0.0.0", "::")

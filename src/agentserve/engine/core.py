@@ -92,11 +92,13 @@ class EngineCore:
                 if self.remote is not None:
                     self.remote.service()  # pins pulled, released or expired
                 if self.scheduler.has_work():
+                    failed: list[RequestOutput] = []
                     try:
-                        outputs.extend(self.step())
+                        outputs.extend(self.step(failed))
                     except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
                         log.exception("engine step failed")
                         outputs.extend(self._fail_running(f"engine step failed: {exc!r}"))
+                    outputs.extend(failed)  # requests that could not be scheduled, even then
                 if outputs:
                     on_outputs(outputs)
         except BaseException as exc:  # the thread is ending: nobody may wait on it forever
@@ -157,8 +159,11 @@ class EngineCore:
         return self._output(seq, [], "error", error=message)
 
     # ---- one step -----------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, failed: list[RequestOutput]) -> list[RequestOutput]:
+        """Schedule and run one batch; returns its outputs. Requests that could not be
+        scheduled end with an error in ``failed`` (delivered even if the batch then fails)."""
         sched = self.scheduler.schedule()
+        failed.extend(self._fail_one(seq, msg) for seq, msg in sched.failed)
         if sched.empty:
             if self.tiers is not None:  # only restores/stores in flight: wait for one
                 self.scheduler._finish_loads(self.tiers.poll(0.01))

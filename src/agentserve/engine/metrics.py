@@ -64,7 +64,7 @@ TIER_SCALARS = [
     ("disk_corrupt_blocks", "agentserve:kv_disk_corrupt_blocks", True, "Corrupt/truncated disk blocks."),
     ("restore_preempted_blocks", "agentserve:kv_restore_preempted_blocks", True,
      "Restored blocks whose request was preempted before its first token."),
-    ("stores_skipped", "agentserve:kv_stores_skipped", True, "Blocks not offloaded (tier pinned full)."),
+    ("stores_skipped", "agentserve:kv_stores_skipped", True, "Blocks not offloaded (tier pinned full, a failed copy; write-back: part of the group already evicted)."),
     ("disk_disabled", "agentserve:kv_disk_tier_disabled", False, "1 once the disk tier disabled itself."),
     ("last_restore_estimate_s", "agentserve:kv_restore_estimate_seconds", False,
      "Estimated restore time of the last decision."),

@@ -20,6 +20,7 @@ the ``kv-pull`` thread copies the blocks it lacks; a failed pull recomputes.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -28,6 +29,8 @@ from agentserve.engine.sequence import Sequence
 from agentserve.engine.transfer import PullDone, RemoteKV
 from agentserve.kv.connector import TierConnector
 from agentserve.kv.manager import KVCacheManager
+
+log = logging.getLogger("agentserve.engine")
 
 
 @dataclass(slots=True)
@@ -45,6 +48,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # waiting requests that failed to schedule (a bug or a broken tier): they end alone
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
     num_tokens: int = 0
 
     @property
@@ -131,38 +136,56 @@ class Scheduler:
         while (self.waiting and budget > 0
                and len(self.running) + len(self.loading) + len(self.pulling) < self.max_num_seqs):
             seq = self.waiting[0]
-            fresh = seq.num_cached_tokens < 0
-            computed = self.kv.get_computed_blocks(seq)
-            num_cached = len(computed) * self.kv.block_size
-            if seq.kv_transfer is not None and self.remote is not None and not seq.kv_pull_failed:
-                started = self._try_pull(seq, computed)
-                if started is None:
-                    break
-                if started:
-                    continue
-            if self.tiers is not None and not seq.kv_restore_failed:
-                started = self._try_restore(seq, computed)
-                if started is None:
-                    break  # backpressure or no room: the head waits
-                if started:
-                    continue
-            n = min(seq.num_tokens - num_cached, budget, self.chunk_cap)
-            if not self.kv.allocate_slots(seq, n, computed):
-                break  # FCFS: the head waits for memory; nobody overtakes it
-            self.waiting.popleft()
-            if self.tiers is not None:
-                self.tiers.audit.trace_admit(seq, len(computed), 0)
-            seq.num_computed_tokens = num_cached
-            if fresh:  # count a prompt once, as the client sees it in usage.cached_tokens
-                seq.num_cached_tokens = num_cached
-                self.stats.prefix_queries_tokens += seq.num_prompt_tokens
-                self.stats.prefix_hits_tokens += num_cached
-                self.stats.device_hits_tokens += num_cached
-                seq.cached_by_tier = {"gpu": num_cached}
-            seq.status = RequestStatus.RUNNING
-            self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
-            budget -= n
+            try:
+                used = self._admit_head(seq, out, budget)
+            except Exception as exc:  # noqa: BLE001 - the head alone fails, the queue moves on
+                # Left at the head it would fail the same way every step, for ever.
+                log.exception("could not schedule request %s", seq.request_id)
+                self._drop(seq)
+                out.failed.append((seq, f"could not schedule the request: {exc!r}"))
+                continue
+            if used is None:
+                break  # FCFS: the head waits (memory, backpressure); nobody overtakes it
+            budget -= used
+
+    def _drop(self, seq: Sequence) -> None:
+        """Take a failed head out of the queues; ``finish`` then frees its blocks (at once,
+        or, if a load or pull was already writing into them, when that ends)."""
+        for q in (self.waiting, self.running):
+            if seq in q:
+                q.remove(seq)
+
+    def _admit_head(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
+        """Admit the queue head: the tokens it takes from ``budget`` (0 when it went to
+        load its KV), or None when it has to wait."""
+        fresh = seq.num_cached_tokens < 0
+        computed = self.kv.get_computed_blocks(seq)
+        num_cached = len(computed) * self.kv.block_size
+        if seq.kv_transfer is not None and self.remote is not None and not seq.kv_pull_failed:
+            started = self._try_pull(seq, computed)
+            if started is None or started:
+                return None if started is None else 0
+        if self.tiers is not None and not seq.kv_restore_failed:
+            started = self._try_restore(seq, computed)
+            if started is None or started:
+                return None if started is None else 0
+        n = min(seq.num_tokens - num_cached, budget, self.chunk_cap)
+        if not self.kv.allocate_slots(seq, n, computed):
+            return None
+        self.waiting.popleft()
+        if self.tiers is not None:
+            self.tiers.audit.trace_admit(seq, len(computed), 0)
+        seq.num_computed_tokens = num_cached
+        if fresh:  # count a prompt once, as the client sees it in usage.cached_tokens
+            seq.num_cached_tokens = num_cached
+            self.stats.prefix_queries_tokens += seq.num_prompt_tokens
+            self.stats.prefix_hits_tokens += num_cached
+            self.stats.device_hits_tokens += num_cached
+            seq.cached_by_tier = {"gpu": num_cached}
+        seq.status = RequestStatus.RUNNING
+        self.running.append(seq)
+        out.scheduled.append(ScheduledSeq(seq, n))
+        return n
 
     def _try_restore(self, seq: Sequence, computed: list) -> bool | None:
         """Start restoring the head's tier hit: True started, False not worth it, None wait."""
@@ -172,7 +195,14 @@ class Scheduler:
             return False
         if len(self.tiers.loads) >= self.tiers.cfg.max_loads:
             return None
-        if not self.kv.allocate_slots(seq, plan.num_blocks * self.kv.block_size, computed):
+        self.tiers.pin(plan)
+        try:
+            room = self.kv.allocate_slots(seq, plan.num_blocks * self.kv.block_size, computed)
+        except BaseException:
+            self.tiers.unpin(plan)
+            raise
+        if not room:
+            self.tiers.unpin(plan)
             return None
         self.waiting.popleft()
         seq.status = RequestStatus.WAITING_FOR_KV

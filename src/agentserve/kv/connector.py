@@ -6,9 +6,11 @@ Called on the engine-core thread only (scheduler and core):
 - ``offer(seq, blocks)`` after blocks fill: groups of ``k`` full device blocks whose hash
   was seen ``store_threshold`` times are reserved in CPU memory and copied there on the
   ``kv-store`` thread; the device blocks hold an extra reference until the copy ends,
-  so nobody overwrites them meanwhile. The step never waits for a store;
+  so nobody overwrites them meanwhile. The step never waits for a store. With
+  ``--kv-store-on evict`` the groups are only remembered, and stored when the device
+  evicts them (``kv/writeback.py``);
 - ``plan(seq, device_hit)``: the tier hit beyond the device hit, and whether restoring
-  it beats recomputing it (``RestoreEstimator``); ``start_load`` pins the sources and
+  it beats recomputing it (``RestoreEstimator``); ``pin`` pins the sources, ``start_load``
   copies into the request's new device blocks on the ``kv-load`` thread;
 - ``poll()``: applies finished stores and disk writes, returns finished loads.
 """
@@ -30,6 +32,7 @@ from agentserve.kv.pool import Block, BlockPool
 from agentserve.kv.restore_audit import RestoreAudit
 from agentserve.kv.tiers import RestoreEstimator, TierConfig
 from agentserve.kv.transfer import TransferWorker
+from agentserve.kv.writeback import EvictionStore
 
 log = logging.getLogger("agentserve.kv.tiers")
 
@@ -81,6 +84,10 @@ class TierConnector:
         self._recompute_counted: set[str] = set()  # requests whose recompute was counted
         self.audit = RestoreAudit(self.stats, self.session)
         pool.on_evict = self.audit.on_device_evict
+        self.writeback: EvictionStore | None = None
+        if cfg.store_on == "evict":  # the tier as a victim cache (kv/writeback.py)
+            self.writeback = EvictionStore(self, pool.num_blocks)
+            pool.on_evict_blocks = self.writeback.on_evict_blocks
 
     # ---- hints ------------------------------------------------------------------------
     def group_keys(self, hashes: list[bytes], upto_blocks: int | None = None) -> list[Key]:
@@ -132,10 +139,12 @@ class TierConnector:
                 continue
             keys.append(key)
             infos.append(BlockInfo(self.session(seq), g))
-            ext.append([to_external(h, self.pool.int_hashes)
-                        for h in seq.block_hashes[g * self.k:(g + 1) * self.k]])
+            members = seq.block_hashes[g * self.k:(g + 1) * self.k]
+            ext.append([to_external(h, self.pool.int_hashes) for h in members])
             groups.append(blocks[g * self.k:(g + 1) * self.k])
-        if not keys:
+            if self.writeback is not None:  # stored when the device evicts it
+                self.writeback.remember(key, infos[-1], ext[-1], members)
+        if not keys or self.writeback is not None:
             return
         to_store, _ = self.mgr.prepare_store(keys, infos, ext)
         if not to_store:
@@ -150,13 +159,15 @@ class TierConnector:
         self.worker.submit("store", "store", ctx,
                            lambda: self.worker.device_to_host(self.mgr.cpu.buf, slots, ids))
 
-    def _store_done(self, ctx: Any, result: Any) -> None:
+    def store_done(self, ctx: Any, result: Any) -> None:
+        """A store job ended: release its device blocks, commit (or drop) its CPU slots."""
         keys, infos, held = ctx
         for g in held:
             self.pool.free(list(reversed(g)))
         ok = not isinstance(result, Exception)
         if not ok:
             log.warning("KV store to CPU failed: %r", result)
+            self.stats.stores_skipped += len(keys)
         for key in self.mgr.complete_store(keys, ok, infos):
             self._write_through(key)
 
@@ -218,9 +229,20 @@ class TierConnector:
             best = 0
         return best
 
-    def start_load(self, seq: TierSeq, plan: RestorePlan, block_ids: list[int]) -> None:
-        """Pin the sources and copy them into ``block_ids`` (the plan's device blocks)."""
+    def pin(self, plan: RestorePlan) -> None:
+        """Pin the plan's sources. Before its device blocks are allocated: that allocation
+        may evict device blocks into the CPU tier (write-back), which must not evict these."""
         plan.sources = self.mgr.prepare_load(plan.keys)
+
+    def unpin(self, plan: RestorePlan) -> None:
+        """Release a pinned plan that will not be loaded (no room on the device)."""
+        self.mgr.cancel_load(plan.keys, plan.sources)
+        plan.sources = []
+
+    def start_load(self, seq: TierSeq, plan: RestorePlan, block_ids: list[int]) -> None:
+        """Copy the pinned sources into ``block_ids`` (the plan's device blocks)."""
+        if len(plan.sources) != len(plan.keys):
+            raise ValueError("start_load: pin the plan first")
         self.stats.decisions["restore"] += 1
         plan.started = time.monotonic()
         plan.held = [k in self.pool.cached for k in plan.keys]
@@ -284,7 +306,7 @@ class TierConnector:
         loads = []
         for tag, ctx, result in self.worker.poll(timeout):
             if tag == "store":
-                self._store_done(ctx, result)
+                self.store_done(ctx, result)
             elif tag == "disk":
                 err = repr(result) if isinstance(result, Exception) else None
                 self.mgr.complete_disk_write(ctx, err is None, err)

@@ -79,6 +79,14 @@ class OffloadManager:
                 raise KeyError(f"prepare_load: block {k.hex()[:16]} is not stored; lookup first")
         return out
 
+    def cancel_load(self, keys: Sequence[Key], sources: Sequence[Source]) -> None:
+        """Unpin keys that ``prepare_load`` pinned for a load that will not run."""
+        for k, src in zip(keys, sources):
+            if src.tier == "cpu":
+                self.cpu.unpin(k)
+            elif self.disk is not None:
+                self.disk.unpin(k)
+
     def complete_load(self, keys: Sequence[Key], sources: Sequence[Source],
                       bad: Sequence[Key] = (), info: Sequence[BlockInfo] | None = None) -> None:
         """Unpin; hits refresh the policy, corrupt disk blocks are dropped and counted."""

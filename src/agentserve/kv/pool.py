@@ -124,6 +124,10 @@ class BlockPool:
         # Called with each hash the device evicts (the offload tiers account restores by
         # how recently the device dropped a block); None: nobody listens.
         self.on_evict: Callable[[BlockHash], None] | None = None
+        # Called once per ``allocate`` with the (hash, block id) of every block it evicted,
+        # before anyone receives the blocks: the last moment their contents can be read
+        # (write-back offload, kv/writeback.py). None: nobody listens.
+        self.on_evict_blocks: Callable[[list[tuple[BlockHash, int]]], None] | None = None
 
     # -- queries -----------------------------------------------------------------
     @property
@@ -175,22 +179,30 @@ class BlockPool:
                 "are free; check can_allocate() first, then preempt or wait"
             )
         out = [self.free_queue.popleft() for _ in range(n)]
+        evicted: list[tuple[BlockHash, int]] = []
         for block in out:
             if block.block_hash is not None:
-                self._evict(block)
+                h = self._evict(block)
+                if h is not None:
+                    evicted.append((h, block.block_id))
             block.ref_cnt = 1
+        if evicted and self.on_evict_blocks is not None:
+            self.on_evict_blocks(evicted)
         return out
 
-    def _evict(self, block: Block) -> None:
+    def _evict(self, block: Block) -> BlockHash | None:
+        """Drop ``block``'s hash; returns it if the prefix map pointed at this block."""
         h = block.block_hash
         assert h is not None
         block.block_hash = None
-        if self.cached.get(h) is block:
-            del self.cached[h]
-            if self.on_evict is not None:
-                self.on_evict(h)
-            if self.events is not None:
-                self.events.append(BlockRemoved([self._ext(h)], self.medium, group_idx=0))
+        if self.cached.get(h) is not block:
+            return None
+        del self.cached[h]
+        if self.on_evict is not None:
+            self.on_evict(h)
+        if self.events is not None:
+            self.events.append(BlockRemoved([self._ext(h)], self.medium, group_idx=0))
+        return h
 
     def cache_blocks(
         self,

@@ -35,6 +35,7 @@ class TierConfig:
     block_tokens: int | None = None  # offload unit; None = device block size
     cpu_policy: str = "lru"
     store_threshold: int = 1  # store a block once it was seen this many times
+    store_on: str = "fill"  # fill: write-through as blocks fill | evict: write-back (writeback.py)
     max_loads: int = 4  # concurrent restores; more wait in the queue (backpressure)
     session_ttl: float = 600.0  # idle seconds after which a session counts as finished
     restore_mode: str = "auto"  # auto (cost model) | always | never
