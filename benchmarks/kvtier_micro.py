@@ -92,7 +92,8 @@ def cold_start(model: str | None, n: int, **dev) -> dict:
 
 
 def store_overhead(model: str | None, reqs: int, n_in: int, n_out: int, rounds: int, **dev) -> dict:
-    """Output tok/s of the same batch with the tier on and off (alternating, best of rounds)."""
+    """Output tok/s of the same batch with the tier off, on (write-through) and on with
+    write-back (``--kv-store-on evict``), alternating, best of rounds."""
     async def go(eng):
         t0 = time.perf_counter()
         params = SamplingParams(max_tokens=n_out, temperature=0.0, ignore_eos=True)
@@ -104,12 +105,15 @@ def store_overhead(model: str | None, reqs: int, n_in: int, n_out: int, rounds: 
         return reqs * n_out / (time.perf_counter() - t0)
 
     base = dict(model=model, kv_cache_tokens=4 * reqs * (n_in + n_out), **dev)
-    res: dict[str, list[float]] = {"off": [], "on": []}
+    res: dict[str, list[float]] = {"off": [], "on": [], "on_wb": []}
     for _ in range(rounds):
         res["off"].append(asyncio.run(with_engine(go, **base))[0])
         res["on"].append(asyncio.run(with_engine(go, kv_cpu_gib=1.0, **base))[0])
-    off, on = max(res["off"]), max(res["on"])
-    return {"tok_s_off": off, "tok_s_on": on, "ratio": on / off, "runs": res}
+        res["on_wb"].append(asyncio.run(with_engine(go, kv_cpu_gib=1.0, kv_store_on="evict",
+                                                    **base))[0])
+    off, on, wb = max(res["off"]), max(res["on"]), max(res["on_wb"])
+    return {"tok_s_off": off, "tok_s_on": on, "ratio": on / off, "tok_s_on_wb": wb,
+            "ratio_wb": wb / off, "runs": res}
 
 
 def main() -> None:
@@ -155,7 +159,8 @@ def main() -> None:
     if "store_overhead" in res:
         r = res["store_overhead"]
         print(f"| store overhead, no eviction | on {r['tok_s_on']:.1f} tok/s, off "
-              f"{r['tok_s_off']:.1f} tok/s, {r['ratio']:.3f}x |")
+              f"{r['tok_s_off']:.1f} tok/s, {r['ratio']:.3f}x; write-back "
+              f"{r['tok_s_on_wb']:.1f} tok/s, {r['ratio_wb']:.3f}x |")
 
 
 if __name__ == "__main__":

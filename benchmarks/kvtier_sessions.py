@@ -47,8 +47,11 @@ from pathlib import Path
 import numpy as np
 
 CLI = str(Path(sys.executable).parent / "agentserve")
-CONFIGS = {"device": None, "cpu-lru": "lru", "cpu-arc": "arc", "cpu-session": "session"}
+# name -> CPU tier policy; a "-wb" name stores on eviction (--kv-store-on evict: write-back)
+CONFIGS = {"device": None, "cpu-lru": "lru", "cpu-arc": "arc", "cpu-session": "session",
+           "cpu-lru-wb": "lru", "cpu-session-wb": "session"}
 COLORS = {"device": "tab:blue", "cpu-lru": "tab:orange", "cpu-arc": "tab:purple",
+          "cpu-lru-wb": "tab:red", "cpu-session-wb": "tab:olive",
           "cpu-session": "tab:green"}
 
 
@@ -190,6 +193,8 @@ def run_one(name: str, kv_tokens: int, cpu_gib: float, a: argparse.Namespace, tr
              "--max-num-batched-tokens", str(a.max_batched), "--log-level", "warning"]
     if CONFIGS[name]:
         serve += ["--kv-cpu-gib", f"{cpu_gib:.6f}", "--kv-cpu-policy", CONFIGS[name]]
+        if name.endswith("-wb"):
+            serve += ["--kv-store-on", "evict"]
     env = dict(os.environ)
     if a.kv_trace:  # debug: the engine's admission/eviction trace (see kv/restore_audit.py)
         env["AGENTSERVE_KV_TRACE"] = str(out_dir.parent / (out_dir.name + ".kvtrace.jsonl"))

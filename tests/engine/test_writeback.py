@@ -100,3 +100,34 @@ def test_kv_store_on_is_validated() -> None:
     from agentserve.engine.builder import EngineConfigError
     with pytest.raises(EngineConfigError, match="--kv-store-on"):
         _with(_noop, kv_cpu_gib=0.01, kv_store_on="sometimes")
+
+
+def test_write_back_under_concurrent_sessions_and_preemption(reference) -> None:
+    """Six sessions of growing turns at once through a pool that holds two of them and a
+    tier that holds about three: evictions store while restores load and preemptions free.
+    Every turn completes, the tiers served some of them, every restored block was used,
+    and no block leaks (``_with`` checks the pool after shutdown)."""
+    import asyncio
+
+    from tests.engine.test_tiered import _prompt
+
+    async def session(eng, s: int):
+        ctx = _prompt(96, 100 + s)
+        for t in range(3):
+            toks, last = await _run(eng, f"s{s}t{t}", ctx, f"S{s}")
+            assert last.error is None and len(toks) == 4
+            ctx = ctx + toks + _prompt(48, 1000 * s + t)
+        return True
+
+    async def go(eng):
+        return await asyncio.gather(*[session(eng, s) for s in range(6)])
+
+    _, probe = _with(_noop, kv_cpu_gib=0.01)
+    block_bytes = probe.core.tiers.mgr.cpu.block_bytes
+    ok, eng = _with(go, kv_cpu_gib=48.5 * block_bytes / 2**30, kv_store_on="evict",
+                    kv_cpu_policy="session", kv_offload_block_tokens=32)
+    assert all(ok) and eng.core.scheduler.stats.num_preemptions > 0
+    t = eng.stats().tiers
+    assert t["store_blocks"]["cpu"] > 0 and t["hit_tokens"]["cpu"] > 0
+    out = t["restore_outcome"]
+    assert out["failed"] == 0 and out["used"] + out["repeat"] + out["aborted"] == t["restore_blocks"]["cpu"]
