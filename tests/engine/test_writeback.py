@@ -131,3 +131,19 @@ def test_write_back_under_concurrent_sessions_and_preemption(reference) -> None:
     assert t["store_blocks"]["cpu"] > 0 and t["hit_tokens"]["cpu"] > 0
     out = t["restore_outcome"]
     assert out["failed"] == 0 and out["used"] + out["repeat"] + out["aborted"] == t["restore_blocks"]["cpu"]
+
+
+def test_write_back_flushes_to_disk_at_shutdown(tmp_path, reference) -> None:
+    """Nothing was evicted, so nothing reached the tiers while serving; a clean shutdown
+    writes what the device held, and a restarted engine serves it from disk."""
+    kw = dict(kv_cpu_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05, kv_store_on="evict")
+
+    async def first(eng):
+        out = await _run(eng, "a1", A)
+        assert eng.stats().tiers["store_blocks"]["disk"] == 0
+        return out
+    (toks, _), eng = _with(first, **kw)
+    assert toks == reference and eng.stats().tiers["store_blocks"]["disk"] == len(A) // 16
+    (toks, last), eng = _with(lambda e: _run(e, "a2", A), **kw)  # a fresh engine
+    assert toks == reference
+    assert last.cached_by_tier["disk"] == 288 and last.num_cached_tokens == 288

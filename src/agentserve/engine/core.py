@@ -78,6 +78,9 @@ class EngineCore:
             self._thread.join(timeout)
         if self.tiers is not None:  # release device blocks held by stores in flight
             self.scheduler._finish_loads(self.tiers.drain(timeout))
+            core_done = self._thread is None or not self._thread.is_alive()
+            if self.tiers.writeback is not None and core_done:  # what the device holds, to disk
+                self.tiers.writeback.flush(timeout)
             self.tiers.worker.close(timeout)
         if self.remote is not None:
             self.remote.close()

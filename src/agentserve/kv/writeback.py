@@ -27,6 +27,7 @@ a group whose members have already gone is counted in ``stores_skipped``.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -80,6 +81,34 @@ class EvictionStore:
                 if self._member.get(h) == key:
                     del self._member[h]
         return g
+
+    def flush(self, timeout: float) -> int:
+        """At shutdown, with a disk tier: store what the device still holds, so a restart
+        serves it (a write-back cache's flush). Oldest groups first, in batches of half the
+        CPU tier, each stored and written to disk before the next (disk writes pin their CPU
+        slots); stops at ``timeout``. Core thread stopped. Returns the groups flushed."""
+        disk = self.conn.mgr.disk
+        if disk is None or not disk.writable:
+            return 0
+        deadline = time.monotonic() + timeout
+        batch = max(1, self.conn.mgr.cpu.num_slots // 2)
+        cached, flushed = self.conn.pool.cached, 0
+        while self._groups and time.monotonic() < deadline:
+            keys = list(self._groups)[:batch]
+            # as if the device evicted each group's last block: _store reads the rest from
+            # the prefix map and skips a group part of which is gone
+            held = [(self._groups[k].members[-1], cached[self._groups[k].members[-1]].block_id)
+                    for k in keys if self._groups[k].members[-1] in cached]
+            for k in keys:
+                if self._groups[k].members[-1] not in cached:
+                    self._forget(k)
+            self._store(held)
+            self.conn.drain(max(0.0, deadline - time.monotonic()))
+            flushed += len(held)
+        if self._groups:
+            log.warning("write-back flush: %d blocks not written to disk before the timeout",
+                        len(self._groups))
+        return flushed
 
     def on_evict_blocks(self, evicted: list[tuple[BlockHash, int]]) -> None:
         """Pool hook: copy the evicted blocks' groups to the CPU tier now (never raises)."""
