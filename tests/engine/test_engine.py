@@ -122,3 +122,30 @@ def test_abort_frees_blocks_and_seeded_sampling_repeats() -> None:
     a, b, c, last = asyncio.run(_with_engine(go))
     assert a == b
     assert c[-1] == a[3] and len(c) <= 4 and last.finish_reason == "stop"
+
+
+def test_long_prompts_reach_the_core_hashed(monkeypatch) -> None:
+    """A prompt of at least HASH_OFF_CORE_TOKENS arrives at the core with every full block
+    hashed (done on a worker thread); a shorter one is hashed by the core. Both give the
+    tokens and prefix hits of the plain path."""
+    from agentserve.engine import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "HASH_OFF_CORE_TOKENS", 100)
+    seen: dict[str, int] = {}
+
+    async def go(eng: AsyncEngine):
+        real = eng.core.submit
+
+        def submit(seq):
+            seen[seq.request_id] = len(seq.block_hashes)
+            real(seq)
+        eng.core.submit = submit
+        long, short = _prompt(200, 5), _prompt(99, 6)
+        a = await _run(eng, "long1", long, _greedy(4))
+        b = await _run(eng, "long2", long, _greedy(4))
+        c = await _run(eng, "short", short, _greedy(4))
+        return a, b, c
+
+    (a, _), (b, last), (c, _) = asyncio.run(_with_engine(go, kv_cache_tokens=1024))
+    assert seen == {"long1": 200 // 16, "long2": 200 // 16, "short": 0}
+    assert a == b and len(c) == 4 and last.num_cached_tokens == 192
