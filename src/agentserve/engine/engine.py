@@ -56,6 +56,7 @@ class EngineDraining(RuntimeError):
 # (vLLM hashes in its input thread for the same reason). Shorter prompts cost under 1 ms.
 HASH_OFF_CORE_TOKENS = 4096
 
+
 class AsyncEngine:
     """Bridges asyncio request streams and the engine core thread."""
 
@@ -99,17 +100,14 @@ class AsyncEngine:
     async def generate(self, request_id: str, prompt_token_ids: list[int],
                        params: SamplingParams, session_id: str | None = None,
                        kv_transfer: dict | None = None) -> AsyncIterator[RequestOutput]:
-        if self.draining:
-            raise EngineDraining("server is shutting down; retry on another replica")
-        self._check_core()
-        if request_id in self._queues:
-            raise ValueError(f"duplicate request id {request_id!r}")
+        self._check_admissible(request_id)
         seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id,
                        kv_transfer=self._transfer_params(kv_transfer))
         if not params.greedy:
             seq.generator = make_generator(params.seed, self.device)  # on the logits' device
         if len(seq.token_ids) >= HASH_OFF_CORE_TOKENS:
             await asyncio.to_thread(self.core.kv.update_hashes, seq)
+            self._check_admissible(request_id)  # the world may have moved meanwhile
         # registered only once nothing above can fail, so a refused request leaves no queue
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self._queues[request_id] = q
@@ -124,6 +122,13 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self.core.abort(request_id)
+
+    def _check_admissible(self, request_id: str) -> None:
+        if self.draining:
+            raise EngineDraining("server is shutting down; retry on another replica")
+        self._check_core()
+        if request_id in self._queues:
+            raise ValueError(f"duplicate request id {request_id!r}")
 
     async def _next(self, q: asyncio.Queue[RequestOutput]) -> RequestOutput:
         """The request's next output; fails (rather than waits forever) if the core thread
