@@ -231,3 +231,22 @@ def test_check_invariants_catches_corruption():
     pool.cached[b"h"] = b
     with pytest.raises(AssertionError, match="another hash"):
         pool.check_invariants()
+
+
+def test_on_evict_blocks_sees_each_allocations_evictions_before_reuse():
+    """The write-back hook: once per allocate, only blocks whose hash the prefix map held,
+    with their ids, while those blocks are still free of a new owner's hash."""
+    pool, _ = make(4)
+    hasher = BlockHasher(block_size=BS)
+    calls = []
+    pool.on_evict_blocks = lambda ev: calls.append(
+        [(h, bid, pool.blocks[bid].block_hash) for h, bid in ev])
+    blocks, hashes = run_request(pool, hasher, list(range(8)))  # 2 cached blocks
+    pool.free(list(reversed(blocks)))
+    assert calls == []  # nothing cached was evicted: the 2 never-used blocks went first
+    pool.allocate(2)
+    assert calls == []
+    pool.allocate(1)  # the chain's tail goes first
+    assert calls == [[(hashes[1], blocks[1].block_id, None)]]
+    pool.allocate(1)
+    assert len(calls) == 2 and calls[1][0][:2] == (hashes[0], blocks[0].block_id)
