@@ -265,13 +265,36 @@ async def test_api_key_and_admin(stack):
         async with s.post("/v1/completions", json=prompt(), headers=auth) as r:
             assert (await r.json())["choices"][0]["text"] == "b"
     async with s.post("/admin/endpoints", json={"url": urls[0]}, headers=auth) as r:
-        assert r.status == 200
+        assert r.status == 200 and (await r.json())["healthy"] is True
     assert urls[0] in gw.router.endpoints
     for bad in ({"url": 5}, {"url": "notaurl"}, {"url": urls[1], "kv_events": "garbage"}, [1]):
         async with s.post("/admin/endpoints", json=bad, headers=auth) as r:
             assert r.status == 400, bad
             assert "bad endpoint config" in (await r.json())["error"]["message"]
     assert set(gw.router.endpoints) == {u.rstrip("/") for u in urls}
+
+
+async def test_an_endpoint_added_while_serving_gets_traffic_only_once_healthy(stack):
+    """Nothing listens at the new URL: the add says so, the router sends it nothing (before,
+    it counted as healthy until enough requests had failed on it), and /health names it."""
+    import socket
+
+    engines, urls, make = stack
+    gw, s = await make(api_key=KEY)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with s.post("/admin/endpoints", json={"url": dead}, headers=auth) as r:
+        assert r.status == 200 and await r.json() == {"added": dead, "healthy": False}
+    ep = gw.router.endpoints[dead]
+    assert not ep.available() and ep.ejections == 0
+    for _ in range(6):
+        async with s.post("/v1/completions", json=prompt(), headers=auth) as r:
+            assert r.status == 200
+    assert ep.inflight == 0 and ep.recent_n == 0, "the unprobed endpoint was sent a request"
+    async with s.get("/health") as r:
+        assert dead in (await r.json())["unhealthy"]
 
 
 async def test_reload_of_a_broken_config_is_a_400_and_changes_nothing(stack, tmp_path):

@@ -28,7 +28,7 @@ from aiohttp import web
 
 from agentserve.router.config import EndpointConfig, RouterConfig, load_config
 from agentserve.router.core import NoEndpoint, RouteInput, Router
-from agentserve.router.endpoints import cancel, poll_loop
+from agentserve.router.endpoints import Endpoint, cancel, check_health, poll_loop
 from agentserve.router.events import EventApplier, subscribe
 from agentserve.router.metrics import RouterMetrics
 from agentserve.router.proxy import Upstream, echo_request_id, forward
@@ -143,11 +143,17 @@ class Gateway:
             await cancel(t)
         self.appliers.pop(url, None)
 
-    async def add_endpoint(self, e: EndpointConfig) -> None:
+    async def add_endpoint(self, e: EndpointConfig) -> Endpoint:
         await self._kill(e.url)
-        self.router.add_endpoint(e)
+        new = e.url not in self.router.endpoints
+        ep = self.router.add_endpoint(e)
         if self.session is not None:
+            # Added while serving (admin, reload): no traffic until a health check passes,
+            # as a pod that is not Ready gets none; its poll loop checks at once.
+            if new:
+                ep.healthy = False
             self._spawn(e)
+        return ep
 
     async def remove_endpoint(self, url: str) -> bool:
         url = url.rstrip("/")
@@ -331,8 +337,11 @@ class Gateway:
             e = EndpointConfig(**msgspec.json.decode(await request.read()))
         except (msgspec.DecodeError, TypeError, ValueError) as ex:
             return error(400, f"bad endpoint config: {ex}")
-        await self.add_endpoint(e)
-        return web.json_response({"added": e.url})
+        ep = await self.add_endpoint(e)
+        ok = ep.healthy
+        if self.session is not None and not ok:  # answer with what the first check finds
+            ok = await check_health(ep, self.session, self.opts)
+        return web.json_response({"added": e.url, "healthy": ok})
 
     async def handle_remove(self, request: web.Request) -> web.Response:
         if not self.cfg.api_key or not self._authorized(request):
