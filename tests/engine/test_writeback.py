@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from agentserve.engine.request import SamplingParams
 from agentserve.kv.policies import BlockInfo
 from agentserve.kv.writeback import EvictionStore
 from tests.engine.test_tiered import A, B, _evict_and_resume, _run, _with
@@ -147,3 +148,42 @@ def test_write_back_flushes_to_disk_at_shutdown(tmp_path, reference) -> None:
     (toks, last), eng = _with(lambda e: _run(e, "a2", A), **kw)  # a fresh engine
     assert toks == reference
     assert last.cached_by_tier["disk"] == 288 and last.num_cached_tokens == 288
+
+
+def test_a_request_whose_admission_after_a_restore_raises_ends_alone(reference) -> None:
+    """A bug after the KV arrived (here: the restore audit raises for one request) ends that
+    request alone. Before, it failed the whole step, and with it every running request (a
+    raise before the request joined ``running`` would have left it waiting for ever)."""
+    import asyncio
+
+    async def go(eng):
+        audit = eng.core.tiers.audit
+        real = audit.account
+
+        def account(seq, *a, **kw):
+            if seq.request_id == "a2":
+                raise RuntimeError("simulated bookkeeping bug")
+            return real(seq, *a, **kw)
+        audit.account = account
+        await _run(eng, "a1", A, "A")
+        await _run(eng, "b1", B, "B")
+
+        async def decoding():  # running while a2's restore lands
+            toks, last = [], None
+            params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+            async for out in eng.generate("c1", B[:64], params, session_id="C"):
+                toks += out.new_token_ids
+                last = out
+                if len(toks) == 2:
+                    started.set()
+            return toks, last
+        started = asyncio.Event()
+        c1 = asyncio.ensure_future(decoding())
+        await asyncio.wait_for(started.wait(), 30)
+        bad_toks, bad = await asyncio.wait_for(_run(eng, "a2", A, "A"), 60)
+        ok_toks, ok = await asyncio.wait_for(c1, 60)
+        return bad_toks, bad, ok_toks, ok
+    (bad_toks, bad, ok_toks, ok), eng = _with(go, kv_cpu_gib=0.01, kv_store_on="evict")
+    assert bad.finished and bad.error and "after its KV arrived" in bad.error
+    assert bad_toks == [] and len(ok_toks) == 40 and ok.error is None
+    assert not eng.core.scheduler.loading and not eng.core.seqs

@@ -87,6 +87,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
+        self._failed: list[tuple[Sequence, str]] = []  # ended in _finish_loads/_pulls
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; if the tier hooks raise, it is not queued at all."""
@@ -96,7 +97,7 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.loading or self.pulling
+        return bool(self.waiting or self.running or self.loading or self.pulling or self._failed
                     or (self.tiers is not None and self.tiers.busy))
 
     def schedule(self) -> SchedulerOutput:
@@ -105,6 +106,7 @@ class Scheduler:
             self._finish_loads(self.tiers.poll())
         if self.remote is not None:
             self._finish_pulls(self.remote.poll())
+        out.failed, self._failed = self._failed, []
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a full pool admits nobody new this step
@@ -217,17 +219,29 @@ class Scheduler:
         """Restored requests join ``running``; failed ones recompute from the queue head."""
         for d in done:
             seq = self.loading.pop(d.request_id, None)
-            if seq is None:
-                continue
-            first = seq.num_cached_tokens < 0
-            admitted = self._admit_loaded(seq, d.ok, d.plan.num_blocks if d.ok else 0)
-            self.tiers.audit.account(seq, d.plan, d.ok, admitted)
-            if admitted:
-                if first:
-                    seq.cached_by_tier = {"gpu": seq.device_hit_tokens, **d.plan.tokens_by_tier}
-                self.stats.restored_tokens += d.plan.num_blocks * self.kv.block_size
-            elif not d.ok and not seq.status.finished:
-                seq.kv_restore_failed = True
+            if seq is not None:
+                self._guarded(seq, self._finish_load, seq, d)
+
+    def _finish_load(self, seq: Sequence, d) -> None:
+        first = seq.num_cached_tokens < 0
+        admitted = self._admit_loaded(seq, d.ok, d.plan.num_blocks if d.ok else 0)
+        self.tiers.audit.account(seq, d.plan, d.ok, admitted)
+        if admitted:
+            if first:
+                seq.cached_by_tier = {"gpu": seq.device_hit_tokens, **d.plan.tokens_by_tier}
+            self.stats.restored_tokens += d.plan.num_blocks * self.kv.block_size
+        elif not d.ok and not seq.status.finished:
+            seq.kv_restore_failed = True
+
+    def _guarded(self, seq: Sequence, fn, *args) -> None:
+        """Run ``fn``; if it raises, ``seq`` ends alone with an error at the next schedule
+        (out of every queue, or it would wait for an output that never comes)."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not strand it
+            log.exception("request %s failed after its KV arrived", seq.request_id)
+            self._drop(seq)
+            self._failed.append((seq, f"could not admit the request after its KV arrived: {exc!r}"))
 
     def _admit_loaded(self, seq: Sequence, ok: bool, num_blocks: int) -> bool:
         """A request whose KV arrived (restore or pull) joins ``running``, its loaded blocks
@@ -278,9 +292,13 @@ class Scheduler:
         """Pulled requests join ``running`` (blocks registered as cached); failures recompute."""
         for d in done:
             seq = self.pulling.pop(d.request_id, None)
-            if seq is not None and not self._admit_loaded(seq, d.ok, d.num_blocks if d.ok else 0):
-                if not d.ok and not seq.status.finished:
-                    seq.kv_pull_failed = True
+            if seq is not None:
+                self._guarded(seq, self._finish_pull, seq, d)
+
+    def _finish_pull(self, seq: Sequence, d: PullDone) -> None:
+        if not self._admit_loaded(seq, d.ok, d.num_blocks if d.ok else 0):
+            if not d.ok and not seq.status.finished:
+                seq.kv_pull_failed = True
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
