@@ -293,3 +293,29 @@ def test_prefill_leg_whose_client_left_frees_its_pins(pd: tuple[ServerThread, Se
         time.sleep(0.05)
     assert transfer(p)["pins_released"] == before + 1
     wait_clean(p, timeout=5)
+
+
+def test_pulled_blocks_reach_a_write_back_tier_when_evicted(pd: tuple[ServerThread, ServerThread]) -> None:
+    """A decode engine with a small device pool and a write-back CPU tier: each pull's
+    allocation evicts the previous request's blocks, which are stored as they go; a later
+    local request for the first prompt restores them and gives the reference tokens."""
+    p, _ = pd
+    d = ServerThread(role="decode", kv_transfer_token="s3cret",
+                     **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
+                        "kv_cpu_gib": 0.01, "kv_store_on": "evict"}).start()
+    try:
+        rng = random.Random(11)
+        x, y = ([rng.randint(3, 500) for _ in range(n)] for n in (300, 400))
+        body = {"prompt": x, "max_tokens": 6, "temperature": 0}
+        ref = post(p.url, body)["choices"][0]["text"]
+        assert disagg(p, d, body)["choices"][0]["text"] == ref
+        disagg(p, d, {"prompt": y, "max_tokens": 6, "temperature": 0})  # evicts x on d
+        tiers = d.engine.stats().tiers
+        assert tiers["store_blocks"]["cpu"] > 0 and transfer(d)["pull_failures"] == 0
+        again = post(d.url, body)  # aggregated on d: x's prefix comes back from the CPU tier
+        assert again["choices"][0]["text"] == ref
+        details = again["usage"]["prompt_tokens_details"]
+        assert details["cached_tokens_by_tier"]["cpu"] > 0
+        wait_clean(d)
+    finally:
+        d.close()
