@@ -106,7 +106,7 @@ class EvictionStore:
             self.conn.drain(max(0.0, deadline - time.monotonic()))
             flushed += len(held)
         if self._groups:
-            log.warning("write-back flush: %d blocks not written to disk before the timeout",
+            log.warning("write-back flush: %d offload blocks not written to disk in time",
                         len(self._groups))
         return flushed
 
