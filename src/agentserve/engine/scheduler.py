@@ -106,11 +106,11 @@ class Scheduler:
             self._finish_loads(self.tiers.poll())
         if self.remote is not None:
             self._finish_pulls(self.remote.poll())
-        out.failed, self._failed = self._failed, []
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a full pool admits nobody new this step
             self._schedule_waiting(out, budget)
+        out.failed, self._failed = self._failed, []
         out.num_tokens = sum(s.num_tokens for s in out.scheduled)
         if self.tiers is not None:
             for s in out.scheduled:
@@ -142,20 +142,21 @@ class Scheduler:
                 used = self._admit_head(seq, out, budget)
             except Exception as exc:  # noqa: BLE001 - the head alone fails, the queue moves on
                 # Left at the head it would fail the same way every step, for ever.
-                log.exception("could not schedule request %s", seq.request_id)
-                self._drop(seq)
-                out.failed.append((seq, f"could not schedule the request: {exc!r}"))
+                self._fail(seq, "could not schedule the request", exc)
                 continue
             if used is None:
                 break  # FCFS: the head waits (memory, backpressure); nobody overtakes it
             budget -= used
 
-    def _drop(self, seq: Sequence) -> None:
-        """Take a failed head out of the queues; ``finish`` then frees its blocks (at once,
-        or, if a load or pull was already writing into them, when that ends)."""
+    def _fail(self, seq: Sequence, what: str, exc: Exception) -> None:
+        """``seq`` hit a bug: it leaves the queues and ends alone, with an error, in this
+        schedule's output (or the next one's, when this runs between schedules); ``finish``
+        then frees its blocks (at once, or when a load or pull writing into them ends)."""
+        log.exception("request %s: %s", seq.request_id, what)
         for q in (self.waiting, self.running):
             if seq in q:
                 q.remove(seq)
+        self._failed.append((seq, f"{what}: {exc!r}"))
 
     def _admit_head(self, seq: Sequence, out: SchedulerOutput, budget: int) -> int | None:
         """Admit the queue head: the tokens it takes from ``budget`` (0 when it went to
@@ -163,14 +164,15 @@ class Scheduler:
         fresh = seq.num_cached_tokens < 0
         computed = self.kv.get_computed_blocks(seq)
         num_cached = len(computed) * self.kv.block_size
+        started: bool | None = False  # True: parked while its KV arrives; None: must wait
         if seq.kv_transfer is not None and self.remote is not None and not seq.kv_pull_failed:
             started = self._try_pull(seq, computed)
-            if started is None or started:
-                return None if started is None else 0
-        if self.tiers is not None and not seq.kv_restore_failed:
+        if started is False and self.tiers is not None and not seq.kv_restore_failed:
             started = self._try_restore(seq, computed)
-            if started is None or started:
-                return None if started is None else 0
+        if started is None:
+            return None  # backpressure or no room: the head waits
+        if started:
+            return 0
         n = min(seq.num_tokens - num_cached, budget, self.chunk_cap)
         if not self.kv.allocate_slots(seq, n, computed):
             return None
@@ -198,13 +200,13 @@ class Scheduler:
         if len(self.tiers.loads) >= self.tiers.cfg.max_loads:
             return None
         self.tiers.pin(plan)
+        room = False
         try:
             room = self.kv.allocate_slots(seq, plan.num_blocks * self.kv.block_size, computed)
-        except BaseException:
-            self.tiers.unpin(plan)
-            raise
+        finally:
+            if not room:
+                self.tiers.unpin(plan)
         if not room:
-            self.tiers.unpin(plan)
             return None
         self.waiting.popleft()
         seq.status = RequestStatus.WAITING_FOR_KV
@@ -234,14 +236,12 @@ class Scheduler:
             seq.kv_restore_failed = True
 
     def _guarded(self, seq: Sequence, fn, *args) -> None:
-        """Run ``fn``; if it raises, ``seq`` ends alone with an error at the next schedule
-        (out of every queue, or it would wait for an output that never comes)."""
+        """Run ``fn``; if it raises, ``seq`` ends alone with an error (``_fail``) rather
+        than wait in ``loading``/``pulling`` for an output that never comes."""
         try:
             fn(*args)
         except Exception as exc:  # noqa: BLE001 - one request's bug must not strand it
-            log.exception("request %s failed after its KV arrived", seq.request_id)
-            self._drop(seq)
-            self._failed.append((seq, f"could not admit the request after its KV arrived: {exc!r}"))
+            self._fail(seq, "could not admit the request after its KV arrived", exc)
 
     def _admit_loaded(self, seq: Sequence, ok: bool, num_blocks: int) -> bool:
         """A request whose KV arrived (restore or pull) joins ``running``, its loaded blocks

@@ -94,14 +94,15 @@ class EvictionStore:
         batch = max(1, self.conn.mgr.cpu.num_slots // 2)
         cached, flushed = self.conn.pool.cached, 0
         while self._groups and time.monotonic() < deadline:
-            keys = list(self._groups)[:batch]
             # as if the device evicted each group's last block: _store reads the rest from
             # the prefix map and skips a group part of which is gone
-            held = [(self._groups[k].members[-1], cached[self._groups[k].members[-1]].block_id)
-                    for k in keys if self._groups[k].members[-1] in cached]
-            for k in keys:
-                if self._groups[k].members[-1] not in cached:
+            held = []
+            for k in list(self._groups)[:batch]:
+                last = cached.get(self._groups[k].members[-1])
+                if last is None:
                     self._forget(k)
+                else:
+                    held.append((last.block_hash, last.block_id))
             self._store(held)
             self.conn.drain(max(0.0, deadline - time.monotonic()))
             flushed += len(held)
