@@ -319,3 +319,51 @@ def test_pulled_blocks_reach_a_write_back_tier_when_evicted(pd: tuple[ServerThre
         wait_clean(d)
     finally:
         d.close()
+
+
+@pytest.mark.parametrize("restore_fails", [False, True])
+def test_decode_leg_restores_its_own_tier_hit_and_pulls_only_the_rest(
+        pd: tuple[ServerThread, ServerThread], restore_fails: bool) -> None:
+    """A decode engine whose CPU tier holds the front of a decode leg's prompt restores it
+    locally and pulls from the prefill engine only the blocks past it; if that restore
+    fails, it pulls them too."""
+    p, _ = pd
+    d = ServerThread(role="decode", kv_transfer_token="s3cret",
+                     **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
+                        "kv_cpu_gib": 0.01, "kv_store_on": "evict"}).start()
+    try:
+        rng = random.Random(12)
+        x, y, more = ([rng.randint(3, 500) for _ in range(n)] for n in (300, 400, 100))
+        disagg(p, d, {"prompt": x, "max_tokens": 6, "temperature": 0})
+        disagg(p, d, {"prompt": y, "max_tokens": 6, "temperature": 0})  # evicts x on d
+        shared = len(x) // 16  # x's full blocks; the next one holds x's outputs on d
+        hashes: list[bytes] = []
+        d.engine.core.kv.hasher.extend(hashes, x)
+        held = sum(h in d.engine.core.kv.pool.cached for h in hashes[:shared])
+        assert held < shared  # the device lost some of x: its CPU tier has them
+        before, tiers0 = transfer(d), d.engine.stats().tiers
+        if restore_fails:
+            def broken(*_: Any) -> list:
+                raise RuntimeError("simulated restore failure")
+            d.engine.core.tiers._load_job = broken  # type: ignore[method-assign]
+        body = {"prompt": x + more, "max_tokens": 6, "temperature": 0}
+        ref = post(p.url, body)["choices"][0]["text"]
+        out = disagg(p, d, body)
+        assert out["choices"][0]["text"] == ref
+        after, tiers1 = transfer(d), d.engine.stats().tiers
+        restored = tiers1["restore_blocks"]["cpu"] - tiers0["restore_blocks"]["cpu"]
+        pulled = after["blocks_pulled"] - before["blocks_pulled"]
+        usable = (len(x) + len(more) - 1) // 16
+        assert tiers1["restore_failures"] - tiers0["restore_failures"] == restore_fails
+        if restore_fails:
+            assert restored == 0 and pulled == usable - held
+        else:
+            assert restored == shared - held and pulled == usable - shared
+        assert after["pull_failures"] == before["pull_failures"]
+        details = out["usage"]["prompt_tokens_details"]
+        by = {"gpu": held * 16, "cpu": restored * 16, "remote": pulled * 16}
+        assert details["cached_tokens_by_tier"] == {t: n for t, n in by.items() if n or t == "gpu"}
+        assert details["cached_tokens"] == (held + restored + pulled) * 16
+        wait_clean(p, d)
+    finally:
+        d.close()

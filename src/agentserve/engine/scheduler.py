@@ -15,7 +15,8 @@ join ``running`` with their restored tokens computed. A failed load recomputes.
 
 With P/D transfer (``remote``), a decode leg (``kv_transfer_params.do_remote_prefill``)
 does the same with blocks pulled from a prefill engine: it parks in ``pulling`` while
-the ``kv-pull`` thread copies the blocks it lacks; a failed pull recomputes.
+the ``kv-pull`` thread copies the blocks it lacks; a failed pull recomputes. With both, a
+decode leg restores its own tiers' hit first, then pulls only what lies past it.
 """
 
 from __future__ import annotations
@@ -165,10 +166,12 @@ class Scheduler:
         computed = self.kv.get_computed_blocks(seq)
         num_cached = len(computed) * self.kv.block_size
         started: bool | None = False  # True: parked while its KV arrives; None: must wait
-        if seq.kv_transfer is not None and self.remote is not None and not seq.kv_pull_failed:
-            started = self._try_pull(seq, computed)
-        if started is False and self.tiers is not None and not seq.kv_restore_failed:
+        # The local tiers go first, also for a P/D decode leg: what its own CPU tier holds
+        # comes back over PCIe instead of the network, and the pull then starts past it.
+        if self.tiers is not None and not seq.kv_restore_failed:
             started = self._try_restore(seq, computed)
+        if started is False and self._pull_pending(seq):
+            started = self._try_pull(seq, computed)
         if started is None:
             return None  # backpressure or no room: the head waits
         if started:
@@ -184,8 +187,9 @@ class Scheduler:
             seq.num_cached_tokens = num_cached
             self.stats.prefix_queries_tokens += seq.num_prompt_tokens
             self.stats.prefix_hits_tokens += num_cached
-            self.stats.device_hits_tokens += num_cached
-            seq.cached_by_tier = {"gpu": num_cached}
+            by = self._by_tier(seq, num_cached)
+            self.stats.device_hits_tokens += by["gpu"]
+            seq.cached_by_tier = by
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
         out.scheduled.append(ScheduledSeq(seq, n))
@@ -235,6 +239,22 @@ class Scheduler:
         elif not d.ok and not seq.status.finished:
             seq.kv_restore_failed = True
 
+    def _pull_pending(self, seq: Sequence) -> bool:
+        """A P/D decode leg that may still pull its prompt's KV from the prefill engine."""
+        return (seq.kv_transfer is not None and self.remote is not None
+                and not seq.kv_pull_failed and bool(seq.kv_transfer.get("do_remote_prefill")))
+
+    @staticmethod
+    def _by_tier(seq: Sequence, cached: int, pulled: int = 0) -> dict[str, int]:
+        """Split of a first admission's ``cached`` tokens by where they came from: a
+        decode leg that restored from its local tiers before pulling carries that restore's
+        split (``cached_by_tier``, set when the restore ended); the device holds the rest."""
+        by = {t: n for t, n in (seq.cached_by_tier or {}).items() if t != "gpu"}
+        by["gpu"] = max(0, cached - pulled - sum(by.values()))
+        if pulled:
+            by["remote"] = pulled
+        return by
+
     def _guarded(self, seq: Sequence, fn, *args) -> None:
         """Run ``fn``; if it raises, ``seq`` ends alone with an error (``_fail``) rather
         than wait in ``loading``/``pulling`` for an output that never comes."""
@@ -257,13 +277,23 @@ class Scheduler:
             return False
         seq.num_computed_tokens = seq.device_hit_tokens + num_blocks * self.kv.block_size
         self.kv.cache_blocks(seq)  # loaded blocks are device-cached again
+        if self._pull_pending(seq):  # (a pull clears kv_transfer when it starts)
+            # A decode leg restored its local tier hit: back to the head, its restored blocks
+            # device-cached (freed tails last, so nothing evicts them first), to pull the rest
+            # past them; usage is counted once it is admitted for good.
+            self.kv.free(seq)
+            seq.num_computed_tokens = 0
+            seq.status = RequestStatus.WAITING
+            self.waiting.appendleft(seq)
+            return True
         if seq.num_cached_tokens < 0:  # as vLLM: externally loaded tokens count as cached
             seq.num_cached_tokens = seq.num_computed_tokens
             self.stats.prefix_queries_tokens += seq.num_prompt_tokens
             # Restored / pulled tokens are reported as cached, so they count as hits too:
             # hits / queries then equals the clients' cached-token ratio.
             self.stats.prefix_hits_tokens += seq.num_cached_tokens
-            self.stats.device_hits_tokens += seq.device_hit_tokens
+            self.stats.device_hits_tokens += seq.cached_by_tier["gpu"] if seq.cached_by_tier \
+                else seq.device_hit_tokens
         seq.status = RequestStatus.RUNNING
         self.running.append(seq)
         return True
@@ -296,9 +326,13 @@ class Scheduler:
                 self._guarded(seq, self._finish_pull, seq, d)
 
     def _finish_pull(self, seq: Sequence, d: PullDone) -> None:
-        if not self._admit_loaded(seq, d.ok, d.num_blocks if d.ok else 0):
-            if not d.ok and not seq.status.finished:
-                seq.kv_pull_failed = True
+        first = seq.num_cached_tokens < 0
+        if self._admit_loaded(seq, d.ok, d.num_blocks if d.ok else 0):
+            if first:
+                seq.cached_by_tier = self._by_tier(seq, seq.num_cached_tokens,
+                                                   d.num_blocks * self.kv.block_size)
+        elif not d.ok and not seq.status.finished:
+            seq.kv_pull_failed = True
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
