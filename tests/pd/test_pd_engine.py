@@ -367,3 +367,47 @@ def test_decode_leg_restores_its_own_tier_hit_and_pulls_only_the_rest(
         wait_clean(p, d)
     finally:
         d.close()
+
+
+def test_concurrent_sessions_restore_pull_and_abort_on_a_small_decode_engine(
+        pd: tuple[ServerThread, ServerThread]) -> None:
+    """Six growing sessions at once, through a decode engine whose device holds about two
+    prompts: decode legs restore from its write-back CPU tier, pull the rest, are aborted and
+    (3-5 times in a run here) preempted; every finished answer equals the aggregated one and
+    nothing leaks."""
+    import concurrent.futures
+    import http.client
+
+    p, _ = pd
+    d = ServerThread(role="decode", kv_transfer_token="s3cret",
+                     **{**KW, "kv_cache_tokens": 576, "max_model_len": 512,
+                        "kv_cpu_gib": 0.02, "kv_store_on": "evict"}).start()
+    try:
+        def session(i: int) -> int:
+            rng = random.Random(100 + i)
+            prompt, done = [rng.randint(3, 500) for _ in range(120)], 0
+            for turn in range(5):
+                prompt += [rng.randint(3, 500) for _ in range(rng.randint(20, 60))]
+                body = {"prompt": prompt, "max_tokens": 24, "temperature": 0}
+                if (i + turn) % 4 == 3:  # this leg's client leaves at once
+                    params = prefill_leg(p, body)
+                    conn = http.client.HTTPConnection(d.url.removeprefix("http://"), timeout=10)
+                    conn.request("POST", "/v1/completions",
+                                 json.dumps({**body, "stream": True, "kv_transfer_params": params}),
+                                 {"Content-Type": "application/json"})
+                    conn.sock.close()
+                    conn.close()
+                    continue
+                ref = post(p.url, body)["choices"][0]["text"]
+                assert disagg(p, d, body)["choices"][0]["text"] == ref, (i, turn)
+                done += 1
+            return done
+
+        with concurrent.futures.ThreadPoolExecutor(6) as ex:
+            assert sum(ex.map(session, range(6))) == 23
+        t, x = d.engine.stats().tiers, transfer(d)
+        assert t["restore_blocks"]["cpu"] > 0 and x["blocks_pulled"] > 0
+        assert x["pull_failures"] == 0 and t["restore_outcome"]["failed"] == 0
+        wait_clean(p, d, timeout=15)
+    finally:
+        d.close()
