@@ -1,11 +1,13 @@
-"""The tier copies of ``TransferWorker``: per-block (CPU) and batched (CUDA's, run here on
-CPU tensors) agree, across staging chunks, slot runs and a partial first offload block."""
+"""The tier copies of ``TransferWorker``: per-block (CPU) and batched (CUDA's, and CPU loads
+of small blocks) agree, across staging chunks, slot runs, consecutive and scattered
+destinations and a partial first offload block."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from agentserve.kv import transfer
 from agentserve.kv.transfer import TransferWorker
 
 L, NB, BS, H, D, PER = 3, 40, 4, 2, 8, 2  # PER device blocks per offload block
@@ -21,8 +23,14 @@ def offload_block(k: torch.Tensor, v: torch.Tensor, ids: list[int]) -> torch.Ten
     return torch.stack([x[:, ids].reshape(L, len(ids) * BS, H, D) for x in (k, v)])
 
 
-@pytest.mark.parametrize("batched,stage_blocks", [(False, 1), (True, 1), (True, 2), (True, 64)])
-def test_store_then_load_round_trips(batched: bool, stage_blocks: int) -> None:
+@pytest.mark.parametrize("batched,stage_blocks,small", [
+    (False, 1, 0),  # block by block (CPU, large offload blocks)
+    (False, 2, None),  # CPU, small offload blocks: loads staged like CUDA's
+    (True, 1, None), (True, 2, None), (True, 64, None)])
+def test_store_then_load_round_trips(batched: bool, stage_blocks: int, small: int | None,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if small is not None:
+        monkeypatch.setattr(transfer, "SMALL_BLOCK_BYTES", small)
     k, v = cache()
     block_bytes = 2 * L * PER * BS * H * D * k.element_size()
     w = TransferWorker(k, v, batched=batched, stage_bytes=stage_blocks * block_bytes)
@@ -37,7 +45,8 @@ def test_store_then_load_round_trips(batched: bool, stage_blocks: int) -> None:
 
         k2, v2 = torch.zeros_like(k), torch.zeros_like(v)
         w.k, w.v = k2, v2  # load into an empty cache
-        dst = [20, 21, 22, 35, 24, 25, 26, 27, 3]  # 5 sources, the first from sub-block 1
+        # 5 sources, the first from sub-block 1; consecutive and scattered destinations
+        dst = [20, 21, 22, 35, 24, 25, 26, 27, 3]
         w.host_to_device([host[s] for s in slots], 1, dst)
         src_ids = [1, 2, 3, 8, 9, 11, 12, 30, 31]
         for d, s in zip(dst, src_ids):
