@@ -167,12 +167,17 @@ class EngineCore:
         scheduled end with an error in ``failed`` (delivered even if the batch then fails)."""
         sched = self.scheduler.schedule()
         failed.extend(self._fail_one(seq, msg) for seq, msg in sched.failed)
-        if sched.empty:
-            if self.tiers is not None:  # only restores/stores in flight: wait for one
-                self.scheduler._finish_loads(self.tiers.poll(0.01))
+        if sched.empty:  # only restores, stores or pulls in flight: wait for one
+            copies = self.tiers is not None and self.tiers.busy
+            pulls = self.remote is not None and bool(self.scheduler.pulling)
+            # Each wait returns as soon as its own job ends; with both kinds in flight, in
+            # short turns, so that a pull that ends is not left waiting behind a store.
+            wait = 0.002 if copies and pulls else 0.01
+            if self.tiers is not None:
+                self.scheduler._finish_loads(self.tiers.poll(wait if copies else None))
                 self._publish_events()
-            if self.remote is not None and self.scheduler.pulling:
-                self.scheduler._finish_pulls(self.remote.poll(0.01))
+            if pulls:
+                self.scheduler._finish_pulls(self.remote.poll(wait))
             return []
         t0 = time.perf_counter()
         tokens = self.runner.execute(sched, self.kv)
