@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily,
                                    Metric)
 
+from agentserve.gcpause import PAUSE_BUCKETS, pause_tracker
 from agentserve.kv.tiers import RESTORE_BUCKETS
 
 # vLLM v1 bucket boundaries (vllm/v1/metrics/loggers.py).
@@ -135,6 +136,31 @@ def transfer_metrics(t: dict, name: str) -> Iterator[Metric]:
     yield g
 
 
+def gc_metrics(snap: dict[str, Any], name: str) -> Iterator[Metric]:
+    """The process's garbage-collector pauses (``agentserve.gcpause``): the core thread
+    stops for them like for a step, so a long one shows up in inter-token latency."""
+    h = HistogramMetricFamily("agentserve:gc_pause_seconds",
+                              "Garbage collections by generation and how long each stopped Python.",
+                              labels=["model_name", "generation"])
+    for g in range(3):
+        acc, buckets = 0, []
+        for bound, n in zip([*map(str, PAUSE_BUCKETS), "+Inf"], snap["buckets"][g]):
+            acc += n
+            buckets.append((bound, float(acc)))
+        h.add_metric([name, str(g)], buckets, snap["seconds"][g])
+    yield h
+    m = GaugeMetricFamily("agentserve:gc_pause_max_seconds", "Longest collection so far.",
+                          labels=["model_name", "generation"])
+    for g in range(3):
+        m.add_metric([name, str(g)], snap["max_s"][g])
+    yield m
+    f = GaugeMetricFamily("agentserve:gc_frozen_objects",
+                          "Objects frozen out of the collector's reach at startup.",
+                          labels=["model_name"])
+    f.add_metric([name], float(snap["frozen_objects"]))
+    yield f
+
+
 class StatsSource(Protocol):
     model_name: str
     block_size: int
@@ -148,6 +174,7 @@ class _EngineCollector:
 
     def __init__(self, engine: StatsSource) -> None:
         self.engine = engine
+        self.gc = pause_tracker()
 
     def collect(self) -> Iterator[Metric]:
         stats, name = self.engine.stats(), self.engine.model_name
@@ -165,6 +192,7 @@ class _EngineCollector:
         transfer = getattr(stats, "transfer", None)
         if transfer is not None:
             yield from transfer_metrics(transfer, name)
+        yield from gc_metrics(self.gc.snapshot(), name)
         info = GaugeMetricFamily("vllm:cache_config_info", "Information of the KV cache config.",
                                  labels=["model_name", "block_size", "num_gpu_blocks"])
         info.add_metric([name, str(self.engine.block_size), str(self.engine.num_gpu_blocks)], 1.0)

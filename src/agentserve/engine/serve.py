@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 
@@ -12,14 +13,18 @@ from aiohttp import web
 from agentserve.engine.builder import EngineArgs
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.server import build_app
+from agentserve.gcpause import freeze_startup_heap
 
 log = logging.getLogger("agentserve.serve")
 
 
 async def serve_async(args: EngineArgs, host: str, port: int, api_key: str | None,
                       max_body_bytes: int, drain_timeout: float = 30.0,
-                      ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGTERM/SIGINT, then drain in-flight requests (bounded) and exit."""
+                      ready: asyncio.Event | None = None, freeze_gc: bool = False) -> None:
+    """Serve until SIGTERM/SIGINT, then drain in-flight requests (bounded) and exit.
+
+    ``freeze_gc``: freeze the startup heap once the engine is up (a serving process only;
+    see ``agentserve.gcpause``)."""
     # Take the port before loading the model (as vLLM does): a taken port fails in
     # milliseconds, not after the weights are in memory.
     sock = listen_socket(host, port)
@@ -29,6 +34,8 @@ async def serve_async(args: EngineArgs, host: str, port: int, api_key: str | Non
         sock.close()
         raise
     await engine.start()
+    if freeze_gc:
+        freeze_startup_heap()
     app = build_app(engine, api_key=api_key, max_body_bytes=max_body_bytes)
     runner = web.AppRunner(app, handle_signals=False)
     await runner.setup()
@@ -62,4 +69,6 @@ def _as_kwargs(args: EngineArgs) -> dict:
 
 def run_server(args: EngineArgs, host: str, port: int, api_key: str | None = None,
                max_body_bytes: int = 32 << 20) -> None:
-    asyncio.run(serve_async(args, host, port, api_key, max_body_bytes))
+    # AGENTSERVE_GC_FREEZE=0 keeps the startup heap collectable (to measure what freezing buys)
+    freeze = os.environ.get("AGENTSERVE_GC_FREEZE", "1") != "0"
+    asyncio.run(serve_async(args, host, port, api_key, max_body_bytes, freeze_gc=freeze))

@@ -363,8 +363,10 @@ class Gateway:
 
 def run(cfg: RouterConfig, host: str, port: int, config_path: str | None = None) -> None:
     """Serve until interrupted."""
+    from agentserve.gcpause import freeze_startup_heap
     from agentserve.router.requests import load_tokenizer
 
     gw = Gateway(cfg, config_path, load_tokenizer(cfg))
+    freeze_startup_heap()  # full collections then skip the imports' objects (gcpause.py)
     web.run_app(gw.app(), host=host, port=port, handler_cancellation=True,
                 access_log=None, print=lambda *a: logger.info(*a))
