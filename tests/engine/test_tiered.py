@@ -130,7 +130,7 @@ def test_restore_never_recomputes(reference) -> None:
                                   kv_restore_mode="never")
     assert again == reference and last.cached_by_tier.get("cpu", 0) == 0
     # one decision per request, however often its plan is re-evaluated while it waits
-    assert eng.stats().tiers["decisions"] == {"restore": 0, "recompute": 1}
+    assert eng.stats().tiers["decisions"] == {"restore": 0, "recompute": 1, "pull": 0}
 
 
 def test_disk_tier_survives_restart(tmp_path, reference) -> None:

@@ -325,8 +325,8 @@ def test_pulled_blocks_reach_a_write_back_tier_when_evicted(pd: tuple[ServerThre
 def test_decode_leg_restores_its_own_tier_hit_and_pulls_only_the_rest(
         pd: tuple[ServerThread, ServerThread], restore_fails: bool) -> None:
     """A decode engine whose CPU tier holds the front of a decode leg's prompt restores it
-    locally and pulls from the prefill engine only the blocks past it; if that restore
-    fails, it pulls them too."""
+    locally (restoring is estimated faster than pulling) and pulls from the prefill engine
+    only the blocks past it; if that restore fails, it pulls them too."""
     p, _ = pd
     d = ServerThread(role="decode", kv_transfer_token="s3cret",
                      **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
@@ -342,6 +342,8 @@ def test_decode_leg_restores_its_own_tier_hit_and_pulls_only_the_rest(
         held = sum(h in d.engine.core.kv.pool.cached for h in hashes[:shared])
         assert held < shared  # the device lost some of x: its CPU tier has them
         before, tiers0 = transfer(d), d.engine.stats().tiers
+        assert d.engine.core.remote.pull_bw  # measured by the pulls above
+        d.engine.core.remote.pull_bw = 1e6  # a slow network: restoring is faster
         if restore_fails:
             def broken(*_: Any) -> list:
                 raise RuntimeError("simulated restore failure")
@@ -364,6 +366,50 @@ def test_decode_leg_restores_its_own_tier_hit_and_pulls_only_the_rest(
         by = {"gpu": held * 16, "cpu": restored * 16, "remote": pulled * 16}
         assert details["cached_tokens_by_tier"] == {t: n for t, n in by.items() if n or t == "gpu"}
         assert details["cached_tokens"] == (held + restored + pulled) * 16
+        assert tiers1["decisions"]["pull"] == tiers0["decisions"]["pull"]
+        wait_clean(p, d)
+    finally:
+        d.close()
+
+
+def test_decode_leg_pulls_its_tier_hit_when_pulling_is_faster(
+        pd: tuple[ServerThread, ServerThread]) -> None:
+    """With the measured restore bandwidth far below the measured pull throughput, a decode
+    leg leaves its CPU tier hit alone and pulls everything past its device hit; the choice
+    and both estimates are in the metrics."""
+    p, _ = pd
+    d = ServerThread(role="decode", kv_transfer_token="s3cret",
+                     **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
+                        "kv_cpu_gib": 0.01, "kv_store_on": "evict"}).start()
+    try:
+        rng = random.Random(13)
+        x, y, more = ([rng.randint(3, 500) for _ in range(n)] for n in (300, 400, 100))
+        disagg(p, d, {"prompt": x, "max_tokens": 6, "temperature": 0})
+        disagg(p, d, {"prompt": y, "max_tokens": 6, "temperature": 0})  # evicts x on d
+        hashes: list[bytes] = []
+        d.engine.core.kv.hasher.extend(hashes, x)
+        held = sum(h in d.engine.core.kv.pool.cached for h in hashes[:len(x) // 16])
+        assert held < len(x) // 16
+        assert d.engine.core.remote.pull_bw  # measured by the pulls above
+        d.engine.core.tiers.est.bw["cpu"] = 1e3  # a restore estimated far slower than a pull
+        before, tiers0 = transfer(d), d.engine.stats().tiers
+        body = {"prompt": x + more, "max_tokens": 6, "temperature": 0}
+        ref = post(p.url, body)["choices"][0]["text"]
+        out = disagg(p, d, body)
+        assert out["choices"][0]["text"] == ref
+        after, tiers1 = transfer(d), d.engine.stats().tiers
+        usable = (len(x) + len(more) - 1) // 16
+        assert tiers1["restore_blocks"]["cpu"] == tiers0["restore_blocks"]["cpu"]
+        assert after["blocks_pulled"] - before["blocks_pulled"] == usable - held
+        assert tiers1["decisions"]["pull"] == tiers0["decisions"]["pull"] + 1
+        assert tiers1["decisions"]["restore"] == tiers0["decisions"]["restore"]
+        assert 0 < tiers1["last_pull_estimate_s"] < tiers1["last_restore_estimate_s"]
+        assert out["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"] == {
+            "gpu": held * 16, "remote": (usable - held) * 16}
+        with urllib.request.urlopen(d.url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        assert 'agentserve:kv_restore_decisions_total{choice="pull",model_name=' in text
+        assert "agentserve:kv_transfer_pull_bandwidth_bytes_per_second{" in text
         wait_clean(p, d)
     finally:
         d.close()

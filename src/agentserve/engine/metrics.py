@@ -53,7 +53,8 @@ TIER_COUNTERS = [
     ("store_bytes", "agentserve:kv_store_bytes", "tier", "Bytes stored into each tier."),
     ("store_blocks", "agentserve:kv_store_blocks", "tier", "Offload blocks stored."),
     ("evictions", "agentserve:kv_tier_evictions", "tier", "Offload blocks evicted per tier."),
-    ("decisions", "agentserve:kv_restore_decisions", "choice", "Restore vs recompute decisions."),
+    ("decisions", "agentserve:kv_restore_decisions", "choice",
+     "Restore vs recompute (or, for a P/D decode leg, vs pull) decisions."),
     ("restore_outcome", "agentserve:kv_restore_outcome_blocks", "outcome",
      "Restored offload blocks by outcome: used, or wasted (repeat, device_held, aborted, failed)."),
     ("restore_sizes", "agentserve:kv_restore_size", "blocks", "Restores by size in offload blocks."),
@@ -71,6 +72,8 @@ TIER_SCALARS = [
      "Estimated restore time of the last decision."),
     ("last_recompute_estimate_s", "agentserve:kv_recompute_estimate_seconds", False,
      "Estimated recompute time of the last decision."),
+    ("last_pull_estimate_s", "agentserve:kv_pull_estimate_seconds", False,
+     "Estimated time to pull a decode leg's tier hit instead, at its last decision."),
     ("loads_in_flight", "agentserve:kv_restores_in_flight", False, "Restores in flight."),
     ("prefill_tokens_per_s", "agentserve:kv_prefill_tokens_per_second", False,
      "Measured prefill speed used by the restore/recompute estimate."),
@@ -123,6 +126,8 @@ TRANSFER_SERIES = [
     ("pins_released", "agentserve:kv_transfer_pins_released", True, "Pinned prefills released."),
     ("pinned_requests", "agentserve:kv_transfer_pinned_requests", False, "Prefills holding pinned KV."),
     ("pulls_in_flight", "agentserve:kv_transfer_pulls_in_flight", False, "Pulls in flight."),
+    ("pull_bw_estimate", "agentserve:kv_transfer_pull_bandwidth_bytes_per_second", False,
+     "Measured pull throughput (moving average) that decode legs weigh against restoring."),
 ]
 
 

@@ -167,7 +167,8 @@ class Scheduler:
         num_cached = len(computed) * self.kv.block_size
         started: bool | None = False  # True: parked while its KV arrives; None: must wait
         # The local tiers go first, also for a P/D decode leg: what its own CPU tier holds
-        # comes back over PCIe instead of the network, and the pull then starts past it.
+        # comes back over PCIe instead of the network (when the measured bandwidths say that
+        # is faster than pulling it), and the pull then starts past it.
         if self.tiers is not None and not seq.kv_restore_failed:
             started = self._try_restore(seq, computed)
         if started is False and self._pull_pending(seq):
@@ -198,7 +199,8 @@ class Scheduler:
     def _try_restore(self, seq: Sequence, computed: list) -> bool | None:
         """Start restoring the head's tier hit: True started, False not worth it, None wait."""
         assert self.tiers is not None
-        plan = self.tiers.plan(seq, len(computed))
+        pull_s = self.remote.pull_s if self._pull_pending(seq) else None
+        plan = self.tiers.plan(seq, len(computed), pull_s)
         if plan is None:
             return False
         if len(self.tiers.loads) >= self.tiers.cfg.max_loads:

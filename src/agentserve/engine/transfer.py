@@ -39,6 +39,8 @@ from agentserve.kv.pool import Block, BlockPool
 
 log = logging.getLogger("agentserve.transfer")
 
+MEASURED_PULL_BYTES = 1 << 20  # pulls this large update the throughput estimate
+
 
 @dataclass(slots=True)
 class TransferStats:
@@ -95,6 +97,10 @@ class RemoteKV:
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._sum_jobs: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self.pending = 0
+        # Measured pull throughput (bytes/s, a moving average over pulls of at least
+        # MEASURED_PULL_BYTES; smaller ones are latency-bound): None until one is measured.
+        self.pull_bw: float | None = None
+        self.block_bytes = 2 * k.shape[0] * k[0, 0].numel() * k.element_size()
         self.notify: Callable[[], None] = lambda: None  # wakes the core loop
         backend.on_sent = self._on_sent  # type: ignore[attr-defined]
         self.port = backend.serve(self, cfg.bind or cfg.host, cfg.port)
@@ -227,6 +233,14 @@ class RemoteKV:
         return PullSpec(str(host), int(port), str(rid), list(range(device_hit, usable)),
                         hashes[device_hit:usable])
 
+    def pull_s(self, tokens: int) -> float:
+        """Estimated seconds to pull ``tokens`` tokens of KV at the measured throughput;
+        infinite before any pull was measured (a decode leg then restores what its own
+        tiers hold, which also spares the network)."""
+        if not self.pull_bw:
+            return float("inf")
+        return tokens / self.bs * self.block_bytes / self.pull_bw
+
     def start_pull(self, seq: Any, spec: PullSpec, block_ids: list[int]) -> None:
         seq.kv_transfer = None  # the pull releases the remote pins: nothing left to release
         self.stats.blocks_local += spec.idx[0]
@@ -264,8 +278,12 @@ class RemoteKV:
             self._done.put(PullDone(rid, False, len(block_ids)))
             self.notify()
             return
-        self.stats.pull_seconds += time.perf_counter() - t0
+        dt = time.perf_counter() - t0
+        self.stats.pull_seconds += dt
         self.stats.bytes_received += nbytes
+        if nbytes >= MEASURED_PULL_BYTES and dt > 0:  # (one float store: safe across threads)
+            bw = nbytes / dt
+            self.pull_bw = bw if self.pull_bw is None else self.pull_bw + 0.3 * (bw - self.pull_bw)
         self.stats.pulls += 1
         self.stats.blocks_pulled += len(block_ids)
         self._done.put(PullDone(rid, True, len(block_ids)))
@@ -293,4 +311,5 @@ class RemoteKV:
         s = {f: getattr(self.stats, f) for f in self.stats.__slots__}
         s["pinned_requests"] = self.num_pinned
         s["pulls_in_flight"] = self.pending
+        s["pull_bw_estimate"] = self.pull_bw or 0.0
         return s

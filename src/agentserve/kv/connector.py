@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -184,8 +185,11 @@ class TierConnector:
         self.worker.submit("store", "disk", key, lambda: disk.write_block(key, loc, arr))
 
     # ---- restore ----------------------------------------------------------------------
-    def plan(self, seq: TierSeq, device_hit: int) -> RestorePlan | None:
-        """The tier hit beyond ``device_hit`` blocks, if restoring it is worth it."""
+    def plan(self, seq: TierSeq, device_hit: int,
+             pull_s: Callable[[int], float] | None = None) -> RestorePlan | None:
+        """The tier hit beyond ``device_hit`` blocks, if restoring it is worth it: faster
+        than recomputing it, or, for a P/D decode leg (``pull_s``: estimated seconds to
+        pull that many tokens from its prefill engine instead), faster than pulling it."""
         max_blocks = min((len(seq.token_ids) - 1) // self.bs, len(seq.block_hashes))
         g0, g_end = device_hit // self.k, max_blocks // self.k
         if g_end <= g0:
@@ -195,13 +199,13 @@ class TierConnector:
         if not keys:
             return None
         tiers = [self.mgr.where(k) or "cpu" for k in keys]
-        n = self._choose(tiers, device_hit - g0 * self.k)
+        n = self._choose(tiers, device_hit - g0 * self.k, pull_s)
         if n == 0:
             # Counted once per request (a head that waits is planned again every step);
             # a restore is counted when it starts.
             if seq.request_id not in self._recompute_counted:
                 self._recompute_counted.add(seq.request_id)
-                self.stats.decisions["recompute"] += 1
+                self.stats.decisions["recompute" if pull_s is None else "pull"] += 1
             return None
         skip = device_hit - g0 * self.k
         plan = RestorePlan(device_hit, n * self.k - skip, keys[:n], tiers[:n], skip)
@@ -210,21 +214,28 @@ class TierConnector:
             plan.tokens_by_tier[t] = plan.tokens_by_tier.get(t, 0) + toks
         return plan
 
-    def _choose(self, tiers: list[str], skip: int) -> int:
-        """How many leading groups to restore: the option with the largest time saving."""
+    def _choose(self, tiers: list[str], skip: int,
+                pull_s: Callable[[int], float] | None = None) -> int:
+        """How many leading groups to restore: the option with the largest time saving
+        over the alternative (recompute, or ``pull_s`` for a P/D decode leg)."""
         mode = self.cfg.restore_mode
+        other = self.est.recompute_s if pull_s is None else pull_s
         n_cpu = next((i for i, t in enumerate(tiers) if t != "cpu"), len(tiers))
         best, best_gain, full = 0, 0.0, None
         for n in sorted({n_cpu, len(tiers)} - {0}):
             nbytes = {"cpu": 0, "disk": 0}
             for t in tiers[:n]:
                 nbytes[t] += self.mgr.cpu.block_bytes
-            r, c = self.est.restore_s(nbytes), self.est.recompute_s((n * self.k - skip) * self.bs)
+            r, c = self.est.restore_s(nbytes), other((n * self.k - skip) * self.bs)
             full = (r, c)
             if c - r > best_gain or mode == "always":
                 best, best_gain = n, c - r
         if full is not None:
-            self.stats.last_restore_estimate_s, self.stats.last_recompute_estimate_s = full
+            self.stats.last_restore_estimate_s = full[0]
+            if pull_s is None:
+                self.stats.last_recompute_estimate_s = full[1]
+            else:
+                self.stats.last_pull_estimate_s = full[1]
         if mode == "never":
             best = 0
         return best

@@ -55,7 +55,10 @@ class TierStats:
     store_bytes: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
     store_blocks: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
     evictions: dict[str, int] = field(default_factory=lambda: {"cpu": 0, "disk": 0})
-    decisions: dict[str, int] = field(default_factory=lambda: {"restore": 0, "recompute": 0})
+    # restore; recompute (not worth restoring); pull (a P/D decode leg: pulling from the
+    # prefill engine is estimated faster than restoring from its own tier)
+    decisions: dict[str, int] = field(default_factory=lambda: {"restore": 0, "recompute": 0,
+                                                               "pull": 0})
     # Where each restored offload block went (disjoint): ``used`` by the request that
     # triggered it; wasted as ``repeat`` (restored again for the same request, e.g. after
     # a preemption), ``device_held`` (the device still held that block, just not as part
@@ -76,6 +79,7 @@ class TierStats:
     stores_skipped: int = 0  # offered blocks not stored (tier full of pinned blocks, etc.)
     last_restore_estimate_s: float = 0.0
     last_recompute_estimate_s: float = 0.0
+    last_pull_estimate_s: float = 0.0
     restore_latency_buckets: list[int] = field(
         default_factory=lambda: [0] * (len(RESTORE_BUCKETS) + 1))
     restore_latency_sum: float = 0.0
