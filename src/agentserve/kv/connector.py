@@ -222,10 +222,10 @@ class TierConnector:
         other = self.est.recompute_s if pull_s is None else pull_s
         n_cpu = next((i for i, t in enumerate(tiers) if t != "cpu"), len(tiers))
         best, best_gain, full = 0, 0.0, None
+        bb = self.mgr.cpu.block_bytes
         for n in sorted({n_cpu, len(tiers)} - {0}):
-            nbytes = {"cpu": 0, "disk": 0}
-            for t in tiers[:n]:
-                nbytes[t] += self.mgr.cpu.block_bytes
+            # the first n_cpu groups are in CPU memory, the rest on disk
+            nbytes = {"cpu": min(n, n_cpu) * bb, "disk": max(0, n - n_cpu) * bb}
             r, c = self.est.restore_s(nbytes), other((n * self.k - skip) * self.bs)
             full = (r, c)
             if c - r > best_gain or mode == "always":
