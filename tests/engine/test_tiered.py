@@ -209,3 +209,36 @@ def test_server_usage_breakdown_session_header_and_metrics() -> None:
         assert 'agentserve:kv_restore_decisions_total{choice="restore"' in text
     finally:
         served.close()
+
+
+def test_write_through_stores_keep_the_device_eviction_order() -> None:
+    """A request that ends while its blocks are still being copied to the CPU tier gets them
+    back on the device free queue tails first, as without a tier: a later request evicts
+    the same blocks, and the prefix's head stays a device hit."""
+    import time as _time
+
+    async def a_then_b(eng: AsyncEngine) -> int:
+        tiers = eng.core.tiers
+        if tiers is not None:  # copies finish well after the request
+            copy = tiers.worker.device_to_host
+
+            def slow(*args):
+                _time.sleep(0.3)
+                return copy(*args)
+            tiers.worker.device_to_host = slow
+        await _run(eng, "a1", A)
+        for _ in range(200):  # bounded: the store ends within 0.3 s plus a step
+            if tiers is None or not tiers.busy:
+                break
+            await asyncio.sleep(0.02)
+        assert tiers is None or not tiers.busy
+        await _run(eng, "b1", B)  # evicts part of A
+        hashes: list[bytes] = []
+        eng.core.kv.hasher.extend(hashes, A)
+        cached = eng.core.kv.pool.cached
+        return next((i for i, h in enumerate(hashes) if h not in cached), len(hashes))
+
+    plain, _ = _with(a_then_b)
+    tiered, _ = _with(a_then_b, kv_cpu_gib=0.01)
+    assert 0 < plain < len(A) // 16  # B evicted A's tail, not its head
+    assert tiered == plain

@@ -163,7 +163,10 @@ class TierConnector:
     def store_done(self, ctx: Any, result: Any) -> None:
         """A store job ended: release its device blocks, commit (or drop) its CPU slots."""
         keys, infos, held = ctx
-        for g in held:
+        # Tails first, as a request frees its own blocks: when the request ended before this
+        # copy did, this is where its blocks join the device's LRU queue, and freeing heads
+        # first would make the device evict every prefix's head before its tail.
+        for g in reversed(held):
             self.pool.free(list(reversed(g)))
         ok = not isinstance(result, Exception)
         if not ok:
