@@ -110,6 +110,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/gc_pauses.json"))
     a = ap.parse_args()
+    need = a.first + a.turns * (a.delta + a.max_tokens)
+    flags = a.engine_args.split()
+    if "--max-model-len" in flags and need > int(flags[flags.index("--max-model-len") + 1]):
+        ap.error(f"the last turn needs {need} tokens, over the engines' --max-model-len: "
+                 "lower --turns, --first or --delta")
 
     run_dir = Path(tempfile.mkdtemp(prefix="gc-pauses-"))
     procs = {n: start(run_dir, n, env, a.engine_args.split()) for n, env in ENGINES.items()}

@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gc_pauses import gc_stats
 from pd_itl import loadavg, prompt, scrape
 
 from agentserve.procs import ManagedProcess, agentserve_cmd, free_port, start_process
@@ -106,6 +107,7 @@ async def measure(a: argparse.Namespace, urls: dict[str, str]) -> list[dict]:
                 await decode_leg(s, urls["P"], d, {"prompt": x, "max_tokens": 2, "temperature": 0.0})
                 await decode_leg(s, urls["P"], d, {"prompt": filler, "max_tokens": 2,
                                                    "temperature": 0.0})
+                await asyncio.sleep(a.pause_s)  # the tool call between the turns
                 before = await scrape(s, d)
                 ttft, text = await decode_leg(s, urls["P"], d, body)
                 after = await scrape(s, d)
@@ -122,6 +124,8 @@ async def measure(a: argparse.Namespace, urls: dict[str, str]) -> list[dict]:
         await one_round(-1, warm=True)
         for i in range(a.rounds):
             await one_round(i, warm=False)
+        for name in ("tier", "plain"):  # full collections would show up as TTFT spikes
+            rows.append({"engine": name, "gc": await gc_stats(s, urls[name])})
     return rows
 
 
@@ -137,6 +141,10 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny", help="tiny | small")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--pause-s", type=float, default=0.0,
+                    help="seconds between the filler and turn 2 (a tool call); write-through "
+                         "copies of the filler still running then hold its device blocks, so "
+                         "turn 2 waits for them")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="benchmarks/results/pd_local_restore.json")
     a = ap.parse_args()
@@ -160,12 +168,15 @@ def main() -> None:
         for p in procs.values():
             p.stop()
         shutil.rmtree(run_dir, ignore_errors=True)
+    gc = {r["engine"]: r["gc"] for r in rows if "gc" in r}
+    rows = [r for r in rows if "gc" not in r]
     summary = {}
     for name in ("tier", "plain"):
         rs = [r for r in rows if r["engine"] == name]
         summary[name] = {f: round(statistics.median(r[f] for r in rs), 3)
                          for f in ("ttft_ms", "pulled_mib", "restored_mib", "pull_ms", "restore_ms")}
         summary[name]["same_answer"] = all(r["same_answer"] for r in rs)
+        summary[name]["gc"] = gc[name]
     pairs = [(p["ttft_ms"] / t["ttft_ms"]) for t in rows if t["engine"] == "tier"
              for p in rows if p["engine"] == "plain" and p["round"] == t["round"]]
     summary["paired_ttft_ratio_plain_over_tier"] = round(statistics.median(pairs), 3)
@@ -181,6 +192,10 @@ def main() -> None:
                       f"{m['restored_mib']:.1f}", f"{m['restore_ms']:.1f}", str(m["same_answer"]))
     Console(width=140).print(table)
     print(f"paired TTFT ratio plain / tier: {summary['paired_ttft_ratio_plain_over_tier']}")
+    for name in ("tier", "plain"):
+        g = gc[name]
+        print(f"{name}: {g['gen2_count']:.0f} full GC(s), longest {g['gen2_max_s'] * 1e3:.1f} ms, "
+              f"{g['frozen_objects']:.0f} objects frozen")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({
         "config": {k: v for k, v in vars(a).items() if k != "out"}, "cpu_count": os.cpu_count(),
