@@ -1,4 +1,4 @@
-"""The tier copies of ``TransferWorker``: per-block (CPU) and batched (CUDA's, and CPU loads
+"""The tier copies of ``TransferWorker``: per-block (CPU) and batched (CUDA's, and CPU copies
 of small blocks) agree, across staging chunks, slot runs, consecutive and scattered
 destinations and a partial first offload block."""
 
@@ -25,7 +25,7 @@ def offload_block(k: torch.Tensor, v: torch.Tensor, ids: list[int]) -> torch.Ten
 
 @pytest.mark.parametrize("batched,stage_blocks,small", [
     (False, 1, 0),  # block by block (CPU, large offload blocks)
-    (False, 2, None),  # CPU, small offload blocks: loads staged like CUDA's
+    (False, 2, None),  # CPU, small offload blocks: loads staged like CUDA's, stores indexed
     (True, 1, None), (True, 2, None), (True, 64, None)])
 def test_store_then_load_round_trips(batched: bool, stage_blocks: int, small: int | None,
                                      monkeypatch: pytest.MonkeyPatch) -> None:

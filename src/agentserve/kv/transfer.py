@@ -32,8 +32,8 @@ class TransferWorker:
     a launch, and one restore of 16K tokens of the tiny model as 1,024 per-block copies ran
     at 0.3 GB/s. Batched, loads go through a reused device staging buffer (at most
     ``stage_bytes``) and stores write whole slots, both as asynchronous copies from and to
-    the CPU tier's pinned memory. On CPU, loads of small offload blocks are batched the same
-    way (``SMALL_BLOCK_BYTES``); larger ones and stores copy block by block.
+    the CPU tier's pinned memory. On CPU, small offload blocks (``SMALL_BLOCK_BYTES``) load
+    the same way and store as one indexed copy; larger ones copy block by block.
     """
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, batched: bool | None = None,
@@ -115,6 +115,12 @@ class TransferWorker:
             for first, length in _runs(slots):
                 dst[first:first + length].copy_(both[at:at + length], non_blocking=self.cuda)
                 at += length
+            return
+        if dst[0].nbytes < SMALL_BLOCK_BYTES:  # CPU, small blocks: one indexed copy each of
+            # K and V instead of two copies a slot (416 scattered 64 KiB blocks: 33 -> 15 ms)
+            at_slots = torch.tensor(slots)
+            for kv_i, g in enumerate(kv):
+                dst.select(1, kv_i).index_copy_(0, at_slots, g)
             return
         for kv_i, g in enumerate(kv):
             for j, slot in enumerate(slots):
