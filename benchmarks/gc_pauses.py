@@ -21,7 +21,6 @@ import asyncio
 import json
 import random
 import re
-import shutil
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pd_itl import loadavg, prompt, quantile, stream
 
-from agentserve.procs import ManagedProcess, agentserve_cmd, free_port, start_process
+from agentserve.procs import ManagedProcess, agentserve_cmd, free_port, running, start_process
 
 ENGINES = {"frozen": {}, "unfrozen": {"AGENTSERVE_GC_FREEZE": "0"}}
 
@@ -119,14 +118,8 @@ def main() -> None:
     run_dir = Path(tempfile.mkdtemp(prefix="gc-pauses-"))
     procs = {n: start(run_dir, n, env, a.engine_args.split()) for n, env in ENGINES.items()}
     t0, load0 = time.perf_counter(), loadavg()
-    try:
-        for p in procs.values():
-            p.wait_healthy(180)
+    with running(procs, run_dir):
         res = asyncio.run(measure(a, {n: p.url for n, p in procs.items()}))
-    finally:
-        for p in procs.values():
-            p.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()},
               "loadavg_1m_5m_15m_start": load0, "loadavg_1m_5m_15m_end": loadavg(),
               "total_wall_s": round(time.perf_counter() - t0, 1), "engines": res}

@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -43,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gc_pauses import gc_stats
 from pd_itl import loadavg, prompt, scrape
 
-from agentserve.procs import ManagedProcess, agentserve_cmd, free_port, start_process
+from agentserve.procs import ManagedProcess, agentserve_cmd, free_port, running, start_process
 
 PULL_B = "agentserve:kv_transfer_received_bytes_total"
 RESTORE_B = "agentserve:kv_restore_bytes_total"
@@ -160,14 +159,8 @@ def main() -> None:
              "tier": start(run_dir, "decode-tier", "decode",
                            dec + ["--kv-cpu-gib", str(a.kv_cpu_gib), "--kv-store-on", a.store_on]),
              "plain": start(run_dir, "decode-plain", "decode", dec)}
-    try:
-        for p in procs.values():
-            p.wait_healthy(180)
+    with running(procs, run_dir):
         rows = asyncio.run(measure(a, {k: p.url for k, p in procs.items()}))
-    finally:
-        for p in procs.values():
-            p.stop()
-        shutil.rmtree(run_dir, ignore_errors=True)
     gc = {r["engine"]: r["gc"] for r in rows if "gc" in r}
     rows = [r for r in rows if "gc" not in r]
     summary = {}

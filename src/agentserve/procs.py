@@ -7,6 +7,7 @@ that every one of them waits for health with a bound and leaves no orphans.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +15,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -100,6 +103,21 @@ def start_process(name: str, cmd: list[str], log_path: Path, url: str | None = N
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
                                  start_new_session=True, stdin=subprocess.DEVNULL)
     return ManagedProcess(name, popen, log_path, url)
+
+
+@contextmanager
+def running(procs: dict[str, ManagedProcess], run_dir: Path | None = None,
+            timeout: float = 180.0) -> Iterator[dict[str, ManagedProcess]]:
+    """Wait until every process is healthy; on exit stop them all (and remove ``run_dir``)."""
+    try:
+        for p in procs.values():
+            p.wait_healthy(timeout)
+        yield procs
+    finally:
+        for p in procs.values():
+            p.stop()
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
 
 def agentserve_cmd(*args: str) -> list[str]:

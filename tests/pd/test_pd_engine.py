@@ -321,6 +321,29 @@ def test_pulled_blocks_reach_a_write_back_tier_when_evicted(pd: tuple[ServerThre
         d.close()
 
 
+def evicted_on_tiered_decode(p: ServerThread, seed: int) -> tuple[ServerThread, list[int], list[int], int]:
+    """A small decode engine with a write-back CPU tier, after a decode leg of prompt x and
+    one of y that evicted part of x from its device: (engine, x, more tokens, x's blocks the
+    device still holds). Pulls have run, so the pull throughput is measured."""
+    d = ServerThread(role="decode", kv_transfer_token="s3cret",
+                     **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
+                        "kv_cpu_gib": 0.01, "kv_store_on": "evict"}).start()
+    try:
+        rng = random.Random(seed)
+        x, y, more = ([rng.randint(3, 500) for _ in range(n)] for n in (300, 400, 100))
+        disagg(p, d, {"prompt": x, "max_tokens": 6, "temperature": 0})
+        disagg(p, d, {"prompt": y, "max_tokens": 6, "temperature": 0})  # evicts x on d
+        hashes: list[bytes] = []
+        d.engine.core.kv.hasher.extend(hashes, x)
+        held = sum(h in d.engine.core.kv.pool.cached for h in hashes[:len(x) // 16])
+        assert held < len(x) // 16  # the device lost some of x: its CPU tier has them
+        assert d.engine.core.remote.pull_bw  # measured by the pulls above
+    except BaseException:
+        d.close()
+        raise
+    return d, x, more, held
+
+
 @pytest.mark.parametrize("restore_fails", [False, True])
 def test_decode_leg_restores_its_own_tier_hit_and_pulls_only_the_rest(
         pd: tuple[ServerThread, ServerThread], restore_fails: bool) -> None:
@@ -328,21 +351,10 @@ def test_decode_leg_restores_its_own_tier_hit_and_pulls_only_the_rest(
     locally (restoring is estimated faster than pulling) and pulls from the prefill engine
     only the blocks past it; if that restore fails, it pulls them too."""
     p, _ = pd
-    d = ServerThread(role="decode", kv_transfer_token="s3cret",
-                     **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
-                        "kv_cpu_gib": 0.01, "kv_store_on": "evict"}).start()
+    d, x, more, held = evicted_on_tiered_decode(p, 12)
     try:
-        rng = random.Random(12)
-        x, y, more = ([rng.randint(3, 500) for _ in range(n)] for n in (300, 400, 100))
-        disagg(p, d, {"prompt": x, "max_tokens": 6, "temperature": 0})
-        disagg(p, d, {"prompt": y, "max_tokens": 6, "temperature": 0})  # evicts x on d
         shared = len(x) // 16  # x's full blocks; the next one holds x's outputs on d
-        hashes: list[bytes] = []
-        d.engine.core.kv.hasher.extend(hashes, x)
-        held = sum(h in d.engine.core.kv.pool.cached for h in hashes[:shared])
-        assert held < shared  # the device lost some of x: its CPU tier has them
         before, tiers0 = transfer(d), d.engine.stats().tiers
-        assert d.engine.core.remote.pull_bw  # measured by the pulls above
         d.engine.core.remote.pull_bw = 1e6  # a slow network: restoring is faster
         if restore_fails:
             def broken(*_: Any) -> list:
@@ -378,19 +390,8 @@ def test_decode_leg_pulls_its_tier_hit_when_pulling_is_faster(
     leg leaves its CPU tier hit alone and pulls everything past its device hit; the choice
     and both estimates are in the metrics."""
     p, _ = pd
-    d = ServerThread(role="decode", kv_transfer_token="s3cret",
-                     **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
-                        "kv_cpu_gib": 0.01, "kv_store_on": "evict"}).start()
+    d, x, more, held = evicted_on_tiered_decode(p, 13)
     try:
-        rng = random.Random(13)
-        x, y, more = ([rng.randint(3, 500) for _ in range(n)] for n in (300, 400, 100))
-        disagg(p, d, {"prompt": x, "max_tokens": 6, "temperature": 0})
-        disagg(p, d, {"prompt": y, "max_tokens": 6, "temperature": 0})  # evicts x on d
-        hashes: list[bytes] = []
-        d.engine.core.kv.hasher.extend(hashes, x)
-        held = sum(h in d.engine.core.kv.pool.cached for h in hashes[:len(x) // 16])
-        assert held < len(x) // 16
-        assert d.engine.core.remote.pull_bw  # measured by the pulls above
         d.engine.core.tiers.est.bw["cpu"] = 1e3  # a restore estimated far slower than a pull
         before, tiers0 = transfer(d), d.engine.stats().tiers
         body = {"prompt": x + more, "max_tokens": 6, "temperature": 0}
