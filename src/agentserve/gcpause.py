@@ -31,39 +31,43 @@ PAUSE_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
 
 
 class PauseTracker:
-    """Counts collections and their stop-the-world time per generation (``gc.callbacks``)."""
+    """Counts collections and their stop-the-world time per generation (``gc.callbacks``).
+
+    No lock: a collection can start inside any allocation, including one made while a lock
+    is held on this very thread (reading a snapshot allocates), so a callback that took a
+    lock could deadlock the thread, and with it the server. Collections never overlap
+    (the collector runs one at a time, under the GIL), so the callback is the only writer;
+    a snapshot may read counters mid-update, which costs at most one collection's worth.
+    """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._start: dict[int, float] = {}  # per thread: the collection in progress
+        self._t0: float | None = None  # start of the collection in progress
         self.count = [0, 0, 0]
         self.seconds = [0.0, 0.0, 0.0]
         self.max_s = [0.0, 0.0, 0.0]
         self.buckets = [[0] * (len(PAUSE_BUCKETS) + 1) for _ in range(3)]
 
     def __call__(self, phase: str, info: dict[str, Any]) -> None:
-        # Runs inside the collector: no allocation-heavy work, never raise.
-        tid = threading.get_ident()
+        # Runs inside the collector: small, no locks, never raises.
         if phase == "start":
-            self._start[tid] = time.perf_counter()
+            self._t0 = time.perf_counter()
             return
-        t0 = self._start.pop(tid, None)
+        t0, self._t0 = self._t0, None
         if t0 is None:
             return
         dt, g = time.perf_counter() - t0, min(int(info.get("generation", 2)), 2)
         i = next((i for i, b in enumerate(PAUSE_BUCKETS) if dt <= b), len(PAUSE_BUCKETS))
-        with self._lock:
-            self.count[g] += 1
-            self.seconds[g] += dt
-            self.max_s[g] = max(self.max_s[g], dt)
-            self.buckets[g][i] += 1
+        self.count[g] += 1
+        self.seconds[g] += dt
+        if dt > self.max_s[g]:
+            self.max_s[g] = dt
+        self.buckets[g][i] += 1
 
     def snapshot(self) -> dict[str, Any]:
         """Cumulative counts, seconds, max pause and histogram buckets per generation."""
-        with self._lock:
-            return {"count": list(self.count), "seconds": list(self.seconds),
-                    "max_s": list(self.max_s), "buckets": [list(b) for b in self.buckets],
-                    "frozen_objects": gc.get_freeze_count()}
+        return {"count": list(self.count), "seconds": list(self.seconds),
+                "max_s": list(self.max_s), "buckets": [list(b) for b in self.buckets],
+                "frozen_objects": gc.get_freeze_count()}
 
 
 _tracker: PauseTracker | None = None

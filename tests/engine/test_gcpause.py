@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import re
+import subprocess
+import sys
 import urllib.request
 
 from agentserve.engine.metrics import ServerMetrics
@@ -28,6 +30,32 @@ def test_collections_are_counted_and_timed_per_generation() -> None:
                         text).group(1))
     assert n >= after["count"][2]
     assert 'agentserve:gc_pause_max_seconds{generation="2",model_name="m"}' in text
+
+
+# Collections on every few allocations, on two threads, while snapshots are read: a
+# collection that starts inside a snapshot must not wait for anything the snapshot holds.
+_STRESS = """
+import gc, threading
+from agentserve.gcpause import pause_tracker
+t = pause_tracker()
+gc.set_threshold(1, 1, 1)
+def churn():
+    for _ in range(20000):
+        [[i] for i in range(8)]
+th = threading.Thread(target=churn)
+th.start()
+for _ in range(5000):
+    t.snapshot()
+th.join()
+assert sum(t.snapshot()["count"]) > 1000
+print("ok")
+"""
+
+
+def test_snapshots_never_deadlock_with_a_collection() -> None:
+    r = subprocess.run([sys.executable, "-c", _STRESS], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
 
 
 def _metric(text: str, name: str) -> float:
