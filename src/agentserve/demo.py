@@ -71,6 +71,10 @@ def demo(
         # cached on the decode engine, so a turn's first prefill shows up as cached too.
         console.print("(cached tokens include KV pulled from the prefill engine, as vLLM reports "
                       "them; captured reuse can therefore exceed 100%)")
+    if s["requests_failed"]:  # a demo that lost requests failed, whatever else it shows
+        console.print(f"[bold red]{s['requests_failed']} requests failed[/]: see the errors in "
+                      f"{out / 'requests.jsonl'} and the engine logs in {run_dir}")
+        raise typer.Exit(1)
 
 
 def _metric(text: str, name: str, label: str = "") -> float:
