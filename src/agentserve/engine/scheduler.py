@@ -301,10 +301,9 @@ class Scheduler:
         return True
 
     def _try_pull(self, seq: Sequence, computed: list) -> bool | None:
-        """Start pulling the head's missing blocks: True started, False none, None wait."""
+        """Start pulling the head's missing blocks (``_pull_pending``): True started, False
+        none, None wait."""
         assert self.remote is not None
-        if not seq.kv_transfer.get("do_remote_prefill"):
-            return False
         spec = self.remote.plan(seq, len(computed))
         if spec is None:
             return False

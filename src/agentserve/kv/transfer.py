@@ -19,9 +19,10 @@ import torch
 Job = Callable[[], Any]
 
 
-# Offload blocks below this size are restored through the staging buffer on CPU too: one
-# copy per chunk instead of ~10 tensor ops per block (16-token blocks of the tiny model,
-# 64 KiB: 3x faster; at 256 KiB the two ways are even; larger blocks copy faster directly).
+# Offload blocks below this size are restored through the staging buffer on CPU too (one
+# copy per chunk instead of ~10 tensor ops per block: 3x faster for the tiny model's 64 KiB
+# blocks) and stored as one indexed copy (2x); at 256 KiB the ways are about even, and
+# larger blocks copy faster directly.
 SMALL_BLOCK_BYTES = 256 << 10
 
 
