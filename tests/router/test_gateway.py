@@ -148,6 +148,8 @@ async def test_prompt_over_every_context_limit_is_a_400_from_the_router(stack):
         err = (await r.json())["error"]
     assert err["type"] == "invalid_request_error"
     assert "maximum context length is 64 tokens" in err["message"]
+    # the engine's error object for the same mistake (engine/protocol.py check_length)
+    assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
     assert len(engines[0].calls) == 3 and not engines[1].calls
     async with s.get("/metrics") as r:
         text = await r.text()
@@ -178,6 +180,10 @@ async def test_unknown_model_404(stack):
     gw, s = await make()
     async with s.post("/v1/completions", json=prompt(model="other")) as r:
         assert r.status == 404
+        err = (await r.json())["error"]
+    # as the engine answers it (engine/server.py check_model), not an HTTP status as `code`
+    assert (err["type"], err["param"], err["code"]) == (
+        "invalid_request_error", "model", "model_not_found")
 
 
 async def test_models_union_and_health(stack):
@@ -258,6 +264,7 @@ async def test_api_key_and_admin(stack):
     gw, s = await make(api_key=KEY)
     async with s.post("/v1/completions", json=prompt()) as r:
         assert r.status == 401
+        assert (await r.json())["error"]["code"] == "invalid_api_key"  # the engine's code
     auth = {"Authorization": f"Bearer {KEY}"}
     async with s.delete("/admin/endpoints", params={"url": urls[0]}, headers=auth) as r:
         assert r.status == 200

@@ -43,12 +43,14 @@ _MIN_LEARN_TOKENS = 512  # smaller prefills: time to first byte is mostly overhe
 
 
 class NoEndpoint(Exception):
-    """No endpoint can take the request; the message says why (503, 404 or 400)."""
+    """No endpoint can take the request; the message says why (503, 404 or 400).
+    `kind`, `param` and `code` fill the OpenAI error object as the engine fills its own."""
 
-    def __init__(self, message: str, status: int = 503, kind: str | None = None) -> None:
+    def __init__(self, message: str, status: int = 503, kind: str | None = None,
+                 param: str | None = None, code: str | None = None) -> None:
         super().__init__(message)
-        self.status = status
-        self.kind = kind or ("service_unavailable" if status == 503 else "NotFoundError")
+        self.status, self.param, self.code = status, param, code
+        self.kind = kind or ("service_unavailable" if status == 503 else "invalid_request_error")
 
 
 @dataclass(slots=True)
@@ -238,7 +240,8 @@ class Router:
         for f in self.filters:
             cands = [c for c in cands if f.keep(c)]
         if not cands:
-            raise NoEndpoint(f"model {model!r} is not served by any endpoint", 404)
+            raise NoEndpoint(f"model {model!r} is not served by any endpoint", 404,
+                             param="model", code="model_not_found")
         whole = [c for c in cands if self.role_filter.keep(c)]
         return whole or cands
 
@@ -253,7 +256,8 @@ class Router:
         limit = max(eps[c.url].max_model_len or 0 for c in cands)
         raise NoEndpoint(f"This model's maximum context length is {limit} tokens. However, "
                          f"your prompt has {plen} tokens, leaving no room for output. Please "
-                         "shorten the prompt.", 400, "invalid_request_error")
+                         "shorten the prompt.", 400, "invalid_request_error", "prompt",
+                         "context_length_exceeded")
 
     # ---- decide -------------------------------------------------------------------
     def decide(self, req: RouteInput, exclude: set[str] | None = None) -> Decision:

@@ -40,9 +40,13 @@ RELOAD_ERRORS = (OSError, ValueError, TypeError, yaml.YAMLError)  # a bad config
 
 
 def error(status: int, message: str, kind: str = "invalid_request_error",
-          headers: dict[str, str] | None = None) -> web.Response:
-    """An OpenAI error object."""
-    body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+          headers: dict[str, str] | None = None, param: str | None = None,
+          code: str | None = None) -> web.Response:
+    """An OpenAI error object, the engine's shape: `code` is OpenAI's string code
+    (`invalid_api_key`, `context_length_exceeded`, ...) or null, never the HTTP status."""
+    if status == 401 and code is None:
+        code = "invalid_api_key"
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return web.json_response(body, status=status, headers=headers)
 
 
@@ -243,7 +247,7 @@ class Gateway:
             try:
                 resp = await self.pd.route(request, body, route)
             except NoEndpoint as e:  # a prompt over every decode endpoint's context limit
-                return error(e.status, str(e), e.kind)
+                return error(e.status, str(e), e.kind, param=e.param, code=e.code)
             if resp is not None:
                 return resp
         timeout = aiohttp.ClientTimeout(total=self.opts.request_timeout_s,
@@ -256,7 +260,7 @@ class Gateway:
             except NoEndpoint as e:
                 if last is not None:
                     break
-                return error(e.status, str(e), e.kind)
+                return error(e.status, str(e), e.kind, param=e.param, code=e.code)
             if d.url in tried:
                 break
             tried.add(d.url)

@@ -170,6 +170,6 @@ async def _stream(request: web.Request, resp: aiohttp.ClientResponse,
 def stream_error(tail: bytes, message: str) -> bytes:
     """An SSE error event (OpenAI error object) and [DONE], starting on an event boundary."""
     body = msgspec.json.encode({"error": {"message": message, "type": "internal_error",
-                                          "param": None, "code": 502}})
+                                          "param": None, "code": None}})
     sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"  # close a cut-off event
     return sep + b"data: " + body + b"\n\ndata: [DONE]\n\n"
