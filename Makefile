@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= $(HOME)/.cache/agentserve/vllm-venv
 export AGENTSERVE_VLLM_VENV := $(VLLM_VENV)
 
-.PHONY: install demo test test-fast bench vllm-venv clean
+.PHONY: install demo lint test test-fast bench vllm-venv clean
 
 install: $(STAMP)
 
@@ -23,7 +23,10 @@ vllm-venv:
 demo: install
 	$(VENV)/bin/agentserve demo
 
-test: install vllm-venv
+lint: install
+	$(VENV)/bin/ruff check -q src tests benchmarks scripts
+
+test: install vllm-venv lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
 
 test-fast: install
