@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import time
 import urllib.request
 
 import pytest
@@ -85,7 +86,57 @@ def test_restore_accounting_every_restored_block_is_used_once() -> None:
     assert t["restore_device_age"]["<2s"] == out["used"] and t["restore_preempted_blocks"] == 0
 
 
-def test_restore_accounting_classifies_waste() -> None:
+def test_requests_sharing_a_prefix_restore_it_once(reference) -> None:
+    """A burst of requests over one evicted prefix (a sub-agent group's shared prompt): the
+    first restores it, the others wait for that restore and hit it on the device, rather
+    than restore the same bytes again (each got its own copy before)."""
+    async def go(eng: AsyncEngine):
+        await _run(eng, "a1", A, "A")
+        await _run(eng, "b1", B, "B")  # pushes A out of the device pool
+        return await asyncio.gather(*[_run(eng, f"a{i}", A, "A") for i in range(2, 5)])
+    outs, eng = _with(go, kv_cpu_gib=0.01)
+    assert [toks for toks, _ in outs] == [reference] * 3
+    t = eng.stats().tiers
+    restored = t["restore_blocks"]["cpu"]
+    assert t["decisions"]["restore"] == 1 and restored == t["restore_outcome"]["used"] > 0
+    # (the third may reach the core after the restore ended: then it just hits the device)
+    assert t["restore_joined_blocks"] in (restored, 2 * restored)
+    # all three hit the whole prefix; the two that waited found the restored part on the
+    # device: the bytes crossed once
+    full = (len(A) - 1) // 16 * 16
+    cached = sorted((last.cached_by_tier.get("cpu", 0), last.num_cached_tokens) for _, last in outs)
+    assert cached == [(0, full)] * 2 + [(restored * 16, full)]
+
+
+def test_a_request_aborted_while_waiting_on_another_restore_leaks_nothing(reference) -> None:
+    """The waiting request is aborted before the restore it waits on ends: it ends at
+    once, the restore's own request is unaffected, and no block is left held."""
+    async def go(eng: AsyncEngine):
+        await _run(eng, "a1", A, "A")
+        await _run(eng, "b1", B, "B")
+        worker = eng.core.tiers.worker
+        copy = worker.host_to_device
+
+        def slow_copy(*args):  # a slow link: the restore is still in flight at the abort
+            time.sleep(0.5)
+            return copy(*args)
+        worker.host_to_device = slow_copy
+        leader = asyncio.create_task(_run(eng, "a2", A, "A"))
+        follower = asyncio.create_task(_run(eng, "a3", A, "A"))
+        await asyncio.sleep(0.2)
+        joined = {k: [s.request_id for s in v] for k, v in eng.core.scheduler.joined.items()}
+        await eng.abort("a3")
+        aborted_at = time.monotonic()
+        f_toks, f_last = await follower
+        waited = time.monotonic() - aborted_at
+        toks, _ = await leader
+        return joined, toks, (f_toks, f_last.finish_reason, waited), dict(eng.core.scheduler.joined)
+    (joined, toks, follower, after), eng = _with(go, kv_cpu_gib=0.01)
+    assert joined == {"a2": ["a3"]}  # it did wait on a2's restore
+    f_toks, reason, waited = follower
+    assert f_toks == [] and reason == "abort" and waited < 0.25  # not after the restore
+    assert toks == reference and after == {}
+
     """A failed load, an aborted one, a block the device still held, a block restored twice
     for one request (after a preemption) and a preemption before the first token."""
     from agentserve.engine.sequence import Sequence

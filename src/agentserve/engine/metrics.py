@@ -64,6 +64,8 @@ TIER_COUNTERS = [
 TIER_SCALARS = [
     ("restore_failures", "agentserve:kv_restore_failures", True, "Restores that fell back to recompute."),
     ("disk_corrupt_blocks", "agentserve:kv_disk_corrupt_blocks", True, "Corrupt/truncated disk blocks."),
+    ("restore_joined_blocks", "agentserve:kv_restore_joined_blocks", True,
+     "Offload blocks not restored again: another request's restore in flight held them."),
     ("restore_preempted_blocks", "agentserve:kv_restore_preempted_blocks", True,
      "Restored blocks whose request was preempted before its first token."),
     ("stores_skipped", "agentserve:kv_stores_skipped", True, "Blocks not offloaded (tier pinned full, a failed copy; write-back: part of the group already evicted)."),

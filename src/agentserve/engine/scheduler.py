@@ -78,6 +78,9 @@ class Scheduler:
         self.remote = remote
         self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_KV: remote pulls in flight
         self.loading: dict[str, Sequence] = {}  # WAITING_FOR_KV: restores in flight
+        # WAITING_FOR_KV: heads parked until another request's restore (the key) ends, which
+        # brings back the prefix they share; then they return to the queue head
+        self.joined: dict[str, list[Sequence]] = {}
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # vLLM's long_prefill_token_threshold: a prefill chunk is at most this many tokens,
@@ -99,7 +102,7 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.pulling or self._failed
-                    or (self.tiers is not None and self.tiers.busy))
+                    or self.joined or (self.tiers is not None and self.tiers.busy))
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -197,8 +200,16 @@ class Scheduler:
         return n
 
     def _try_restore(self, seq: Sequence, computed: list) -> bool | None:
-        """Start restoring the head's tier hit: True started, False not worth it, None wait."""
+        """Start restoring the head's tier hit: True started (or parked behind a restore
+        in flight that brings back the same prefix), False not worth it, None wait."""
         assert self.tiers is not None
+        join = self.tiers.joins(seq, len(computed))
+        if join is not None and join[0] in self.loading:
+            self.waiting.popleft()
+            seq.status = RequestStatus.WAITING_FOR_KV
+            self.joined.setdefault(join[0], []).append(seq)
+            self.tiers.stats.restore_joined_blocks += join[1] * self.tiers.k
+            return True
         pull_s = self.remote.pull_s if self._pull_pending(seq) else None
         plan = self.tiers.plan(seq, len(computed), pull_s)
         if plan is None:
@@ -229,6 +240,11 @@ class Scheduler:
             seq = self.loading.pop(d.request_id, None)
             if seq is not None:
                 self._guarded(seq, self._finish_load, seq, d)
+            # Those parked behind this restore go back to the head, in their order: its
+            # blocks are device-cached now (or, if it failed, they plan their own).
+            for s in reversed(self.joined.pop(d.request_id, [])):
+                s.status = RequestStatus.WAITING
+                self.waiting.appendleft(s)
 
     def _finish_load(self, seq: Sequence, d) -> None:
         first = seq.num_cached_tokens < 0
@@ -355,6 +371,9 @@ class Scheduler:
             self.tiers.on_finish(seq)
             if seq.request_id in self.loading:
                 return  # a load is writing its blocks: freed when the load completes
+            for parked in self.joined.values():
+                if seq in parked:
+                    parked.remove(seq)  # it holds no blocks yet
         if seq.request_id in self.pulling:
             return  # a pull is writing its blocks: freed when the pull completes
         if seq in self.running:

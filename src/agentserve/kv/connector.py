@@ -11,7 +11,10 @@ Called on the engine-core thread only (scheduler and core):
   evicts them (``kv/writeback.py``);
 - ``plan(seq, device_hit)``: the tier hit beyond the device hit, and whether restoring
   it beats recomputing it (``RestoreEstimator``); ``pin`` pins the sources, ``start_load``
-  copies into the request's new device blocks on the ``kv-load`` thread;
+  copies into the request's new device blocks on the ``kv-load`` thread; ``joins`` says
+  whether another request's restore in flight already brings back the next blocks (the
+  scheduler then parks the request until that restore ends, instead of restoring the
+  same bytes a second time);
 - ``poll()``: applies finished stores and disk writes, returns finished loads.
 """
 
@@ -82,6 +85,7 @@ class TierConnector:
         self._offered: dict[str, int] = {}  # request id -> offload groups already offered
         self._seen: OrderedDict[Key, int] = OrderedDict()  # threshold counts, bounded
         self.loads: dict[str, RestorePlan] = {}
+        self._restoring: dict[Key, str] = {}  # group key -> request whose restore brings it
         self._recompute_counted: set[str] = set()  # requests whose recompute was counted
         self.audit = RestoreAudit(self.stats, self.session)
         pool.on_evict = self.audit.on_device_evict
@@ -188,6 +192,22 @@ class TierConnector:
         self.worker.submit("store", "disk", key, lambda: disk.write_block(key, loc, arr))
 
     # ---- restore ----------------------------------------------------------------------
+    def joins(self, seq: TierSeq, device_hit: int) -> tuple[str, int] | None:
+        """(request id, groups) when the offload groups right past ``device_hit`` blocks are
+        being restored for another request: those keys chain the same prefix, so once that
+        restore ends they are device blocks this request hits. Concurrent sub-agents of one
+        group share a prefix; without this each would restore it (the same bytes n times)."""
+        if not self._restoring or not seq.block_hashes:
+            return None
+        max_blocks = min((len(seq.token_ids) - 1) // self.bs, len(seq.block_hashes))
+        g, n, rid = device_hit // self.k, 0, None
+        while (g + 1) * self.k <= max_blocks:
+            owner = self._restoring.get(seq.block_hashes[(g + 1) * self.k - 1])
+            if owner is None or owner == seq.request_id or rid not in (None, owner):
+                break
+            rid, g, n = owner, g + 1, n + 1
+        return (rid, n) if rid is not None else None
+
     def plan(self, seq: TierSeq, device_hit: int,
              pull_s: Callable[[int], float] | None = None) -> RestorePlan | None:
         """The tier hit beyond ``device_hit`` blocks, if restoring it is worth it: faster
@@ -261,6 +281,8 @@ class TierConnector:
         plan.started = time.monotonic()
         plan.held = [k in self.pool.cached for k in plan.keys]
         self.loads[seq.request_id] = plan
+        for key in plan.keys:
+            self._restoring.setdefault(key, seq.request_id)
         self.worker.submit("load", "load", seq.request_id,
                            lambda: self._load_job(plan, block_ids))
 
@@ -292,6 +314,9 @@ class TierConnector:
         plan = self.loads.pop(rid, None)
         if plan is None:
             return None
+        for key in plan.keys:
+            if self._restoring.get(key) == rid:
+                del self._restoring[key]
         bad = [] if isinstance(result, Exception) else list(result)
         ok = not isinstance(result, Exception) and not bad
         infos = None

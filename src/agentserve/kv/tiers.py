@@ -74,6 +74,10 @@ class TierStats:
     restore_device_age: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("<2s", "2-10s", "10-60s", "older"), 0))
     restore_failures: int = 0
+    # Offload blocks a request did not restore because another request's restore was
+    # already bringing them back (sub-agents of one group share a prefix): it waited for
+    # that restore and then found them on the device.
+    restore_joined_blocks: int = 0
     disk_corrupt_blocks: int = 0
     disk_disabled: int = 0
     stores_skipped: int = 0  # offered blocks not stored (tier full of pinned blocks, etc.)
