@@ -230,6 +230,7 @@ def run_one(name: str, kv_tokens: int, cpu_gib: float, a: argparse.Namespace, tr
         "restore_sizes": labelled(m, "agentserve:kv_restore_size", "blocks"),
         "restore_device_age_blocks": labelled(m, "agentserve:kv_restore_device_age_blocks", "age"),
         "restore_preempted_blocks": metric(m, "agentserve:kv_restore_preempted_blocks"),
+        "restore_joined_blocks": metric(m, "agentserve:kv_restore_joined_blocks"),
         "preemptions": metric(m, "vllm:num_preemptions"),
         "loadavg_1m": load, "wall_s": time.monotonic() - t0})
     return r

@@ -130,6 +130,46 @@ def test_only_missing_blocks_are_pulled(pd: tuple[ServerThread, ServerThread]) -
     wait_clean(p, d)
 
 
+def test_decode_legs_sharing_a_prefix_pull_it_once(pd: tuple[ServerThread, ServerThread],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two decode legs over one prefix at once (a sub-agent group): the second waits for the
+    first's pull and then finds the shared blocks on its device, pulling only its own tail;
+    the answers are the aggregated path's."""
+    p, d = pd
+    rng = random.Random(23)
+    shared = [rng.randint(3, 500) for _ in range(160)]  # 10 full blocks
+    bodies = [{"prompt": shared + [rng.randint(3, 500) for _ in range(40)], "max_tokens": 4,
+               "temperature": 0} for _ in range(2)]  # 12 full blocks each, 10 shared
+    refs = [post(p.url, b)["choices"][0]["text"] for b in bodies]
+    params = [prefill_leg(p, b) for b in bodies]
+    backend = d.engine.core.remote.backend
+    pull = backend.pull_into
+
+    def slow_pull(*args):  # a slow link: the first pull is still running when the second leg comes
+        time.sleep(0.5)
+        return pull(*args)
+    monkeypatch.setattr(backend, "pull_into", slow_pull)
+    before = transfer(d)
+    got: list[Any] = [None, None]
+
+    def leg(i: int) -> None:
+        got[i] = post(d.url, {**bodies[i], "kv_transfer_params": params[i]})
+    threads = [threading.Thread(target=leg, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+        time.sleep(0.1)
+    for t in threads:
+        t.join(30)
+    after = transfer(d)
+    assert [g["choices"][0]["text"] for g in got] == refs
+    assert after["blocks_pulled"] - before["blocks_pulled"] == 12 + 2  # the shared 10 once
+    assert after["blocks_joined"] - before["blocks_joined"] == 10
+    assert after["bytes_received"] - before["bytes_received"] == 14 * block_bytes(d)
+    assert got[1]["usage"]["prompt_tokens_details"]["cached_tokens"] == 12 * 16
+    assert d.engine.core.scheduler.joined == {}
+    wait_clean(p, d)
+
+
 def test_prefill_engine_counts_prompt_tokens(pd: tuple[ServerThread, ServerThread]) -> None:
     p, _ = pd
     before = p.engine.stats().prompt_tokens

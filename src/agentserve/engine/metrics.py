@@ -123,6 +123,8 @@ TRANSFER_SERIES = [
     ("blocks_pulled", "agentserve:kv_transfer_blocks_pulled", True, "Blocks pulled."),
     ("blocks_local", "agentserve:kv_transfer_blocks_local", True,
      "Decode-leg prompt blocks found locally (not pulled)."),
+    ("blocks_joined", "agentserve:kv_transfer_blocks_joined", True,
+     "Decode-leg prompt blocks not pulled again: another decode leg's pull in flight had them."),
     ("pull_failures", "agentserve:kv_transfer_failures", True, "Pulls that fell back to recompute."),
     ("pins_expired", "agentserve:kv_transfer_pins_expired", True, "Pinned prefills never pulled."),
     ("pins_released", "agentserve:kv_transfer_pins_released", True, "Pinned prefills released."),

@@ -205,11 +205,8 @@ class Scheduler:
         assert self.tiers is not None
         join = self.tiers.joins(seq, len(computed))
         if join is not None and join[0] in self.loading:
-            self.waiting.popleft()
-            seq.status = RequestStatus.WAITING_FOR_KV
-            self.joined.setdefault(join[0], []).append(seq)
             self.tiers.stats.restore_joined_blocks += join[1] * self.tiers.k
-            return True
+            return self._park(seq, join[0])
         pull_s = self.remote.pull_s if self._pull_pending(seq) else None
         plan = self.tiers.plan(seq, len(computed), pull_s)
         if plan is None:
@@ -234,17 +231,28 @@ class Scheduler:
         self.loading[seq.request_id] = seq
         return True
 
+    def _park(self, seq: Sequence, leader: str) -> bool:
+        """The head waits, out of the queue, for ``leader``'s restore or pull, which brings
+        back the prefix they share (``_release_joined`` requeues it when that ends)."""
+        self.waiting.popleft()
+        seq.status = RequestStatus.WAITING_FOR_KV
+        self.joined.setdefault(leader, []).append(seq)
+        return True
+
+    def _release_joined(self, leader: str) -> None:
+        """Those parked behind ``leader``'s restore or pull go back to the head, in their
+        order: its blocks are device-cached now (or, if it failed, they plan their own)."""
+        for s in reversed(self.joined.pop(leader, [])):
+            s.status = RequestStatus.WAITING
+            self.waiting.appendleft(s)
+
     def _finish_loads(self, done: list) -> None:
         """Restored requests join ``running``; failed ones recompute from the queue head."""
         for d in done:
             seq = self.loading.pop(d.request_id, None)
             if seq is not None:
                 self._guarded(seq, self._finish_load, seq, d)
-            # Those parked behind this restore go back to the head, in their order: its
-            # blocks are device-cached now (or, if it failed, they plan their own).
-            for s in reversed(self.joined.pop(d.request_id, [])):
-                s.status = RequestStatus.WAITING
-                self.waiting.appendleft(s)
+            self._release_joined(d.request_id)
 
     def _finish_load(self, seq: Sequence, d) -> None:
         first = seq.num_cached_tokens < 0
@@ -320,6 +328,10 @@ class Scheduler:
         """Start pulling the head's missing blocks (``_pull_pending``): True started, False
         none, None wait."""
         assert self.remote is not None
+        join = self.remote.joins(seq, len(computed))
+        if join is not None and join[0] in self.pulling:
+            self.remote.stats.blocks_joined += join[1]
+            return self._park(seq, join[0])
         spec = self.remote.plan(seq, len(computed))
         if spec is None:
             return False
@@ -341,6 +353,7 @@ class Scheduler:
             seq = self.pulling.pop(d.request_id, None)
             if seq is not None:
                 self._guarded(seq, self._finish_pull, seq, d)
+            self._release_joined(d.request_id)
 
     def _finish_pull(self, seq: Sequence, d: PullDone) -> None:
         first = seq.num_cached_tokens < 0
@@ -371,9 +384,9 @@ class Scheduler:
             self.tiers.on_finish(seq)
             if seq.request_id in self.loading:
                 return  # a load is writing its blocks: freed when the load completes
-            for parked in self.joined.values():
-                if seq in parked:
-                    parked.remove(seq)  # it holds no blocks yet
+        for parked in self.joined.values():
+            if seq in parked:
+                parked.remove(seq)  # it holds no blocks yet
         if seq.request_id in self.pulling:
             return  # a pull is writing its blocks: freed when the pull completes
         if seq in self.running:

@@ -50,6 +50,7 @@ class TransferStats:
     pulls: int = 0
     blocks_pulled: int = 0
     blocks_local: int = 0  # decode-side prompt blocks already on the device (not pulled)
+    blocks_joined: int = 0  # not pulled again: another decode leg's pull in flight had them
     pull_failures: int = 0
     pins_expired: int = 0
     pins_released: int = 0
@@ -101,6 +102,10 @@ class RemoteKV:
         # MEASURED_PULL_BYTES; smaller ones are latency-bound): None until one is measured.
         self.pull_bw: float | None = None
         self.block_bytes = 2 * k.shape[0] * k[0, 0].numel() * k.element_size()
+        # Decode side, core thread: block hash -> the request pulling it now, and each
+        # pull's hashes (a decode leg sharing that prefix waits for it: ``joins``).
+        self._pulling: dict[bytes, str] = {}
+        self._pull_hashes: dict[str, list[bytes]] = {}
         self.notify: Callable[[], None] = lambda: None  # wakes the core loop
         backend.on_sent = self._on_sent  # type: ignore[attr-defined]
         self.port = backend.serve(self, cfg.bind or cfg.host, cfg.port)
@@ -233,6 +238,21 @@ class RemoteKV:
         return PullSpec(str(host), int(port), str(rid), list(range(device_hit, usable)),
                         hashes[device_hit:usable])
 
+    def joins(self, seq: Any, device_hit: int) -> tuple[str, int] | None:
+        """(request id, blocks) when the prompt blocks right past ``device_hit`` are being
+        pulled for another decode leg: chained hashes, so that pull brings this prompt's
+        prefix too, and once it ends they are device blocks this request hits. Concurrent
+        sub-agents of one group share a prefix; without this each would pull it."""
+        if not self._pulling:
+            return None
+        rid, n = None, 0
+        for h in seq.block_hashes[device_hit:(seq.num_tokens - 1) // self.bs]:
+            owner = self._pulling.get(h)
+            if owner is None or owner == seq.request_id or rid not in (None, owner):
+                break
+            rid, n = owner, n + 1
+        return (rid, n) if rid is not None else None
+
     def pull_s(self, tokens: int) -> float:
         """Estimated seconds to pull ``tokens`` tokens of KV at the measured throughput;
         infinite before any pull was measured (a decode leg then restores what its own
@@ -244,6 +264,9 @@ class RemoteKV:
     def start_pull(self, seq: Any, spec: PullSpec, block_ids: list[int]) -> None:
         seq.kv_transfer = None  # the pull releases the remote pins: nothing left to release
         self.stats.blocks_local += spec.idx[0]
+        self._pull_hashes[seq.request_id] = list(spec.hashes)
+        for h in spec.hashes:
+            self._pulling.setdefault(h, seq.request_id)
         self.pending += 1
         self._jobs.put(lambda: self._pull_job(seq.request_id, spec, block_ids))
 
@@ -264,6 +287,10 @@ class RemoteKV:
         except queue.Empty:
             pass
         self.pending -= len(out)
+        for d in out:
+            for h in self._pull_hashes.pop(d.request_id, ()):
+                if self._pulling.get(h) == d.request_id:
+                    del self._pulling[h]
         return out
 
     # ---- kv-pull thread ----------------------------------------------------------------------
