@@ -83,6 +83,29 @@ def test_chunked_and_unchunked_prefill_agree() -> None:
     assert [t for t, _ in big] == [t for t, _ in small]
 
 
+def test_requests_sharing_an_uncached_head_compute_it_once() -> None:
+    """A group of requests over one uncached head (a sub-agent group's shared prompt), sent
+    together: the first computes the head, the others wait for it and then hit it in the
+    prefix cache, instead of each computing it at a third of the step budget."""
+    shared = _prompt(320, 40)  # 20 blocks
+    prompts = [shared + _prompt(40, 41 + i) for i in range(3)]
+
+    async def alone(eng):
+        return [(await _run(eng, f"a{i}", p, _greedy(6)))[0] for i, p in enumerate(prompts)]
+
+    async def together(eng):
+        res = await asyncio.gather(*[_run(eng, f"r{i}", p, _greedy(6)) for i, p in enumerate(prompts)])
+        return res, eng.stats(), eng.core.scheduler
+
+    ref = asyncio.run(_with_engine(alone))
+    res, stats, sched = asyncio.run(_with_engine(together, max_num_batched_tokens=512,
+                                                 long_prefill_token_threshold=64))
+    assert [t for t, _ in res] == ref
+    assert sorted(last.num_cached_tokens for _, last in res) == [0, 320, 320]
+    assert stats.prefix_joined_tokens == 2 * 320
+    assert sched.joined == {} and not sched.inflight and not sched.inflight.owner
+
+
 def test_preemption_under_memory_pressure_keeps_outputs() -> None:
     prompts = [_prompt(60, 30 + i) for i in range(6)]
 

@@ -37,6 +37,9 @@ COUNTERS = [
     ("spec_num_drafts", "vllm:spec_decode_num_drafts", "Number of spec decoding drafts."),
     ("spec_draft_tokens", "vllm:spec_decode_num_draft_tokens", "Number of draft tokens."),
     ("spec_accepted_tokens", "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
+    ("prefix_joined_tokens", "agentserve:prefix_joined_tokens",
+     "Prompt tokens not computed: the request waited for another request in flight computing "
+     "the same prefix, then hit it in the prefix cache."),
 ]
 GAUGES = [
     ("num_running", "vllm:num_requests_running", "Number of requests in model execution batches."),

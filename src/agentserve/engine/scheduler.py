@@ -17,6 +17,11 @@ With P/D transfer (``remote``), a decode leg (``kv_transfer_params.do_remote_pre
 does the same with blocks pulled from a prefill engine: it parks in ``pulling`` while
 the ``kv-pull`` thread copies the blocks it lacks; a failed pull recomputes. With both, a
 decode leg restores its own tiers' hit first, then pulls only what lies past it.
+
+A head whose next uncached blocks another request is bringing in right now (computing
+them: ``engine/inflight.py``; restoring or pulling them: ``TierConnector.joins``,
+``RemoteKV.joins``) parks in ``joined`` until that is done, then hits them in the prefix
+cache instead of computing, restoring or pulling the same blocks a second time.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from agentserve.engine.inflight import InflightPrefill
 from agentserve.engine.request import RequestStatus
 from agentserve.engine.sequence import Sequence
 from agentserve.engine.transfer import PullDone, RemoteKV
@@ -65,6 +71,9 @@ class SchedulerStats:
     device_hits_tokens: int = 0  # of which found in the device tier
     num_preemptions: int = 0
     restored_tokens: int = 0
+    # prompt tokens a request did not compute because it waited for another request in
+    # flight that was computing the same prefix (``engine/inflight.py``)
+    prefix_joined_tokens: int = 0
 
 
 class Scheduler:
@@ -78,9 +87,11 @@ class Scheduler:
         self.remote = remote
         self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_KV: remote pulls in flight
         self.loading: dict[str, Sequence] = {}  # WAITING_FOR_KV: restores in flight
-        # WAITING_FOR_KV: heads parked until another request's restore (the key) ends, which
-        # brings back the prefix they share; then they return to the queue head
+        # WAITING_FOR_KV: heads parked until another request (the key) has restored, pulled
+        # or computed the prefix they share; then they return to the queue head
         self.joined: dict[str, list[Sequence]] = {}
+        self._join_need: dict[str, int] = {}  # parked behind a computation: tokens it needs
+        self.inflight = InflightPrefill(kv.block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # vLLM's long_prefill_token_threshold: a prefill chunk is at most this many tokens,
@@ -110,6 +121,10 @@ class Scheduler:
             self._finish_loads(self.tiers.poll())
         if self.remote is not None:
             self._finish_pulls(self.remote.poll())
+        if self.inflight:
+            self.inflight.prune()
+        if self._join_need:
+            self._release_computed()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a full pool admits nobody new this step
@@ -168,6 +183,11 @@ class Scheduler:
         fresh = seq.num_cached_tokens < 0
         computed = self.kv.get_computed_blocks(seq)
         num_cached = len(computed) * self.kv.block_size
+        if self.kv.enable_caching and (join := self.inflight.joins(seq, len(computed))):
+            self.stats.prefix_joined_tokens += join[1] - num_cached
+            self._join_need[seq.request_id] = join[1]
+            self._park(seq, join[0])
+            return 0
         started: bool | None = False  # True: parked while its KV arrives; None: must wait
         # The local tiers go first, also for a P/D decode leg: what its own CPU tier holds
         # comes back over PCIe instead of the network (when the measured bandwidths say that
@@ -187,6 +207,8 @@ class Scheduler:
         if self.tiers is not None:
             self.tiers.audit.trace_admit(seq, len(computed), 0)
         seq.num_computed_tokens = num_cached
+        if self.kv.enable_caching:
+            self.inflight.add(seq, len(computed))
         if fresh:  # count a prompt once, as the client sees it in usage.cached_tokens
             seq.num_cached_tokens = num_cached
             self.stats.prefix_queries_tokens += seq.num_prompt_tokens
@@ -238,6 +260,22 @@ class Scheduler:
         seq.status = RequestStatus.WAITING_FOR_KV
         self.joined.setdefault(leader, []).append(seq)
         return True
+
+    def _release_computed(self) -> None:
+        """Requeue the heads parked behind a computation that has now covered their shared
+        blocks (or whose leader left ``running``), keeping their order."""
+        back: list[Sequence] = []
+        for leader in [r for r in self.joined if r not in self.loading and r not in self.pulling]:
+            parked = self.joined[leader]
+            for s in [s for s in parked if self.inflight.ready(leader, self._join_need[s.request_id])]:
+                parked.remove(s)
+                del self._join_need[s.request_id]
+                back.append(s)
+            if not parked:
+                del self.joined[leader]
+        for s in reversed(back):
+            s.status = RequestStatus.WAITING
+            self.waiting.appendleft(s)
 
     def _release_joined(self, leader: str) -> None:
         """Those parked behind ``leader``'s restore or pull go back to the head, in their
@@ -366,6 +404,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the KV, keep the tokens, requeue at the front."""
+        self.inflight.drop(seq.request_id)
         self.kv.free(seq)
         if self.tiers is not None:
             self.tiers.audit.on_preempt(seq)
@@ -384,6 +423,8 @@ class Scheduler:
             self.tiers.on_finish(seq)
             if seq.request_id in self.loading:
                 return  # a load is writing its blocks: freed when the load completes
+        self.inflight.drop(seq.request_id)
+        self._join_need.pop(seq.request_id, None)
         for parked in self.joined.values():
             if seq in parked:
                 parked.remove(seq)  # it holds no blocks yet
