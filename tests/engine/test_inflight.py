@@ -93,3 +93,28 @@ def test_the_request_waited_on_is_aborted_mid_prefill() -> None:
     assert parked == {"lead": ["follow"]}
     assert toks == ref[1]
     assert sched.joined == {} and not sched.inflight.owner
+
+
+def test_a_waiting_request_aborted_leaves_no_trace() -> None:
+    """Aborted while it waits on another request's computation: it ends at once, and the
+    scheduler has nothing left to do once the other finishes (no spinning core loop)."""
+    shared = _prompt(480, 60)
+    prompts = [shared + _prompt(30, 61), shared + _prompt(30, 62)]
+
+    async def go(eng):
+        leader = asyncio.ensure_future(_run(eng, "lead", prompts[0], _greedy(3)))
+        follower = asyncio.ensure_future(_run(eng, "follow", prompts[1], _greedy(3)))
+        for _ in range(200):
+            if eng.core.scheduler.joined:
+                break
+            await asyncio.sleep(0.005)
+        parked = {k: [s.request_id for s in v] for k, v in eng.core.scheduler.joined.items()}
+        await eng.abort("follow")
+        _, last = await follower
+        await leader
+        return parked, last.finish_reason, eng.core.scheduler
+
+    parked, reason, sched = asyncio.run(_with_engine(go, max_num_batched_tokens=512,
+                                                     long_prefill_token_threshold=32))
+    assert parked == {"lead": ["follow"]} and reason == "abort"
+    assert sched.joined == {} and not sched.has_work()

@@ -425,9 +425,11 @@ class Scheduler:
                 return  # a load is writing its blocks: freed when the load completes
         self.inflight.drop(seq.request_id)
         self._join_need.pop(seq.request_id, None)
-        for parked in self.joined.values():
+        for leader, parked in list(self.joined.items()):
             if seq in parked:
                 parked.remove(seq)  # it holds no blocks yet
+                if not parked:  # (else has_work would stay true for it)
+                    del self.joined[leader]
         if seq.request_id in self.pulling:
             return  # a pull is writing its blocks: freed when the pull completes
         if seq in self.running:
