@@ -254,8 +254,9 @@ class Scheduler:
         return True
 
     def _park(self, seq: Sequence, leader: str) -> bool:
-        """The head waits, out of the queue, for ``leader``'s restore or pull, which brings
-        back the prefix they share (``_release_joined`` requeues it when that ends)."""
+        """The head waits, out of the queue, for ``leader``'s restore, pull or computation
+        of the prefix they share (``_release_joined`` requeues it when a restore or pull
+        ends; ``_release_computed`` once the computation has covered its blocks)."""
         self.waiting.popleft()
         seq.status = RequestStatus.WAITING_FOR_KV
         self.joined.setdefault(leader, []).append(seq)
