@@ -79,7 +79,8 @@ def scrape(url: str) -> dict[str, float]:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     out: dict[str, float] = {}
     for ln in text.splitlines():
-        if ln.startswith(("agentserve:kv_", "vllm:prefix_cache_", "vllm:num_preemptions")):
+        if ln.startswith(("agentserve:kv_", "agentserve:prefix_", "vllm:prefix_cache_",
+                          "vllm:num_preemptions")):
             head, _, val = ln.rpartition(" ")
             try:
                 out[head] = out.get(head, 0.0) + float(val)
@@ -231,6 +232,7 @@ def run_one(name: str, kv_tokens: int, cpu_gib: float, a: argparse.Namespace, tr
         "restore_device_age_blocks": labelled(m, "agentserve:kv_restore_device_age_blocks", "age"),
         "restore_preempted_blocks": metric(m, "agentserve:kv_restore_preempted_blocks"),
         "restore_joined_blocks": metric(m, "agentserve:kv_restore_joined_blocks"),
+        "prefix_joined_tokens": metric(m, "agentserve:prefix_joined_tokens"),
         "preemptions": metric(m, "vllm:num_preemptions"),
         "loadavg_1m": load, "wall_s": time.monotonic() - t0})
     return r
