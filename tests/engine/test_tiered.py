@@ -125,14 +125,16 @@ def test_a_request_aborted_while_waiting_on_another_restore_leaks_nothing(refere
         follower = asyncio.create_task(_run(eng, "a3", A, "A"))
         await asyncio.sleep(0.2)
         joined = {k: [s.request_id for s in v] for k, v in eng.core.scheduler.joined.items()}
+        waiting = eng.stats().num_waiting  # as vLLM: waiting for KV is waiting
         await eng.abort("a3")
         aborted_at = time.monotonic()
         f_toks, f_last = await follower
         waited = time.monotonic() - aborted_at
         toks, _ = await leader
-        return joined, toks, (f_toks, f_last.finish_reason, waited), dict(eng.core.scheduler.joined)
-    (joined, toks, follower, after), eng = _with(go, kv_cpu_gib=0.01)
+        return joined, toks, (f_toks, f_last.finish_reason, waited), dict(eng.core.scheduler.joined), waiting
+    (joined, toks, follower, after, waiting), eng = _with(go, kv_cpu_gib=0.01)
     assert joined == {"a2": ["a3"]}  # it did wait on a2's restore
+    assert waiting == 2  # a2 restoring, a3 parked behind it
     f_toks, reason, waited = follower
     assert f_toks == [] and reason == "abort" and waited < 0.25  # not after the restore
     assert toks == reference and after == {}

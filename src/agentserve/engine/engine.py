@@ -166,7 +166,7 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         sch = self.core.scheduler
         return EngineStats(
-            num_running=len(sch.running), num_waiting=len(sch.waiting), kv_usage=self.core.kv.usage,
+            num_running=len(sch.running), num_waiting=sch.num_waiting, kv_usage=self.core.kv.usage,
             prefix_queries_tokens=sch.stats.prefix_queries_tokens,
             prefix_hits_tokens=sch.stats.prefix_hits_tokens, num_preemptions=sch.stats.num_preemptions,
             prompt_tokens=self.core.prompt_tokens, generation_tokens=self.core.generation_tokens,

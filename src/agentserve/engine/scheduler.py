@@ -111,6 +111,14 @@ class Scheduler:
             self.tiers.on_add(seq)
         self.waiting.append(seq)
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests admitted to no step yet, as vLLM counts them in
+        ``vllm:num_requests_waiting``: the queue, and those waiting for their KV (restores,
+        pulls, parked behind another request's). Read from the scrape thread too."""
+        parked = sum(len(v) for v in list(self.joined.values()))  # list(): one atomic copy
+        return len(self.waiting) + len(self.loading) + len(self.pulling) + parked
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.pulling or self._failed
                     or self.joined or (self.tiers is not None and self.tiers.busy))
