@@ -276,9 +276,10 @@ class Scheduler:
         back: list[Sequence] = []
         for leader in [r for r in self.joined if r not in self.loading and r not in self.pulling]:
             parked = self.joined[leader]
-            for s in [s for s in parked if self.inflight.ready(leader, self._join_need[s.request_id])]:
+            for s in [s for s in parked
+                      if self.inflight.ready(leader, self._join_need.get(s.request_id, 0))]:
                 parked.remove(s)
-                del self._join_need[s.request_id]
+                self._join_need.pop(s.request_id, None)
                 back.append(s)
             if not parked:
                 del self.joined[leader]
@@ -290,6 +291,7 @@ class Scheduler:
         """Those parked behind ``leader``'s restore or pull go back to the head, in their
         order: its blocks are device-cached now (or, if it failed, they plan their own)."""
         for s in reversed(self.joined.pop(leader, [])):
+            self._join_need.pop(s.request_id, None)
             s.status = RequestStatus.WAITING
             self.waiting.appendleft(s)
 
