@@ -126,9 +126,11 @@ def test_prefix_hit_counts_and_leaves_last_token() -> None:
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(0, 3)), min_size=1, max_size=12),
-       st.integers(4, 24), st.integers(4, 40))
-def test_random_workloads_finish_without_leaks(reqs, num_blocks, budget) -> None:
-    s = make(num_blocks=num_blocks, max_seqs=4, budget=budget)
+       st.integers(4, 24), st.integers(4, 40), st.sampled_from([0, 4, 8]))
+def test_random_workloads_finish_without_leaks(reqs, num_blocks, budget, chunk_cap) -> None:
+    """Prompts share heads (4 distinct starts), so requests also wait on each other's
+    computation (engine/inflight.py); with a chunk cap, also mid-prefill."""
+    s = make(num_blocks=num_blocks, max_seqs=4, budget=budget, long_prefill=chunk_cap)
     cap = num_blocks * BS
     seqs = []
     for i, (n, out, prefix) in enumerate(reqs):
@@ -148,3 +150,4 @@ def test_random_workloads_finish_without_leaks(reqs, num_blocks, budget) -> None
     assert not s.has_work(), "scheduler did not drain (starvation or deadlock)"
     assert all(q.num_output_tokens == q.params.max_tokens for q in seqs)
     assert s.kv.pool.num_used_blocks == 0 and not s.kv.req_blocks
+    assert not s.joined and not s.inflight.owner and not s._join_need
