@@ -80,3 +80,49 @@ def token_id_sessions(base: str, n: int = 3, turns: int = 4) -> list[dict]:
         # (seen once: predicted < cached). The pause lets them land, as run_sessions does.
         time.sleep(0.3)
     return out
+
+
+def test_a_sub_agent_burst_computes_its_shared_head_once(tmp_path: Path):
+    """Four requests at once over a 1,536-token head neither engine has seen (a sub-agent
+    group), through the router's default policy: its speculative index sends them all to
+    the engine the first went to, and that engine computes the head once (the others wait
+    for it, engine/inflight.py) instead of each of them, on either engine, computing it.
+    The engines cap a request's prefill chunk (vLLM's long_prefill_token_threshold), so the
+    others would otherwise be admitted next to the first one's first chunk."""
+    import concurrent.futures
+
+    import openai
+
+    model = str(default_model_dir())
+    ports, evs, rport = [free_port() for _ in range(2)], [free_port() for _ in range(2)], free_port()
+    cfg = tmp_path / "router.yaml"
+    cfg.write_text(yaml.safe_dump({"policy": "default", "endpoints": [
+        {"url": f"http://127.0.0.1:{p}", "kv_events": f"tcp://127.0.0.1:{e}", "block_size": 16}
+        for p, e in zip(ports, evs)]}))
+    procs = [our_engine(p, e, tmp_path / f"engine{i}.log", threads=1,
+                        extra=["--long-prefill-token-threshold", "256"])
+             for i, (p, e) in enumerate(zip(ports, evs))]
+    try:
+        for p, proc in zip(ports, procs):
+            wait_http(f"http://127.0.0.1:{p}/health", proc)
+        procs.append(router(rport, cfg, tmp_path / "router.log", model))
+        wait_http(f"http://127.0.0.1:{rport}/health", procs[-1], 60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{rport}/v1", api_key="none",
+                               max_retries=0)
+        name = client.models.list().data[0].id
+        rng = random.Random(9)
+        head = [rng.randrange(16, 3900) for _ in range(1536)]
+        prompts = [head + [rng.randrange(16, 3900) for _ in range(64)] for _ in range(4)]
+
+        def one(p: list[int]) -> tuple[str, int]:
+            raw = client.completions.with_raw_response.create(model=name, prompt=p,
+                                                              max_tokens=2, temperature=0)
+            return (raw.headers["x-agentserve-endpoint"],
+                    raw.parse().usage.prompt_tokens_details.cached_tokens)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(one, prompts))
+    finally:
+        stop(procs)
+    assert len({url for url, _ in got}) == 1, got  # one engine took the whole group
+    # the head computed once: without the wait, [0, 256, 256, 256] or [0, 0, 0, 0]
+    assert sorted(c for _, c in got) == [0, 1536, 1536, 1536], got
