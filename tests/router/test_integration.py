@@ -4,7 +4,10 @@ import random
 import re
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -17,27 +20,33 @@ from .sessions import run_sessions
 pytestmark = pytest.mark.slow
 
 
-def test_two_engines_precise_routing(tmp_path: Path):
+@contextmanager
+def two_engines(tmp_path: Path, policy: str, **engine_kw: Any) -> Iterator[str]:
+    """Two of our engines (real KV events) behind `agentserve route` with `policy`; yields
+    the router's URL and stops every process on exit."""
     model = str(default_model_dir())
-    ports = [free_port() for _ in range(2)]
-    evs = [free_port() for _ in range(2)]
-    rport = free_port()
+    ports, evs, rport = [free_port() for _ in range(2)], [free_port() for _ in range(2)], free_port()
     cfg = tmp_path / "router.yaml"
-    cfg.write_text(yaml.safe_dump({"policy": "precise-prefix", "endpoints": [
+    cfg.write_text(yaml.safe_dump({"policy": policy, "endpoints": [
         {"url": f"http://127.0.0.1:{p}", "kv_events": f"tcp://127.0.0.1:{e}", "block_size": 16}
         for p, e in zip(ports, evs)]}))
-    procs = [our_engine(p, e, tmp_path / f"engine{i}.log")
+    procs = [our_engine(p, e, tmp_path / f"engine{i}.log", **engine_kw)
              for i, (p, e) in enumerate(zip(ports, evs))]
     try:
         for p, proc in zip(ports, procs):
             wait_http(f"http://127.0.0.1:{p}/health", proc)
         procs.append(router(rport, cfg, tmp_path / "router.log", model))
         wait_http(f"http://127.0.0.1:{rport}/health", procs[-1], 60)
-        rows = run_sessions(f"http://127.0.0.1:{rport}", n_sessions=4, turns=4)
-        id_rows = token_id_sessions(f"http://127.0.0.1:{rport}")
-        metrics = urllib.request.urlopen(f"http://127.0.0.1:{rport}/metrics", timeout=10).read()
+        yield f"http://127.0.0.1:{rport}"
     finally:
         stop(procs)
+
+
+def test_two_engines_precise_routing(tmp_path: Path):
+    with two_engines(tmp_path, "precise-prefix") as url:
+        rows = run_sessions(url, n_sessions=4, turns=4)
+        id_rows = token_id_sessions(url)
+        metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read()
     later = [r for r in rows if r["turn"] > 0]
     for r in later:
         first = next(x for x in rows if x["session"] == r["session"] and x["turn"] == 0)
@@ -93,22 +102,9 @@ def test_a_sub_agent_burst_computes_its_shared_head_once(tmp_path: Path):
 
     import openai
 
-    model = str(default_model_dir())
-    ports, evs, rport = [free_port() for _ in range(2)], [free_port() for _ in range(2)], free_port()
-    cfg = tmp_path / "router.yaml"
-    cfg.write_text(yaml.safe_dump({"policy": "default", "endpoints": [
-        {"url": f"http://127.0.0.1:{p}", "kv_events": f"tcp://127.0.0.1:{e}", "block_size": 16}
-        for p, e in zip(ports, evs)]}))
-    procs = [our_engine(p, e, tmp_path / f"engine{i}.log", threads=1,
-                        extra=["--long-prefill-token-threshold", "256"])
-             for i, (p, e) in enumerate(zip(ports, evs))]
-    try:
-        for p, proc in zip(ports, procs):
-            wait_http(f"http://127.0.0.1:{p}/health", proc)
-        procs.append(router(rport, cfg, tmp_path / "router.log", model))
-        wait_http(f"http://127.0.0.1:{rport}/health", procs[-1], 60)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{rport}/v1", api_key="none",
-                               max_retries=0)
+    with two_engines(tmp_path, "default", threads=1,
+                     extra=["--long-prefill-token-threshold", "256"]) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
         name = client.models.list().data[0].id
         rng = random.Random(9)
         head = [rng.randrange(16, 3900) for _ in range(1536)]
@@ -121,8 +117,6 @@ def test_a_sub_agent_burst_computes_its_shared_head_once(tmp_path: Path):
                     raw.parse().usage.prompt_tokens_details.cached_tokens)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             got = list(pool.map(one, prompts))
-    finally:
-        stop(procs)
-    assert len({url for url, _ in got}) == 1, got  # one engine took the whole group
+    assert len({ep for ep, _ in got}) == 1, got  # one engine took the whole group
     # the head computed once: without the wait, [0, 256, 256, 256] or [0, 0, 0, 0]
     assert sorted(c for _, c in got) == [0, 1536, 1536, 1536], got
