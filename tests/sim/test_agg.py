@@ -127,3 +127,23 @@ def test_aggregated_preempts_when_blocks_run_out(tmp_path, monkeypatch) -> None:
                     kv_tokens=16 * 40, max_output=60, join_midway=False)
     s = simulate(cfg, iter(_sessions(200, blocks=4)))
     assert s["requests_ok"] > 0 and s["preemptions"] > 0
+
+
+def test_requests_over_a_head_being_computed_wait_for_it(tmp_path, monkeypatch) -> None:
+    """As the engine (engine/inflight.py): three requests over one uncached 320-token head,
+    admitted together, compute it once; the two that waited hit it in the cache."""
+    _hw(tmp_path, monkeypatch)
+    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    rank = Rank(0, 1_000, 0, 16)
+    clock = Clock()
+    inst = AggInstance(clock, perf, rank, budget=512, max_seqs=8)
+    done: list[SimRequest] = []
+    for i in range(3):
+        hashes = list(range(20)) + [100 * (i + 1) + j for j in range(3)]  # 20 shared blocks
+        rec = RequestRecord(request_id=f"r{i}", session_id=f"s{i}", turn=0)
+        req = SimRequest(rec=rec, hashes=hashes, n_in=23 * 16 + 5, n_out=2, on_done=done.append)
+        rank.waiting.append(req)
+    inst.kick()
+    clock.run(100.0)
+    assert len(done) == 3 and sorted(r.cached for r in done) == [0, 320, 320]
+    assert inst.joined_tokens == 2 * 320 and not inst._parked and not inst._owner

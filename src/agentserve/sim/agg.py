@@ -7,6 +7,9 @@ its prompt up to the budget), then admits waiting requests FCFS while the
 prefix hit. The step that computes a prompt's last token also samples its first output token
 (TTFT). Blocks come from the real pool; when a decoding request needs a block and none is
 free, the newest running request is preempted (freed, back to the queue head, recomputed).
+A waiting head whose next uncached blocks a running request is computing waits for them
+(the engine's in-flight prefix sharing, engine/inflight.py: same minimum run, same release:
+once the leader has computed them or left the running list).
 
 Stepped per step (one event per step), which is cheap at the scale this is used for (one or
 a few engines, tiny models on a CPU). Step time: `PerfModel.measured_step` when the hardware
@@ -15,6 +18,7 @@ profile is calibrated (cpu-local), else prefill_step + decode_step of the roofli
 
 from __future__ import annotations
 
+from agentserve.engine.inflight import MIN_JOIN_BLOCKS
 from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
 from agentserve.sim.perf import PerfModel
@@ -30,14 +34,64 @@ class AggInstance(Instance):
         self.rank, self.budget, self.max_seqs = rank, budget, max_seqs
         self.engine_block = engine_block or rank.pool.block_size
         self.preemptions = 0
-        self.hit_tokens = self.prompt_tokens = 0
+        self.hit_tokens = self.prompt_tokens = self.joined_tokens = 0
+        bs = rank.pool.block_size
+        self.min_join = cdiv(MIN_JOIN_BLOCKS * self.engine_block, bs)  # in pool blocks
+        self._owner: dict[int, SimRequest] = {}  # block hash -> running request computing it
+        self._keys: dict[int, list[int]] = {}  # id(request) -> the hashes it registered
+        self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
 
-    def _admit(self, req: SimRequest) -> bool:
-        r = self.rank
-        bs = r.pool.block_size
-        hits = r.pool.match_prefix(req.hashes[: max(0, (req.n_in - 1) // bs)])
+    def _hits(self, req: SimRequest) -> list:
+        bs = self.rank.pool.block_size
+        hits = self.rank.pool.match_prefix(req.hashes[: max(0, (req.n_in - 1) // bs)])
         if self.engine_block > bs:  # the engine reuses whole blocks of its own size only
             hits = hits[: len(hits) * bs // self.engine_block * self.engine_block // bs]
+        return hits
+
+    def _joins(self, req: SimRequest, hit_blocks: int) -> tuple[SimRequest, int] | None:
+        """(leader, prompt tokens it must have computed) when the blocks right past the
+        head's hit are being computed by one running request (engine/inflight.py)."""
+        if not self._owner:
+            return None
+        bs = self.rank.pool.block_size
+        leader, n = None, 0
+        for h in req.hashes[hit_blocks:max(hit_blocks, (req.n_in - 1) // bs)]:
+            owner = self._owner.get(h)
+            if owner is None or owner is req or (leader is not None and owner is not leader):
+                break
+            leader, n = owner, n + 1
+        if leader is None or n < self.min_join:
+            return None
+        return leader, (hit_blocks + n) * bs
+
+    def _register(self, req: SimRequest, first_block: int) -> None:
+        end = min(len(req.hashes), req.n_in // self.rank.pool.block_size)
+        if end - first_block < self.min_join:
+            return
+        keys = req.hashes[first_block:end]
+        self._keys[id(req)] = keys
+        for h in keys:
+            self._owner.setdefault(h, req)
+
+    def _unregister(self, req: SimRequest) -> None:
+        for h in self._keys.pop(id(req), ()):
+            if self._owner.get(h) is req:
+                del self._owner[h]
+
+    def _release_parked(self) -> None:
+        """Back to the queue head, in order: those whose leader computed their shared blocks
+        or left the running list."""
+        r, keep, back = self.rank, [], []
+        for f, leader, need in self._parked:
+            done = leader.computed >= need or leader.rank is not r or leader not in r.running
+            (back if done else keep).append((f, leader, need))
+        self._parked = keep
+        for f, _, _ in reversed(back):
+            r.waiting.appendleft(f)
+
+    def _admit(self, req: SimRequest, hits: list) -> bool:
+        r = self.rank
+        bs = r.pool.block_size
         need = cdiv(req.n_in + req.out_done, bs) - len(hits)
         if not fits(r.pool, hits, need):
             return False
@@ -47,11 +101,13 @@ class AggInstance(Instance):
         if req.out_done == 0:  # count a prompt once, as the engine does
             self.hit_tokens += req.cached
             self.prompt_tokens += req.n_in
+        self._register(req, len(hits))
         return True
 
     def _preempt(self) -> SimRequest:
         r = self.rank
         victim = r.running.pop()
+        self._unregister(victim)
         r.pool.free(list(reversed(victim.blocks)))
         victim.blocks, victim.computed = [], 0
         r.waiting.appendleft(victim)
@@ -78,8 +134,19 @@ class AggInstance(Instance):
             plan.append((req, n))
             budget -= n
             i += 1
-        while (r.waiting and budget > 0 and len(r.running) < self.max_seqs
-               and self._admit(r.waiting[0])):
+        if self._parked:  # after the running ones: a leader preempted just now releases too
+            self._release_parked()
+        while r.waiting and budget > 0 and len(r.running) < self.max_seqs:
+            head = r.waiting[0]
+            hits = self._hits(head)
+            join = self._joins(head, len(hits))
+            if join is not None:  # wait for the leader's computation of the shared blocks
+                r.waiting.popleft()
+                self._parked.append((head, *join))
+                self.joined_tokens += join[1] - len(hits) * bs
+                continue
+            if not self._admit(head, hits):
+                break
             req = r.waiting.popleft()
             req.rank = r
             r.running.append(req)
@@ -116,6 +183,7 @@ class AggInstance(Instance):
                 cache_computed(r.pool, req, before, req.computed // bs)
                 if req.computed < req.n_in:
                     continue
+                self._unregister(req)
             req.out_done += 1
             rec.chunk_times.append(now - rec.start)
             rec.chunk_tokens.append(1)
