@@ -76,3 +76,14 @@ def test_a_serving_process_freezes_its_startup_heap(tmp_path) -> None:
     # ServerThread) does not freeze.
     assert _metric(text, "agentserve:gc_frozen_objects") > 100_000
     assert gc.get_freeze_count() == 0
+
+
+def test_a_scrape_does_not_walk_the_frozen_heap(monkeypatch) -> None:
+    """``gc.get_freeze_count()`` walks the permanent generation: ~30 ms over a serving
+    process's ~330K frozen objects, and the router scrapes /metrics 20 times a second. The
+    count is taken once, at the freeze."""
+    calls: list[int] = []
+    monkeypatch.setattr(gc, "get_freeze_count", lambda: calls.append(1) or 0)
+    pause_tracker().snapshot()
+    ServerMetrics(FakeEngine()).render()
+    assert calls == []
