@@ -17,8 +17,12 @@ is released as soon as its leader has computed the shared blocks, or leaves ``ru
 
 from __future__ import annotations
 
-from agentserve.engine.request import RequestStatus
-from agentserve.engine.sequence import Sequence
+from typing import TYPE_CHECKING
+
+from agentserve.engine.status import RequestStatus
+
+if TYPE_CHECKING:  # (torch-free at run time: the simulator imports MIN_JOIN_BLOCKS)
+    from agentserve.engine.sequence import Sequence
 
 MIN_JOIN_BLOCKS = 4  # 64 tokens at block size 16: less is cheaper to compute than to wait for
 

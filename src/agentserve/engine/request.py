@@ -6,12 +6,13 @@ A request enters as token ids plus `SamplingParams`, lives in the scheduler as a
 
 from __future__ import annotations
 
-import enum
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from agentserve.engine.status import RequestStatus  # noqa: F401 - re-exported
 
 
 class LogitsConstraint(Protocol):
@@ -68,21 +69,6 @@ class SamplingParams:
         """Whether the sampler must edit this request's logits row (`sampler.process_row`)."""
         return bool(self.constraint is not None or self.logit_bias or self.min_tokens
                     or self.penalized)
-
-
-class RequestStatus(enum.Enum):
-    WAITING = "waiting"
-    WAITING_FOR_KV = "waiting_for_kv"  # a restore from the CPU/disk tier is in flight
-    RUNNING = "running"
-    PREEMPTED = "preempted"
-    FINISHED_STOPPED = "stop"
-    FINISHED_LENGTH = "length"
-    FINISHED_ABORTED = "abort"
-
-    @property
-    def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass(slots=True)
