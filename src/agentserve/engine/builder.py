@@ -19,7 +19,8 @@ from agentserve.engine.scheduler import Scheduler
 from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.transfer import RemoteConfig, RemoteKV
 from agentserve.engine.transfer_wire import TcpBackend
-from agentserve.kv.connector import TierConnector, make_connector
+from agentserve.kv.connector import TierConnector
+from agentserve.kv.factory import make_connector
 from agentserve.kv.events import KVEventQueue
 from agentserve.kv.zmq_events import KVEventPublisher
 from agentserve.kv.hashing import BlockHasher
