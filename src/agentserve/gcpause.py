@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -90,9 +91,13 @@ def pause_tracker() -> PauseTracker:
 
 def freeze_startup_heap() -> int:
     """Collect once, then freeze every object alive now (a serving process, after startup).
+    ``AGENTSERVE_GC_FREEZE=0`` keeps the heap collectable (to measure what freezing buys).
 
     Returns the number of frozen objects."""
     global _frozen
+    if os.environ.get("AGENTSERVE_GC_FREEZE", "1") == "0":
+        log.info("AGENTSERVE_GC_FREEZE=0: the startup heap stays collectable")
+        return 0
     t0 = time.perf_counter()
     gc.collect()
     gc.freeze()

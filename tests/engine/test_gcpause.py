@@ -87,3 +87,13 @@ def test_a_scrape_does_not_walk_the_frozen_heap(monkeypatch) -> None:
     pause_tracker().snapshot()
     ServerMetrics(FakeEngine()).render()
     assert calls == []
+
+
+def test_freezing_can_be_turned_off_for_every_serving_process(monkeypatch) -> None:
+    """``AGENTSERVE_GC_FREEZE=0`` is read where the freeze happens, so the router (which
+    freezes too) honours it as the engine does."""
+    from agentserve.gcpause import freeze_startup_heap
+
+    monkeypatch.setenv("AGENTSERVE_GC_FREEZE", "0")
+    before = gc.get_freeze_count()
+    assert freeze_startup_heap() == 0 and gc.get_freeze_count() == before

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
 import socket
 
@@ -69,6 +68,4 @@ def _as_kwargs(args: EngineArgs) -> dict:
 
 def run_server(args: EngineArgs, host: str, port: int, api_key: str | None = None,
                max_body_bytes: int = 32 << 20) -> None:
-    # AGENTSERVE_GC_FREEZE=0 keeps the startup heap collectable (to measure what freezing buys)
-    freeze = os.environ.get("AGENTSERVE_GC_FREEZE", "1") != "0"
-    asyncio.run(serve_async(args, host, port, api_key, max_body_bytes, freeze_gc=freeze))
+    asyncio.run(serve_async(args, host, port, api_key, max_body_bytes, freeze_gc=True))
