@@ -118,3 +118,36 @@ def test_a_waiting_request_aborted_leaves_no_trace() -> None:
                                                      long_prefill_token_threshold=32))
     assert parked == {"lead": ["follow"]} and reason == "abort"
     assert sched.joined == {} and not sched.has_work()
+
+
+def test_joined_tokens_count_each_hit_once_when_the_leader_hands_over() -> None:
+    """Two requests wait on a leader that is aborted mid-prefill: the first of them takes
+    over the head and the other waits again, now on it. `prefix_joined_tokens` counts what
+    the waits added to their prefix hits (here all of it: nothing was cached before), once,
+    not once per wait."""
+    shared = _prompt(480, 70)
+    prompts = [shared + _prompt(30, 71 + i) for i in range(3)]
+
+    async def go(eng):
+        leader = eng.generate("lead", prompts[0], _greedy(3))
+        first = asyncio.ensure_future(leader.__anext__())
+        followers = [asyncio.ensure_future(_run(eng, f"f{i}", prompts[i], _greedy(3)))
+                     for i in (1, 2)]
+        sched = eng.core.scheduler
+        for _ in range(400):  # until both are parked behind the leader
+            if sum(len(v) for v in list(sched.joined.values())) == 2:
+                break
+            await asyncio.sleep(0.005)
+        parked = {k: [s.request_id for s in v] for k, v in sched.joined.items()}
+        await eng.abort("lead")
+        await first
+        await leader.aclose()
+        outs = [last for _, last in await asyncio.gather(*followers)]
+        return parked, outs, sched.stats
+
+    parked, outs, stats = asyncio.run(_with_engine(go, max_num_batched_tokens=512,
+                                                   long_prefill_token_threshold=32))
+    assert parked == {"lead": ["f1", "f2"]}
+    cached = [o.num_cached_tokens for o in outs]
+    assert cached[1] == 480  # f2 hit the whole head: f1 (or the leader) computed it
+    assert stats.prefix_joined_tokens == sum(cached)

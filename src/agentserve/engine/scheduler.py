@@ -81,6 +81,7 @@ class Scheduler(KVWaits):
         # or computed the prefix they share; then they return to the queue head
         self.joined: dict[str, list[Sequence]] = {}
         self._join_need: dict[str, int] = {}  # parked behind a computation: tokens it needs
+        self._join_base: dict[str, int] = {}  # parked so: its device hit when it first parked
         self.inflight = InflightPrefill(kv.block_size)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -182,10 +183,14 @@ class Scheduler(KVWaits):
         computed = self.kv.get_computed_blocks(seq)
         num_cached = len(computed) * self.kv.block_size
         if self.kv.enable_caching and (join := self.inflight.joins(seq, len(computed))):
-            self.stats.prefix_joined_tokens += join[1] - num_cached
+            self._join_base.setdefault(seq.request_id, num_cached)  # a re-park keeps the first
             self._join_need[seq.request_id] = join[1]
             self._park(seq, join[0])
             return 0
+        if (base := self._join_base.pop(seq.request_id, None)) is not None:
+            # counted as it is realized: what the waits added to its hit, once, however
+            # often it parked (a leader preempted or aborted hands over to a follower)
+            self.stats.prefix_joined_tokens += max(num_cached - base, 0)
         started: bool | None = False  # True: parked while its KV arrives; None: must wait
         # The local tiers go first, also for a P/D decode leg: what its own CPU tier holds
         # comes back over PCIe instead of the network (when the measured bandwidths say that
@@ -242,6 +247,7 @@ class Scheduler(KVWaits):
                 return  # a load is writing its blocks: freed when the load completes
         self.inflight.drop(seq.request_id)
         self._join_need.pop(seq.request_id, None)
+        self._join_base.pop(seq.request_id, None)
         for leader, parked in list(self.joined.items()):
             if seq in parked:
                 parked.remove(seq)  # it holds no blocks yet

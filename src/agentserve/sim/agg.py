@@ -40,6 +40,7 @@ class AggInstance(Instance):
         self._owner: dict[int, SimRequest] = {}  # block hash -> running request computing it
         self._keys: dict[int, list[int]] = {}  # id(request) -> the hashes it registered
         self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
+        self._join_base: dict[int, int] = {}  # id(parked request) -> its hit when it first parked
 
     def _hits(self, req: SimRequest) -> list:
         bs = self.rank.pool.block_size
@@ -143,8 +144,10 @@ class AggInstance(Instance):
             if join is not None:  # wait for the leader's computation of the shared blocks
                 r.waiting.popleft()
                 self._parked.append((head, *join))
-                self.joined_tokens += join[1] - len(hits) * bs
+                self._join_base.setdefault(id(head), len(hits) * bs)
                 continue
+            if (base := self._join_base.pop(id(head), None)) is not None:
+                self.joined_tokens += max(len(hits) * bs - base, 0)  # as the engine counts it
             if not self._admit(head, hits):
                 break
             req = r.waiting.popleft()
