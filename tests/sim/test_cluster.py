@@ -187,3 +187,41 @@ def test_request_longer_than_a_rank_is_rejected_not_queued() -> None:
     assert s["prefill_queue"] == 0 and s["decode_queue"] == 0
     bad = next(r for r in sim.records if not r.ok)
     assert bad.status == 400 and bad.error == sim_run.REJECTED and bad.ttft is None
+
+
+def _prefill_once(write_back: bool) -> tuple[int, int, int]:
+    """A 40-block prompt, then another one that pushes half of it off a 60-block device
+    pool, then the first again: (GPU hit blocks, CPU-restored blocks, blocks stored) of the
+    third request, with a 40-block CPU tier."""
+    from agentserve.sim.cluster import Rank, SimRequest
+    from agentserve.sim.memory import Topology
+    from agentserve.sim.perf import PerfModel
+    from agentserve.sim.pools import PrefillInstance
+    from agentserve.sim.specs import hardware_spec, model_spec
+    from agentserve.workload.record import RequestRecord
+
+    clock, rank = Clock(), Rank(0, 60, 40, 64)
+    perf = PerfModel(model_spec("tiny"), hardware_spec("cpu-local"), Topology("dep", 1, "prefill"))
+    inst = PrefillInstance(clock, perf, [rank], 8192, lambda r: inst.release(r), write_back)
+    reqs = []
+    for ids in (range(40), range(100, 140), range(40)):
+        req = SimRequest(RequestRecord("r", "s", 0), list(ids), 40 * 64, 1, lambda r: None)
+        req.rank = rank
+        rank.waiting.append(req)
+        inst.kick()
+        clock.run(clock.now + 60.0)
+        assert req.computed == req.n_in and not rank.running
+        reqs.append(req)
+    last = reqs[-1]
+    return (last.cached - last.restored) // 64, last.restored // 64, inst.cpu_store_blocks
+
+
+def test_cpu_write_back_holds_what_the_device_dropped() -> None:
+    """Write-through copies every block as it is computed, so a CPU tier smaller than what
+    the device holds mirrors the device's newest blocks and has lost the evicted ones; write-
+    back (the engine's `--kv-store-on evict`) stores the blocks the device evicts, and the
+    first prompt's evicted half comes back from the CPU tier instead of being recomputed."""
+    assert _prefill_once(write_back=False) == (20, 0, 40 + 40 + 20)
+    assert _prefill_once(write_back=True) == (20, 19, 20 + 20)
+    with pytest.raises(ValueError, match="fill or evict"):
+        sim_run.Simulation(_cfg(cpu_store_on="lru"), [_session(0)])

@@ -29,6 +29,9 @@ def register(app: typer.Typer) -> None:
         concurrency: int = typer.Option(128, help="closed-loop clients (AIPerf concurrency)"),
         mtp: bool = typer.Option(True, "--mtp/--no-mtp", help="MTP speculative decoding"),
         cpu_offload_gib: float = typer.Option(100.0, help="CPU KV tier per prefill rank (0: off)"),
+        cpu_store_on: str = typer.Option("fill", help="when blocks reach the CPU tier, as the "
+                                         "engine's --kv-store-on: fill (write-through) or evict "
+                                         "(write-back)"),
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
         duration: float = typer.Option(600.0, help="stage length, simulated seconds"),
         warmup: float = typer.Option(None, help="simulated seconds before the stage (default: "
@@ -44,7 +47,8 @@ def register(app: typer.Typer) -> None:
             p, d = parse_topology(topology)
             cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
                             decode_width=decode_width, concurrency=concurrency, mtp=mtp,
-                            cpu_offload_gib=cpu_offload_gib, workload=workload, duration=duration,
+                            cpu_offload_gib=cpu_offload_gib, cpu_store_on=cpu_store_on,
+                            workload=workload, duration=duration,
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0)
             s = simulate(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace

@@ -104,6 +104,8 @@ class SimBlockPool(BlockPool):
             raise ValueError(f"need num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_caching, self.events, self.medium, self.int_hashes = True, None, medium, None
+        self.on_evict = None  # (unused here; the base class's per-hash hook)
+        self.on_evict_blocks = None  # write-back: called with what `allocate` evicted
         self.blocks: list[Block] = []
         self.free_queue = LazyFreeQueue(self, num_blocks)  # type: ignore[assignment]
         self.cached = {}
@@ -129,6 +131,7 @@ class SimBlockPool(BlockPool):
         if n > q.n:
             raise NoFreeBlocks(f"asked for {n} KV blocks but only {q.n} of {self.num_blocks} are free")
         out, head, marker, cached = [], q.head, q.marker, self.cached
+        evicted: list | None = [] if self.on_evict_blocks is not None else None
         i = 0
         while i < n:  # each pass takes >= 1 block
             b = head.next
@@ -151,10 +154,14 @@ class SimBlockPool(BlockPool):
                 b.block_hash = None
                 if cached.get(h) is b:
                     del cached[h]
+                    if evicted is not None:
+                        evicted.append((h, b.block_id))
             b.ref_cnt = 1
             out.append(b)
             i += 1
         q.n -= n
+        if evicted:  # after the loop, as the base class: the hook may touch other pools
+            self.on_evict_blocks(evicted)
         return out
 
     def free(self, blocks: Sequence[Block]) -> None:

@@ -43,15 +43,27 @@ class Instance(abc.ABC):
 
 
 class PrefillInstance(Instance):
-    """Chunked prefill with prefix hits from GPU, restores from CPU, write-through to CPU."""
+    """Chunked prefill with prefix hits from GPU, restores from CPU, and stores to CPU:
+    write-through (each block as it is computed; the engine's `--kv-store-on fill`) or
+    write-back (each block the device evicts; `--kv-store-on evict`, kv/writeback.py)."""
 
     def __init__(self, clock: Clock, perf: PerfModel, ranks: list[Rank], chunk: int,
-                 handoff: Callable[[SimRequest], None]) -> None:
+                 handoff: Callable[[SimRequest], None], write_back: bool = False) -> None:
         super().__init__(clock, perf, ranks)
         self.chunk, self.handoff = chunk, handoff
         self.cpu_restore_bytes = 0.0
         self.cpu_store_blocks = 0  # blocks written to the CPU tier (SPEC: ~5 TB in 24 min at c128)
         self.hit_tokens = self.cpu_hit_tokens = self.prompt_tokens = 0
+        self.write_back = write_back
+        if write_back:
+            for r in ranks:
+                if r.cpu is not None:
+                    r.pool.on_evict_blocks = self._store_evicted(r)
+
+    def _store_evicted(self, r: Rank) -> Callable[[list], None]:
+        def store(evicted: list) -> None:
+            self.cpu_store_blocks += store_cpu(r.cpu, [h for h, _ in evicted], 0)
+        return store
 
     def _admit(self, r: Rank, req: SimRequest) -> bool:
         """Match the prefix (GPU, then CPU), take blocks; False when the pool is too full."""
@@ -67,7 +79,13 @@ class PrefillInstance(Instance):
         if not fits(r.pool, hits, need):
             return False
         r.pool.touch(hits)
-        req.blocks = hits + r.pool.allocate(need)
+        if c and self.write_back:  # pinned first, as the engine does: the allocation's
+            src = [r.cpu.cached[h] for h in req.hashes[g:g + c]]  # evictions are stored
+            r.cpu.touch(src)  # into the tier and must not evict what this restores
+            req.blocks = hits + r.pool.allocate(need)
+            r.cpu.free(src)
+        else:
+            req.blocks = hits + r.pool.allocate(need)
         req.computed = req.cached = (g + c) * bs
         req.restored = c * bs
         req.t_admit = self.clock.now
@@ -111,7 +129,8 @@ class PrefillInstance(Instance):
                 req.computed += n
                 full = req.computed // bs
                 cache_computed(r.pool, req, before, full)
-                self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[before:full], req.n_in)
+                if not self.write_back:
+                    self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[before:full], req.n_in)
                 if req.computed >= req.n_in:
                     r.running.remove(req)
                     r.inflight_tokens -= req.n_in

@@ -51,6 +51,10 @@ class SimConfig:
     concurrency: int = 128
     mtp: bool = True
     cpu_offload_gib: float = 100.0  # per prefill rank
+    # When blocks reach the CPU tier, as the engine's --kv-store-on: "fill" (write-through,
+    # vLLM's offloading connector: the tier mirrors the device's newest content first) or
+    # "evict" (write-back: the tier holds what the device dropped; the capacities add up)
+    cpu_store_on: str = "fill"
     workload: str = "sweep-full"
     duration: float = 600.0
     seed: int = 0
@@ -109,6 +113,8 @@ class Simulation:
     """The deployment, its router and the load generator."""
 
     def __init__(self, cfg: SimConfig, sessions: Iterable[Session]) -> None:
+        if cfg.cpu_store_on not in ("fill", "evict"):
+            raise ValueError(f"cpu_store_on {cfg.cpu_store_on!r}: expected fill or evict")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
         self.router = Router(cfg.seed)
@@ -140,7 +146,8 @@ class Simulation:
         self.pperf, self.dperf = PerfModel(m, hw, pt), PerfModel(m, hw, dt)
         w = cfg.prefill_width
         self.prefills = [PrefillInstance(self.clock, self.pperf, self.p_ranks[i * w:(i + 1) * w],
-                                         cfg.chunk, self._handoff) for i in range(cfg.prefill)]
+                                         cfg.chunk, self._handoff, cfg.cpu_store_on == "evict")
+                         for i in range(cfg.prefill)]
         w = cfg.decode_width
         self.decodes = [DecodeInstance(self.clock, self.dperf, self.d_ranks[i * w:(i + 1) * w],
                                        cfg.max_seqs, self.rng) for i in range(cfg.decode)]
