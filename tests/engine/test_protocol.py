@@ -39,7 +39,8 @@ def test_decode_errors_name_the_field() -> None:
 
 
 @pytest.mark.parametrize("body,param", [
-    (b'{"prompt": "p", "n": 3}', "n"),
+    (b'{"prompt": "p", "n": 0}', "n"),
+    (b'{"prompt": "p", "n": 129}', "n"),
     (b'{"prompt": "p", "temperature": -1}', "temperature"),
     (b'{"prompt": "p", "top_p": 0}', "top_p"),
     (b'{"prompt": "p", "top_p": 1.01}', "top_p"),

@@ -100,6 +100,77 @@ def test_x_request_id_names_the_request(client: openai.OpenAI, served: ServerThr
     wait_idle(served)
 
 
+def test_n_samples_are_the_seeded_single_requests(client: openai.OpenAI,
+                                                 served: ServerThread) -> None:
+    """Parallel sampling: with a seed, choice j is what one request with seed + j gives
+    (vLLM's rule), streamed or not; the prompt counts once in usage; n prompts x n samples
+    are ordered prompt-major, as OpenAI orders them."""
+    prompt = " ".join(f"tok{i}" for i in range(80))
+    kw = dict(model=served.engine.model_name, prompt=prompt, max_tokens=6, temperature=1.0,
+              extra_body={"ignore_eos": True})
+    wait_idle(served)
+    hits = served.engine.stats().prefix_hits_tokens
+    r = client.completions.create(n=3, seed=7, **kw)  # the first to send this prompt
+    ids = served.engine.tokenizer.encode(prompt)
+    full = (len(ids) - 1) // served.engine.block_size * served.engine.block_size
+    # computed once: the two other samples hit it (they waited for the first, or came after)
+    assert served.engine.stats().prefix_hits_tokens - hits >= 2 * full > 0
+    single = [client.completions.create(seed=7 + j, **kw).choices[0].text for j in range(3)]
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == single and len(set(single)) > 1
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 18
+    assert r.usage.prompt_tokens_details.cached_tokens == 0  # as the sample that computed it
+    texts = ["", "", ""]
+    finished = set()
+    for c in client.completions.create(n=3, seed=7, stream=True, **kw):
+        for ch in c.choices:
+            texts[ch.index] += ch.text
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert texts == single and finished == {0, 1, 2}
+    two = client.completions.create(model=served.engine.model_name, prompt=["a b", "c d e"], n=2,
+                                    max_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert [c.index for c in two.choices] == [0, 1, 2, 3]
+    assert two.choices[0].text == two.choices[1].text  # greedy: the samples agree
+    assert two.usage.completion_tokens == 12
+    assert two.usage.prompt_tokens == sum(len(served.engine.tokenizer.encode(p))
+                                          for p in ("a b", "c d e"))
+    wait_idle(served)
+    assert served.engine.core.kv.pool.num_used_blocks == 0
+
+
+def test_chat_n_samples_stream_each_choice_whole(client: openai.OpenAI,
+                                                  served: ServerThread) -> None:
+    """Chat with n: each choice starts with its role, ends with its finish reason, and
+    matches the single seeded request; with tool_choice required every choice is a call."""
+    msgs = [{"role": "user", "content": "tell me something"}]
+    kw = dict(model=served.engine.model_name, messages=msgs, max_tokens=5, temperature=1.0)
+    single = [client.chat.completions.create(seed=11 + j, **kw).choices[0].message.content
+              for j in range(2)]
+    r = client.chat.completions.create(n=2, seed=11, **kw)
+    assert [c.message.content for c in r.choices] == single
+    roles, texts, finish = {}, ["", ""], {}
+    for c in client.chat.completions.create(n=2, seed=11, stream=True, **kw):
+        for ch in c.choices:
+            if ch.index not in roles:
+                roles[ch.index] = ch.delta.role
+            assert ch.index not in finish, "a chunk after its choice finished"
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finish[ch.index] = ch.finish_reason
+    assert roles == {0: "assistant", 1: "assistant"} and texts == single
+    assert set(finish) == {0, 1}
+    r = client.chat.completions.create(model=served.engine.model_name, messages=MSGS, n=2,
+                                       tools=[WEATHER, CLOCK], tool_choice="required",
+                                       parallel_tool_calls=False, max_tokens=200, seed=0)
+    for c in r.choices:
+        assert c.finish_reason == "tool_calls"
+        [call] = c.message.tool_calls
+        check_weather_call(call)
+    wait_idle(served)
+    assert served.engine.core.kv.pool.num_used_blocks == 0
+
+
 def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI, served: ServerThread) -> None:
     prompt = " ".join(f"word{i}" for i in range(120))
     kw = dict(model=served.engine.model_name, prompt=prompt, max_tokens=1, temperature=0)

@@ -155,6 +155,20 @@ async def test_request_with_own_params_is_not_split(pd_stack) -> None:
     assert p.calls == [] and d.calls[-1]["kv_transfer_params"] == own
 
 
+async def test_parallel_sampling_is_not_split(pd_stack) -> None:
+    """n > 1 goes whole to the decode endpoint (a P/D leg is one sample; the engine computes
+    the prompt once for its n samples), and its n outputs are charged to it."""
+    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=16)
+    async with s.post("/v1/completions", json={**body(200), "n": 3}) as r:
+        assert r.status == 200 and "x-agentserve-pd" not in r.headers
+    assert p.calls == [] and d.calls[-1]["n"] == 3 and "kv_transfer_params" not in d.calls[-1]
+    assert 'agentserve_router_pd_requests_total{path="aggregated"} 1.0' in await metrics(s)
+    other = {**body(200), "prompt": list(range(1000, 1200)), "n": 1}  # (the first is cached now)
+    async with s.post("/v1/completions", json=other) as r:
+        assert r.status == 200 and "x-agentserve-pd" in r.headers  # n = 1 still splits
+    assert len(p.calls) == 1
+
+
 async def test_prefill_choice_is_prefix_aware(pd_stack) -> None:
     gw, s, engines = await pd_stack(["prefill", "prefill", "decode"], threshold=64)
     p0, p1, d = engines

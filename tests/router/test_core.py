@@ -120,6 +120,21 @@ def test_finish_releases_load():
     assert ep.inflight == 1 and ep.inflight_tokens == 110 and ep.pending_prefill == 100
     r.finish(d)
     assert (ep.inflight, ep.inflight_tokens, ep.pending_prefill) == (0, 0, 0)
+    d = r.decide(RouteInput(toks(100, 2), max_tokens=10, samples=3))  # n = 3: 3 outputs
+    assert r.endpoints[d.url].inflight_tokens == 130
+    r.finish(d)
+
+
+def test_n_is_read_from_the_body():
+    from agentserve.router.requests import parse_request
+
+    def samples(extra: str) -> int:
+        body = ('{"prompt": [1, 2, 3], "max_tokens": 4' + extra + '}').encode()
+        return parse_request("/v1/completions", body, {}, None).samples
+
+    assert samples("") == 1 and samples(', "n": 4') == 4
+    # out of the engines' range: charged as one; the engine answers it with its 400
+    assert samples(', "n": 0') == samples(', "n": 1000') == samples(', "n": "2"') == 1
 
 
 def test_no_healthy_and_unknown_model():

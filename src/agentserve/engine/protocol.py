@@ -154,6 +154,11 @@ class ChatRequest(_Sampling, kw_only=True, omit_defaults=True):
     top_logprobs: int | None = None
 
 
+# Samples per prompt (parallel sampling): each is its own engine request, and the prompt is
+# computed once (the others wait for it in flight, engine/inflight.py). vLLM has no bound;
+# this one keeps a single request from queueing thousands.
+MAX_N = 128
+
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's bound (torch.long), what a Generator takes
 
 _PATH = re.compile(r"at `\$\.?(.*)`")
@@ -211,8 +216,11 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 def check_sampling(req: _Sampling) -> None:
     """Checks common to both endpoints: unsupported fields, ranges, bias, response_format."""
     check_unsupported(req)
-    if req.n != 1:
-        raise APIError(400, f"n must be 1 (got {req.n}); send separate requests", "n")
+    if not 1 <= req.n <= MAX_N:
+        raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", "n")
+    if req.n > 1 and req.kv_transfer_params:
+        # one P/D leg is one request: a prefill leg pins one prompt's KV for one puller
+        raise APIError(400, "kv_transfer_params needs n = 1 (a P/D leg is one sample)", "n")
     for name, (ok, what) in _RANGES.items():
         value = getattr(req, name)
         if value is not None and not ok(value):

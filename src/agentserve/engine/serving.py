@@ -46,9 +46,12 @@ class EngineClient(Protocol):
     def stats(self) -> Any: ...
 
 
-def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> SamplingParams:
+def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer,
+                    sample: int = 0) -> SamplingParams:
     """Request fields -> engine SamplingParams (ranges already checked by `check_sampling`;
-    here what needs the tokenizer or the resolved max_tokens)."""
+    here what needs the tokenizer or the resolved max_tokens). ``sample``: which of the
+    request's ``n`` samples; a seeded request's sample j draws with seed + j, as vLLM's
+    parallel sampling does, so each sample is reproducible and they differ."""
     bias = {int(k): v for k, v in (req.logit_bias or {}).items()}
     bad = [k for k in bias if not 0 <= k < tok.vocab_size]
     if bad:
@@ -64,7 +67,8 @@ def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer) -> Sampling
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k in (None, -1) else req.top_k,
-        seed=req.seed, stop_token_ids=stop_ids, ignore_eos=req.ignore_eos,
+        seed=None if req.seed is None else req.seed + sample, stop_token_ids=stop_ids,
+        ignore_eos=req.ignore_eos,
         presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -168,15 +172,21 @@ def usage(prompt: int, completion: int, cached: int,
             "total_tokens": prompt + completion, "prompt_tokens_details": details}
 
 
-def sum_usage(gens: list[Generation]) -> dict[str, Any]:
+def sum_usage(gens: list[Generation], n: int = 1) -> dict[str, Any]:
+    """Usage of a request's generations, ``n`` consecutive ones per prompt. As vLLM counts
+    parallel sampling, a prompt counts once however many samples it has; its cached tokens
+    are those of the sample that found the fewest (the one that computed the prompt: the
+    others waited for it and hit it)."""
     tiers: dict[str, int] | None = None
-    for g in gens:
+    prompt = cached = 0
+    for k in range(0, len(gens), n):
+        g = min(gens[k:k + n], key=lambda x: x.cached_tokens)
+        prompt, cached = prompt + g.prompt_tokens, cached + g.cached_tokens
         if g.cached_by_tier is not None:
             tiers = tiers or {}
-            for t, n in g.cached_by_tier.items():
-                tiers[t] = tiers.get(t, 0) + n
-    return usage(sum(g.prompt_tokens for g in gens), sum(g.completion_tokens for g in gens),
-                 sum(g.cached_tokens for g in gens), tiers)
+            for t, m in g.cached_by_tier.items():
+                tiers[t] = tiers.get(t, 0) + m
+    return usage(prompt, sum(g.completion_tokens for g in gens), cached, tiers)
 
 
 def is_prefill_leg(params: dict[str, Any] | None) -> bool:
@@ -336,20 +346,21 @@ async def create_completion(request: web.Request, engine: EngineClient,
     if req.kv_transfer_params and len(prompts) > 1:
         raise APIError(400, "kv_transfer_params needs a single prompt", "kv_transfer_params")
     grammar = await asyncio.to_thread(response_format_grammar, req, engine.tokenizer)
-    gens = []
+    gens, n = [], req.n
     for i, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len)
         max_tokens = pd_max_tokens(req.kv_transfer_params, max_tokens)
-        params = sampling_params(req, max_tokens, engine.tokenizer)
-        if grammar is not None:  # one matcher per prompt: it follows that prompt's output
-            params.constraint = GrammarConstraint(engine.tokenizer, grammar)
-        gens.append(Generation(engine, metrics, f"{eid}-{i}", ids, params,
-                               stop_list(req.stop), client_alive(request), arrival,
-                               session_of(request, req.user), req.kv_transfer_params))
+        for j in range(n):  # choice i * n + j, as OpenAI orders them
+            params = sampling_params(req, max_tokens, engine.tokenizer, j)
+            if grammar is not None:  # one matcher per sample: it follows that sample's output
+                params.constraint = GrammarConstraint(engine.tokenizer, grammar)
+            gens.append(Generation(engine, metrics, f"{eid}-{i * n + j}", ids, params,
+                                   stop_list(req.stop), client_alive(request), arrival,
+                                   session_of(request, req.user), req.kv_transfer_params))
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:
-        return await stream_sse(request, _completion_events(base, gens, req.stream_options))
+        return await stream_sse(request, _completion_events(base, gens, n, req.stream_options))
     texts = [""] * len(gens)
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
         async for i, text in merged:
@@ -357,7 +368,8 @@ async def create_completion(request: web.Request, engine: EngineClient,
     choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason, "logprobs": None}
                for i, g in enumerate(gens)]
     release_unread_pins(request, engine, gens)
-    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)}, gens))
+    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens, n)},
+                                       gens))
 
 
 def usage_mode(opts: StreamOptions | None) -> tuple[bool, bool]:
@@ -367,14 +379,14 @@ def usage_mode(opts: StreamOptions | None) -> tuple[bool, bool]:
     return final, final and bool(opts and opts.continuous_usage_stats)
 
 
-async def _completion_events(base: dict[str, Any], gens: list[Generation],
+async def _completion_events(base: dict[str, Any], gens: list[Generation], n: int,
                              opts: StreamOptions | None) -> AsyncIterator[dict[str, Any]]:
     include_usage, every = usage_mode(opts)
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
         async for i, text in merged:
             finish = gens[i].finish_reason if text is None else None
             choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
-            extra = {"usage": sum_usage(gens) if every else None} if include_usage else {}
+            extra = {"usage": sum_usage(gens, n) if every else None} if include_usage else {}
             yield {**base, "choices": [choice], **extra}
     if include_usage:
-        yield {**base, "choices": [], "usage": sum_usage(gens)}
+        yield {**base, "choices": [], "usage": sum_usage(gens, n)}

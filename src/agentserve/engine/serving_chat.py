@@ -24,10 +24,10 @@ from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToo
                                         stop_list)
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
-                                       pd_max_tokens, release_unread_pins,
+                                       merge, pd_max_tokens, release_unread_pins,
                                        resolve_max_tokens, response_format_grammar,
-                                       sampling_params, session_of, stream_sse, usage_mode,
-                                       with_transfer)
+                                       sampling_params, session_of, stream_sse, sum_usage,
+                                       usage_mode, with_transfer)
 from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
@@ -50,14 +50,13 @@ def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
     return out
 
 
-def tool_constraint(tok: Tokenizer, tools: list[dict[str, Any]],
-                    req: ChatRequest) -> GrammarConstraint | None:
-    """Validate the tool schemas; a constraint for "required" or a named function."""
+def tool_grammar(tok: Tokenizer, tools: list[dict[str, Any]], req: ChatRequest) -> str | None:
+    """Validate the tool schemas; the grammar for "required" or a named function."""
     choice = req.tool_choice or "auto"
     name = choice.function.name if isinstance(choice, NamedToolChoice) else None
     try:
         grammar = compile_tool_grammar(tok, tools, name, req.parallel_tool_calls)
-        return None if choice == "auto" else GrammarConstraint(tok, grammar)
+        return None if choice == "auto" else grammar
     except GrammarError as e:
         raise APIError(400, str(e), "tools") from None
 
@@ -80,34 +79,42 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
     requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     max_tokens = pd_max_tokens(req.kv_transfer_params,
                                resolve_max_tokens(len(ids), requested, None, engine.max_model_len))
-    params = sampling_params(req, max_tokens, tok)
     if tools:
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(400, "response_format json_object / json_schema cannot be combined "
                            "with tools (a tool call is not that JSON); send tool_choice 'none' "
                            "or drop one of them", "response_format")
-        params.constraint = await asyncio.to_thread(tool_constraint, tok, tools, req)
+        grammar = await asyncio.to_thread(tool_grammar, tok, tools, req)
     else:
         grammar = await asyncio.to_thread(response_format_grammar, req, tok)
-        if grammar is not None:
+    gens = []
+    for j in range(req.n):  # n samples: n engine requests over one prompt (computed once)
+        params = sampling_params(req, max_tokens, tok, j)
+        if grammar is not None:  # one matcher per sample: it follows that sample's output
             params.constraint = GrammarConstraint(tok, grammar)
-    gen = Generation(engine, metrics, eid, ids, params, stop_list(req.stop), client_alive(request),
-                     arrival, session_of(request, req.user), req.kv_transfer_params)
+        gens.append(Generation(engine, metrics, eid if req.n == 1 else f"{eid}-{j}", ids, params,
+                               stop_list(req.stop), client_alive(request), arrival,
+                               session_of(request, req.user), req.kv_transfer_params))
     base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:
         base["object"] = "chat.completion.chunk"
-        return await stream_sse(request, _chat_events(base, gen, use_tools, req.stream_options))
-    async with contextlib.aclosing(gen.deltas()) as deltas:
-        text = "".join([t async for t in deltas])
-    content, calls = parse_tool_calls(text) if use_tools else (text, [])
-    message: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [c.to_openai() for c in calls]
-    finish = "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason
-    choice = {"index": 0, "message": message, "finish_reason": finish, "logprobs": None}
-    release_unread_pins(request, engine, [gen])
-    return json_response(with_transfer({**base, "choices": [choice], "usage": gen.usage()}, [gen]))
+        return await stream_sse(request, _chat_events(base, gens, use_tools, req.stream_options))
+    texts = [""] * len(gens)
+    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
+        async for i, text in merged:
+            texts[i] += text or ""
+    choices = []
+    for i, (g, text) in enumerate(zip(gens, texts)):
+        content, calls = parse_tool_calls(text) if use_tools else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        finish = "tool_calls" if calls and g.finish_reason == "stop" else g.finish_reason
+        choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
+    release_unread_pins(request, engine, gens)
+    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)},
+                                       gens))
 
 
 def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:
@@ -117,29 +124,32 @@ def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = Fals
     return ([{"content": content}] if content else []) + ([{"tool_calls": calls}] if calls else [])
 
 
-async def _chat_events(base: dict[str, Any], gen: Generation, parse: bool,
+async def _chat_events(base: dict[str, Any], gens: list[Generation], parse: bool,
                        opts: StreamOptions | None) -> AsyncIterator[dict[str, Any]]:
+    """Each choice: its role first (with its first text, so that an early error stays a
+    plain JSON error), its deltas, then its finish; choices interleave as they come."""
     include_usage, every = usage_mode(opts)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-        extra = {"usage": gen.usage() if every else None} if include_usage else {}
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
+        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+        extra = {"usage": sum_usage(gens) if every else None} if include_usage else {}
         return {**base, "choices": [choice], **extra}
 
-    parser = StreamingToolParser() if parse else None
-    yielded_role = False
-    async with contextlib.aclosing(gen.deltas()) as deltas:
-        async for text in deltas:
-            if not yielded_role:  # sent with the first text so early errors stay plain JSON
-                yielded_role = True
-                yield chunk({"role": "assistant", "content": ""})
-            for delta in _chat_deltas(parser, text):
-                yield chunk(delta)
-    if not yielded_role:
-        yield chunk({"role": "assistant", "content": ""})
-    for delta in _chat_deltas(parser, "", end=True):
-        yield chunk(delta)
-    calls = parser is not None and parser.calls
-    yield chunk({}, "tool_calls" if calls and gen.finish_reason == "stop" else gen.finish_reason)
+    parsers = [StreamingToolParser() if parse else None for _ in gens]
+    started = [False] * len(gens)
+    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
+        async for i, text in merged:
+            if not started[i]:
+                started[i] = True
+                yield chunk(i, {"role": "assistant", "content": ""})
+            if text is not None:
+                for delta in _chat_deltas(parsers[i], text):
+                    yield chunk(i, delta)
+                continue
+            for delta in _chat_deltas(parsers[i], "", end=True):  # choice i has ended
+                yield chunk(i, delta)
+            p, g = parsers[i], gens[i]
+            calls = p is not None and p.calls
+            yield chunk(i, {}, "tool_calls" if calls and g.finish_reason == "stop" else g.finish_reason)
     if include_usage:
-        yield {**base, "choices": [], "usage": gen.usage()}
+        yield {**base, "choices": [], "usage": sum_usage(gens)}

@@ -61,6 +61,7 @@ class RouteInput:
     model: str | None = None
     session: str | None = None
     max_tokens: int = 256
+    samples: int = 1  # the body's `n`: that many outputs are charged (the prompt once)
     tokenized: Tokenized | None = None  # text/chat/token-id bodies: the parse cache's entry
     parse_seconds: float = 0.0  # body decode + tokenization, part of the decision latency
 
@@ -280,7 +281,7 @@ class Router:
         i, reason = self.picker.pick(cands, scores)
         c = cands[i]
         ep = self.endpoints[c.url]
-        out = min(req.max_tokens, _MAX_OUTPUT_CHARGE) if charge_output else 1
+        out = min(req.max_tokens, _MAX_OUTPUT_CHARGE) * req.samples if charge_output else 1
         d = Decision(url=c.url, rank=c.rank, reason=reason, prompt_len=len(req.token_ids),
                      predicted_cached=c.predicted_cached, charged_tokens=c.uncached_tokens + out,
                      uncached=c.uncached_tokens, seconds=0.0,

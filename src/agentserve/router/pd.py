@@ -91,7 +91,10 @@ class PDOrchestrator:
         headers: dict[str, str] = {"x-agentserve-endpoint": d.url, "x-agentserve-reason": d.reason}
         try:
             req = msgspec.json.decode(body)
-            if d.uncached < self.threshold or not isinstance(req, dict) or req.get("kv_transfer_params"):
+            # n > 1 is not split: a P/D leg is one sample (the engines refuse n > 1 with
+            # kv_transfer_params), and the decode engine computes the prompt once for all n
+            if (d.uncached < self.threshold or not isinstance(req, dict)
+                    or req.get("kv_transfer_params") or route.samples > 1):
                 self.legs.labels("aggregated").inc()
                 return await self._decode_leg(request, d, body, headers)
             params, info, prefill_url = await self._prefill_leg(request, route, req)

@@ -39,6 +39,13 @@ def _max_tokens(req: dict[str, Any]) -> int:
     return v
 
 
+def _samples(req: dict[str, Any]) -> int:
+    """The body's ``n`` when it is one the engines accept (1-128), else 1: the engine then
+    answers an out-of-range ``n`` with its own 400."""
+    n = req.get("n")
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1
+
+
 def _prompt_input(req: dict[str, Any], tok: IncrementalTokenizer | None,
                   session: str | None, raw: RawParse | None = None) -> RouteInput:
     if raw is not None and raw.entry is not None:  # token ids read incrementally from bytes
@@ -119,6 +126,7 @@ def parse_request(path: str, body: bytes, headers: Any,
     else:
         route = _prompt_input(req, tok, session, raw)
     route.model, route.session, route.max_tokens = model, session, _max_tokens(req)
+    route.samples = _samples(req)
     route.parse_seconds = time.perf_counter() - t0
     return route
 
