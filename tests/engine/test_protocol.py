@@ -46,7 +46,8 @@ def test_decode_errors_name_the_field() -> None:
     (b'{"prompt": "p", "top_p": 1.01}', "top_p"),
     (b'{"prompt": "p", "max_tokens": 0}', "max_tokens"),
     (b'{"prompt": "p", "echo": true}', "echo"),
-    (b'{"prompt": "p", "logprobs": 0}', "logprobs"),
+    (b'{"prompt": "p", "logprobs": -1}', "logprobs"),
+    (b'{"prompt": "p", "logprobs": 21}', "logprobs"),
 ])
 def test_completion_range_checks(body: bytes, param: str) -> None:
     assert bad(check_completion, decode(body, CompletionRequest)).param == param

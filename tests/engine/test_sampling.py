@@ -4,6 +4,7 @@ the same controls end to end through a real server with the official client."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 
@@ -173,3 +174,43 @@ def test_a_generate_refused_at_submission_leaves_nothing_behind(served: ServerTh
         run(2**70)  # past a torch.Generator's range: refused before submission
     # the same id again is not a "duplicate request id": nothing of the first stayed
     assert run(7).request_id == "refused-1"
+
+
+def test_logprobs_are_the_models_raw_distribution() -> None:
+    """Each sampled token's logprob and its top 5 are log_softmax of the model's own logits
+    at that position (the dense reference), also when a bias, a penalty and a temperature
+    changed what was sampled (vLLM's raw_logprobs)."""
+    from agentserve.engine.tiny import default_model_dir
+    from tests.engine.reference import DenseLlama
+    from tests.engine.test_engine import _prompt, _with_engine
+
+    dense = DenseLlama(default_model_dir())
+    prompt = _prompt(40, 3)
+    forced = 1234
+    params = [SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logprobs=5),
+              SamplingParams(max_tokens=4, temperature=0.7, seed=1, ignore_eos=True, logprobs=5,
+                             logit_bias={forced: 100.0}, repetition_penalty=1.3)]
+
+    async def go(eng):
+        outs = []
+        for i, p in enumerate(params):
+            lps = []
+            async for out in eng.generate(f"r{i}", prompt, p):
+                lps += out.logprobs or []
+            outs.append(lps)
+        return outs
+
+    greedy, biased = asyncio.run(_with_engine(go))
+    for lps in (greedy, biased):
+        assert len(lps) == 4
+        ids = list(prompt)
+        for e in lps:
+            ref = torch.log_softmax(dense.logits(ids)[-1].float(), -1)
+            top = torch.topk(ref, 5)
+            assert [i for i, _ in e.top] == top.indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+            assert e.logprob == pytest.approx(float(ref[e.token]), abs=1e-4)
+            ids.append(e.token)
+    assert all(e.token == e.top[0][0] for e in greedy)
+    assert [e.token for e in biased] == [forced] * 4  # the bias chose it, not its raw odds
+    assert biased[0].logprob < biased[0].top[0][1]

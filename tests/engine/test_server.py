@@ -171,6 +171,58 @@ def test_chat_n_samples_stream_each_choice_whole(client: openai.OpenAI,
     assert served.engine.core.kv.pool.num_used_blocks == 0
 
 
+def test_completion_logprobs(client: openai.OpenAI, served: ServerThread) -> None:
+    """logprobs=k: one entry per token, the tokens spell the text, the top-k dict holds the
+    k best and the sampled token (k + 1 when it is not among them), text_offset counts the
+    tokens' characters; streamed chunks carry the same entries in order."""
+    kw = dict(model=served.engine.model_name, prompt="the cat sat on", max_tokens=8,
+              temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(logprobs=3, **kw)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == r.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    for tok, v, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
+        assert v <= 0 and len(top) == 3 and top[tok] == v == max(top.values())  # greedy
+    assert client.completions.create(**kw).choices[0].logprobs is None
+    chunks = [c for c in client.completions.create(logprobs=3, stream=True, **kw) if c.choices]
+    got = [t for c in chunks if c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    vals = [v for c in chunks if c.choices[0].logprobs for v in c.choices[0].logprobs.token_logprobs]
+    offs = [o for c in chunks if c.choices[0].logprobs for o in c.choices[0].logprobs.text_offset]
+    assert got == lp.tokens and vals == pytest.approx(lp.token_logprobs, abs=1e-5)
+    assert offs == lp.text_offset
+    zero = client.completions.create(logprobs=0, **kw).choices[0].logprobs
+    assert all(len(top) == 1 for top in zero.top_logprobs)  # just the sampled token
+
+
+def test_chat_logprobs(client: openai.OpenAI, served: ServerThread) -> None:
+    """logprobs=true, top_logprobs=k: a content entry per token with its bytes (which
+    join to the answer's UTF-8) and the k most likely; streamed: the same entries, and with
+    tools each chunk's logprobs still reach the client."""
+    kw = dict(model=served.engine.model_name, messages=[{"role": "user", "content": "hi"}],
+              max_tokens=10, temperature=0.8, seed=4, logprobs=True, top_logprobs=2)
+    r = client.chat.completions.create(**kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert bytes(b for e in content for b in e.bytes).decode() == r.choices[0].message.content
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+        assert e.logprob <= e.top_logprobs[0].logprob
+    chunks = list(client.chat.completions.create(stream=True, **kw))
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.bytes) for e in streamed] == [(e.token, e.bytes) for e in content]
+    only = client.chat.completions.create(**{**kw, "top_logprobs": None})
+    assert all(e.top_logprobs == [] for e in only.choices[0].logprobs.content)
+    calls = list(client.chat.completions.create(
+        model=served.engine.model_name, messages=MSGS, tools=[WEATHER, CLOCK],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=200, seed=0,
+        logprobs=True, stream=True, stream_options={"include_usage": True}))
+    n = sum(len(c.choices[0].logprobs.content) for c in calls if c.choices and c.choices[0].logprobs)
+    assert n == calls[-1].usage.completion_tokens > 0
+    wait_idle(served)
+
+
 def test_cached_tokens_on_repeated_prompt(client: openai.OpenAI, served: ServerThread) -> None:
     prompt = " ".join(f"word{i}" for i in range(120))
     kw = dict(model=served.engine.model_name, prompt=prompt, max_tokens=1, temperature=0)

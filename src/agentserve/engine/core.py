@@ -238,11 +238,13 @@ class EngineCore:
 
     def _output(self, seq: Sequence, new: list[int], reason: str | None,
                 error: str | None = None) -> RequestOutput:
+        lps = seq.logprobs[seq.emitted:seq.emitted + len(new)] \
+            if seq.params.logprobs is not None else None
         seq.emitted += len(new)
         return RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_prompt_tokens,
                              max(seq.num_cached_tokens, 0), error,
                              seq.cached_by_tier if self.tiers is not None else None,
-                             seq.kv_transfer_out)
+                             seq.kv_transfer_out, lps)
 
     def _publish_events(self) -> None:
         tier_events = self.tiers.take_events() if self.tiers is not None else []

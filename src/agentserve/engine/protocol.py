@@ -158,6 +158,7 @@ class ChatRequest(_Sampling, kw_only=True, omit_defaults=True):
 # computed once (the others wait for it in flight, engine/inflight.py). vLLM has no bound;
 # this one keeps a single request from queueing thousands.
 MAX_N = 128
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's bound (torch.long), what a Generator takes
 
@@ -259,8 +260,9 @@ def check_completion(req: CompletionRequest) -> None:
     check_sampling(req)
     if req.echo:
         raise APIError(400, "echo=true is not supported; send echo=false", "echo")
-    if req.logprobs is not None:
-        raise APIError(400, "logprobs are not supported; omit the field or send null", "logprobs")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
+                       "logprobs")
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -271,8 +273,12 @@ def check_chat(req: ChatRequest) -> None:
     if req.max_completion_tokens is not None and req.max_completion_tokens <= 0:
         raise APIError(400, f"max_completion_tokens must be >= 1, got {req.max_completion_tokens}",
                        "max_completion_tokens")
-    if req.logprobs or req.top_logprobs:
-        raise APIError(400, "logprobs are not supported; send logprobs=false", "logprobs")
+    if req.top_logprobs is not None:
+        if not req.logprobs:  # (as vLLM and OpenAI)
+            raise APIError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                           f"{req.top_logprobs}", "top_logprobs")
     if not req.messages:
         raise APIError(400, "messages must not be empty", "messages")
     for i, m in enumerate(req.messages):

@@ -53,6 +53,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     min_tokens_blocked: list[int] = field(default_factory=list)  # EOS + stop ids before min_tokens
+    # Log-probabilities to return per sampled token: None off; k >= 0 the token's own and
+    # the k most likely. As vLLM's default (`logprobs_mode` raw_logprobs), of the model's raw
+    # distribution: before penalties, bias, grammar and temperature.
+    logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +73,15 @@ class SamplingParams:
         """Whether the sampler must edit this request's logits row (`sampler.process_row`)."""
         return bool(self.constraint is not None or self.logit_bias or self.min_tokens
                     or self.penalized)
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """A sampled token's log-probability and the ``k`` most likely tokens', best first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
@@ -89,4 +102,5 @@ class RequestOutput:
     error: str | None = None
     cached_by_tier: dict[str, int] | None = None  # gpu/cpu/disk split of num_cached_tokens
     kv_transfer_params: dict | None = None  # a finished prefill leg: where its KV waits
+    logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
     time: float = field(default_factory=time.monotonic)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from agentserve.engine.request import SamplingParams
+from agentserve.engine.request import SamplingParams, TokenLogprobs
 
 if TYPE_CHECKING:
     from agentserve.engine.sequence import Sequence
@@ -84,6 +84,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
     a token, so that request fails alone and the rest of the batch goes on.
     """
     failed: dict[int, Exception] = {}
+    raw = _raw_logprobs(logits, seqs)  # before any row is edited
     for i, seq in enumerate(seqs):
         if seq.params.edits_logits:
             try:
@@ -105,7 +106,33 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
                 out.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 out.append(exc)
+    if raw is not None:
+        _record_logprobs(raw, seqs, out)
     return out
+
+
+def _raw_logprobs(logits: torch.Tensor, seqs: list[Sequence]
+                  ) -> tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(rows, their log-softmax, top values, top ids) for the rows that asked for
+    logprobs, in one batched call; None when none did (plain requests pay nothing)."""
+    rows = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+    if not rows:
+        return None
+    lp = torch.log_softmax(logits[rows].float(), dim=-1)
+    k = max(seqs[i].params.logprobs for i in rows)
+    top = torch.topk(lp, k, dim=-1) if k else None
+    return rows, lp, *((top.values, top.indices) if top is not None else (None, None))
+
+
+def _record_logprobs(raw, seqs: list[Sequence], tokens: list[int | Exception]) -> None:
+    rows, lp, vals, ids = raw
+    for r, i in enumerate(rows):
+        t = tokens[i]
+        if isinstance(t, Exception):
+            continue
+        k = seqs[i].params.logprobs
+        top = list(zip(ids[r, :k].tolist(), vals[r, :k].tolist())) if k else []
+        seqs[i].logprobs.append(TokenLogprobs(t, float(lp[r, t]), top))
 
 
 def make_generator(seed: int | None, device: str | torch.device = "cpu") -> torch.Generator:

@@ -36,6 +36,7 @@ class Sequence:
     kv_transfer: dict | None = None  # vLLM kv_transfer_params of a P/D leg (request side)
     kv_transfer_out: dict | None = None  # params returned by a prefill leg (pins held)
     kv_pull_failed: bool = False  # a remote pull failed once: recompute from now on
+    logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, if asked
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -25,9 +25,14 @@ from agentserve.engine.metrics import RequestTimer, ServerMetrics
 from agentserve.engine.protocol import (APIError, CompletionRequest, StreamOptions, _Sampling,
                                         check_completion, check_length, check_prompt_ids, decode,
                                         stop_list)
-from agentserve.engine.request import RequestOutput, SamplingParams
+from agentserve.engine.logprobs import completion_logprobs
+from agentserve.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+# What a generation hands out per engine step: text, and logprobs of the tokens behind it.
+Delta = tuple[str, list[TokenLogprobs]]
 
 
 class EngineClient(Protocol):
@@ -114,12 +119,16 @@ class Generation:
         self.prompt_tokens, self.cached_tokens, self.completion_tokens = len(prompt_ids), 0, 0
         self.finish_reason: str | None = None
         self.cached_by_tier: dict[str, int] | None = None
+        self._lps: list[TokenLogprobs] = []  # of tokens not yet handed out with a delta
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens,
                      self.cached_by_tier)
 
-    async def deltas(self) -> AsyncIterator[str]:
+    async def deltas(self) -> AsyncIterator[Delta]:
+        """(text, logprobs of the tokens behind it) as they come; logprobs are [] unless
+        the request asked for them, and a token whose text is held back (a character in
+        progress, a possible stop string) still hands its logprobs out with its step."""
         # The session id only travels when given, so engine clients without it still work.
         kw: dict[str, Any] = {"session_id": self.session_id} if self.session_id else {}
         if self.kv_transfer:
@@ -129,8 +138,9 @@ class Generation:
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     text = self._take(out)
-                    if text:
-                        yield text
+                    if text or self._lps:
+                        lps, self._lps = self._lps, []
+                        yield text, lps
                     if self.finish_reason is not None:
                         break
                     if not self.alive():  # client gone: leaving the loop aborts the request
@@ -148,6 +158,8 @@ class Generation:
         self.cached_by_tier = out.cached_by_tier
         if out.kv_transfer_params is not None:
             self.kv_transfer_params = out.kv_transfer_params
+        if out.logprobs:
+            self._lps.extend(out.logprobs)
         if out.new_token_ids:
             self.timer.on_tokens(out.time)
             self.completion_tokens += len(out.new_token_ids)
@@ -223,24 +235,24 @@ def session_of(request: web.Request, user: str | None) -> str | None:
     return request.headers.get("x-session-id") or user or None
 
 
-async def merge(streams: list[AsyncIterator[str]]) -> AsyncIterator[tuple[int, str | None]]:
-    """Interleave several delta streams as (index, text); (index, None) marks an end.
+async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int, Delta | None]]:
+    """Interleave several delta streams as (index, delta); (index, None) marks an end.
 
     Closing the merged stream cancels the pumps, which closes every generation.
     """
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]):
-            async for text in streams[0]:
-                yield 0, text
+            async for d in streams[0]:
+                yield 0, d
         yield 0, None
         return
-    q: asyncio.Queue[tuple[int, str | None, Exception | None]] = asyncio.Queue()
+    q: asyncio.Queue[tuple[int, Delta | None, Exception | None]] = asyncio.Queue()
 
-    async def pump(i: int, s: AsyncIterator[str]) -> None:
+    async def pump(i: int, s: AsyncIterator[Delta]) -> None:
         try:
             async with contextlib.aclosing(s):
-                async for text in s:
-                    await q.put((i, text, None))
+                async for d in s:
+                    await q.put((i, d, None))
             await q.put((i, None, None))
         except Exception as e:  # re-raised in the consumer
             await q.put((i, None, e))
@@ -249,11 +261,11 @@ async def merge(streams: list[AsyncIterator[str]]) -> AsyncIterator[tuple[int, s
     left = len(tasks)
     try:
         while left:
-            i, text, err = await q.get()
+            i, d, err = await q.get()
             if err is not None:
                 raise err
-            left -= text is None
-            yield i, text
+            left -= d is None
+            yield i, d
     finally:
         for t in tasks:
             t.cancel()
@@ -352,6 +364,7 @@ async def create_completion(request: web.Request, engine: EngineClient,
         max_tokens = pd_max_tokens(req.kv_transfer_params, max_tokens)
         for j in range(n):  # choice i * n + j, as OpenAI orders them
             params = sampling_params(req, max_tokens, engine.tokenizer, j)
+            params.logprobs = req.logprobs
             if grammar is not None:  # one matcher per sample: it follows that sample's output
                 params.constraint = GrammarConstraint(engine.tokenizer, grammar)
             gens.append(Generation(engine, metrics, f"{eid}-{i * n + j}", ids, params,
@@ -360,12 +373,17 @@ async def create_completion(request: web.Request, engine: EngineClient,
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:
-        return await stream_sse(request, _completion_events(base, gens, n, req.stream_options))
-    texts = [""] * len(gens)
+        return await stream_sse(request, _completion_events(
+            base, gens, n, req.stream_options, engine.tokenizer if req.logprobs is not None else None))
+    texts, lps = [""] * len(gens), [[] for _ in gens]
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
-        async for i, text in merged:
-            texts[i] += text or ""
-    choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason, "logprobs": None}
+        async for i, d in merged:
+            if d is not None:
+                texts[i] += d[0]
+                lps[i] += d[1]
+    choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason,
+                "logprobs": None if req.logprobs is None
+                else completion_logprobs(engine.tokenizer, lps[i], 0)[0]}
                for i, g in enumerate(gens)]
     release_unread_pins(request, engine, gens)
     return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens, n)},
@@ -380,12 +398,19 @@ def usage_mode(opts: StreamOptions | None) -> tuple[bool, bool]:
 
 
 async def _completion_events(base: dict[str, Any], gens: list[Generation], n: int,
-                             opts: StreamOptions | None) -> AsyncIterator[dict[str, Any]]:
+                             opts: StreamOptions | None, lp_tok: Tokenizer | None
+                             ) -> AsyncIterator[dict[str, Any]]:
+    """``lp_tok``: the tokenizer when the request asked for logprobs (else None)."""
     include_usage, every = usage_mode(opts)
+    offsets = [0] * len(gens)  # each choice's text_offset so far
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
-        async for i, text in merged:
-            finish = gens[i].finish_reason if text is None else None
-            choice = {"index": i, "text": text or "", "finish_reason": finish, "logprobs": None}
+        async for i, d in merged:
+            text, lps = d if d is not None else ("", [])
+            finish = gens[i].finish_reason if d is None else None
+            logprobs = None
+            if lp_tok is not None and lps:
+                logprobs, offsets[i] = completion_logprobs(lp_tok, lps, offsets[i])
+            choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
             extra = {"usage": sum_usage(gens, n) if every else None} if include_usage else {}
             yield {**base, "choices": [choice], **extra}
     if include_usage:

@@ -18,6 +18,7 @@ import msgspec
 from aiohttp import web
 
 from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_tool_grammar
+from agentserve.engine.logprobs import chat_logprobs
 from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice,
                                         StreamOptions, check_chat, check_prompt_ids, decode,
@@ -90,6 +91,7 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
     gens = []
     for j in range(req.n):  # n samples: n engine requests over one prompt (computed once)
         params = sampling_params(req, max_tokens, tok, j)
+        params.logprobs = (req.top_logprobs or 0) if req.logprobs else None
         if grammar is not None:  # one matcher per sample: it follows that sample's output
             params.constraint = GrammarConstraint(tok, grammar)
         gens.append(Generation(engine, metrics, eid if req.n == 1 else f"{eid}-{j}", ids, params,
@@ -99,11 +101,14 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
             "model": engine.model_name}
     if req.stream:
         base["object"] = "chat.completion.chunk"
-        return await stream_sse(request, _chat_events(base, gens, use_tools, req.stream_options))
-    texts = [""] * len(gens)
+        return await stream_sse(request, _chat_events(base, gens, use_tools, req.stream_options,
+                                                      tok if req.logprobs else None))
+    texts, lps = [""] * len(gens), [[] for _ in gens]
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
-        async for i, text in merged:
-            texts[i] += text or ""
+        async for i, d in merged:
+            if d is not None:
+                texts[i] += d[0]
+                lps[i] += d[1]
     choices = []
     for i, (g, text) in enumerate(zip(gens, texts)):
         content, calls = parse_tool_calls(text) if use_tools else (text, [])
@@ -111,7 +116,8 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
         finish = "tool_calls" if calls and g.finish_reason == "stop" else g.finish_reason
-        choices.append({"index": i, "message": message, "finish_reason": finish, "logprobs": None})
+        choices.append({"index": i, "message": message, "finish_reason": finish,
+                        "logprobs": chat_logprobs(tok, lps[i]) if req.logprobs else None})
     release_unread_pins(request, engine, gens)
     return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)},
                                        gens))
@@ -125,26 +131,33 @@ def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = Fals
 
 
 async def _chat_events(base: dict[str, Any], gens: list[Generation], parse: bool,
-                       opts: StreamOptions | None) -> AsyncIterator[dict[str, Any]]:
+                       opts: StreamOptions | None, lp_tok: Tokenizer | None
+                       ) -> AsyncIterator[dict[str, Any]]:
     """Each choice: its role first (with its first text, so that an early error stays a
-    plain JSON error), its deltas, then its finish; choices interleave as they come."""
+    plain JSON error), its deltas, then its finish; choices interleave as they come. With
+    logprobs (``lp_tok``), a step's ride on its first chunk (an empty delta when the tool
+    parser holds its text back)."""
     include_usage, every = usage_mode(opts)
 
-    def chunk(i: int, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+    def chunk(i: int, delta: dict[str, Any], finish: str | None = None,
+              lps: list | None = None) -> dict[str, Any]:
+        logprobs = chat_logprobs(lp_tok, lps) if lp_tok is not None and lps else None
+        choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         extra = {"usage": sum_usage(gens) if every else None} if include_usage else {}
         return {**base, "choices": [choice], **extra}
 
     parsers = [StreamingToolParser() if parse else None for _ in gens]
     started = [False] * len(gens)
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
-        async for i, text in merged:
+        async for i, d in merged:
             if not started[i]:
                 started[i] = True
                 yield chunk(i, {"role": "assistant", "content": ""})
-            if text is not None:
-                for delta in _chat_deltas(parsers[i], text):
-                    yield chunk(i, delta)
+            if d is not None:
+                text, lps = d
+                out = _chat_deltas(parsers[i], text) or ([{}] if lps else [])
+                for k, delta in enumerate(out):
+                    yield chunk(i, delta, lps=lps if k == 0 else None)
                 continue
             for delta in _chat_deltas(parsers[i], "", end=True):  # choice i has ended
                 yield chunk(i, delta)

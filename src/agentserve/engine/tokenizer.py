@@ -23,6 +23,7 @@ import jinja2
 import jinja2.sandbox
 from jinja2.ext import loopcontrols
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 # Added tokens that carry content for the tool-call parser: keep them in the
 # decoded text even when the tokenizer marks them special.
@@ -65,6 +66,22 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: each byte as the printable character BPE pieces use."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) \
+        + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = list(bs), 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs)}
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
 class Tokenizer:
     """A `tokenizers` tokenizer plus what HF keeps in tokenizer_config.json."""
 
@@ -92,6 +109,9 @@ class Tokenizer:
         self.chat_template: str | None = template
         self._template: jinja2.Template | None = (
             compile_chat_template(template) if template else None)
+        self._byte_level = isinstance(hf.decoder, ByteLevelDecoder)
+        self._added = set(added)
+        self._bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -115,6 +135,20 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """Token ids of `text`; added tokens written literally are matched."""
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs ``bytes``): a byte-level BPE
+        piece may be part of a character, which ``decode([id])`` shows as U+FFFD."""
+        cached = self._bytes.get(token_id)
+        if cached is None:
+            piece = self.hf.id_to_token(token_id) or ""
+            if self._byte_level and token_id not in self._added and all(
+                    c in _UNICODE_TO_BYTE for c in piece):
+                cached = bytes(_UNICODE_TO_BYTE[c] for c in piece)
+            else:
+                cached = self.hf.decode([token_id], skip_special_tokens=False).encode()
+            self._bytes[token_id] = cached
+        return cached
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; tool-call markers survive skip_special_tokens."""
