@@ -11,7 +11,9 @@ import yaml
 
 from agentserve.engine.tiny import default_model_dir
 
-from .procs import free_port, log_excerpt, router, start, stop, wait_http
+from tests.conftest import API_KEY
+
+from .procs import free_port, log_excerpt, post, router, start, stop, wait_http
 from .sessions import run_sessions
 
 VENV = Path(os.environ.get("AGENTSERVE_VLLM_VENV",
@@ -37,7 +39,7 @@ def vllm(model: str, port: int, ev: int, log: Path):
 
 
 @pytest.mark.timeout(900)
-def test_two_vllm_precise_routing(tmp_path: Path):
+def test_two_vllm_precise_routing(tmp_path: Path, served):
     model = str(default_model_dir())
     ports, evs, rport = [free_port(), free_port()], [free_port(), free_port()], free_port()
     cfg = tmp_path / "router.yaml"
@@ -52,6 +54,7 @@ def test_two_vllm_precise_routing(tmp_path: Path):
         procs.append(router(rport, cfg, tmp_path / "router.log", model))
         wait_http(f"http://127.0.0.1:{rport}/health", procs[-1], 60)
         rows = run_sessions(f"http://127.0.0.1:{rport}", n_sessions=4, turns=4)
+        vllm_lp = logprobs_of(f"http://127.0.0.1:{ports[0]}")
     finally:
         stop(procs)
         for f in sorted(tmp_path.glob("*.log")):
@@ -62,3 +65,18 @@ def test_two_vllm_precise_routing(tmp_path: Path):
         assert r["endpoint"] == first["endpoint"], r
     assert all(r["predicted"] == r["cached"] for r in rows), rows
     assert sum(r["cached"] for r in later) > 0.8 * sum(r["prompt"] for r in later)
+    # logprobs: the same shape and the same numbers as vLLM's for the same model (fp32)
+    ours = logprobs_of(served.url, served.engine.model_name, API_KEY)
+    assert set(ours) == set(vllm_lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+    assert ours["tokens"] == vllm_lp["tokens"] and ours["text_offset"] == vllm_lp["text_offset"]
+    assert ours["token_logprobs"] == pytest.approx(vllm_lp["token_logprobs"], abs=1e-3)
+    for a, b in zip(ours["top_logprobs"], vllm_lp["top_logprobs"]):
+        assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-3)
+
+
+def logprobs_of(url: str, model: str = "tiny", key: str | None = None) -> dict:
+    """Greedy logprobs=5 over a fixed token-id prompt, as /v1/completions returns them."""
+    body = {"model": model, "prompt": [17 + 31 * i % 3000 for i in range(40)], "max_tokens": 6,
+            "temperature": 0, "logprobs": 5, "ignore_eos": True}
+    headers = {"Authorization": f"Bearer {key}"} if key else None
+    return post(url + "/v1/completions", body, headers)[0]["choices"][0]["logprobs"]
