@@ -22,6 +22,7 @@ from rich.table import Table
 
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.request import SamplingParams
+from agentserve.engine.sampler import make_generator
 from agentserve.engine.sequence import Sequence
 
 
@@ -30,9 +31,14 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+TEMPERATURE = 0.0  # --temperature: 0 greedy; > 0 draws every token (the sampler's other path)
+
+
 def _add(core, rid: str, n: int, rng: random.Random) -> Sequence:
     seq = Sequence(rid, [rng.randrange(16, 4000) for _ in range(n)],
-                   SamplingParams(max_tokens=100_000, temperature=0.0, ignore_eos=True))
+                   SamplingParams(max_tokens=100_000, temperature=TEMPERATURE, ignore_eos=True))
+    if TEMPERATURE > 0:
+        seq.generator = make_generator(None, core.runner.device)
     core.seqs[rid] = seq
     core.scheduler.add(seq)
     return seq
@@ -43,7 +49,7 @@ def prefill_tok_s(core, device: str, n: int, rng: random.Random) -> float:
     _sync(device)
     t0 = time.perf_counter()
     while seq.num_output_tokens == 0:
-        core.step()
+        core.step([])
     _sync(device)
     dt = time.perf_counter() - t0
     core.scheduler.finish(seq, seq.status)
@@ -53,11 +59,11 @@ def prefill_tok_s(core, device: str, n: int, rng: random.Random) -> float:
 def decode_tok_s(core, device: str, batch: int, ctx: int, steps: int, rng: random.Random) -> float:
     seqs = [_add(core, f"d{batch}-{i}", ctx, rng) for i in range(batch)]
     while any(s.num_output_tokens == 0 for s in seqs):
-        core.step()
+        core.step([])
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        core.step()
+        core.step([])
     _sync(device)
     dt = time.perf_counter() - t0
     for s in seqs:
@@ -74,8 +80,12 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy; > 0: every token drawn (agents' default is 1.0)")
     ap.add_argument("--out", default="bench-out/engine_speed.json")
     args = ap.parse_args()
+    global TEMPERATURE
+    TEMPERATURE = args.temperature
     from agentserve.engine.tiny import make_tiny
 
     model = make_tiny(Path(tempfile.mkdtemp(prefix="engine-speed-")) / args.preset, preset=args.preset)
@@ -84,6 +94,7 @@ def main() -> None:
     core, rng = eng.core, random.Random(0)
     prefill_tok_s(core, args.device, 256, rng)  # warm-up
     result = {"preset": args.preset, "device": args.device, "dtype": args.dtype,
+              "temperature": args.temperature,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "prefill_tokens": args.prompt,
               "prefill_tok_s": prefill_tok_s(core, args.device, args.prompt, rng),

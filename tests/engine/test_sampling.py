@@ -214,3 +214,34 @@ def test_logprobs_are_the_models_raw_distribution() -> None:
     assert all(e.token == e.top[0][0] for e in greedy)
     assert [e.token for e in biased] == [forced] * 4  # the bias chose it, not its raw odds
     assert biased[0].logprob < biased[0].top[0][1]
+
+
+def test_batched_draw_follows_the_distribution_and_seeds_ignore_the_batch() -> None:
+    """The batched draw (inverse CDF) samples each row from its own tempered, filtered
+    distribution; a seeded row draws the same tokens alone or beside other rows."""
+    from agentserve.engine.sampler import make_generator
+
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0, float("-inf")])
+
+    def seq(temperature: float = 1.0, seed: int | None = None, **kw) -> Sequence:
+        s = Sequence("r", [1], SamplingParams(temperature=temperature, seed=seed, **kw))
+        s.generator = make_generator(seed)
+        return s
+
+    rows = [seq(), seq(temperature=0.5), seq(top_k=2)]
+    counts = torch.zeros(3, 5)
+    for _ in range(6000):
+        for r, t in enumerate(sample(logits.repeat(3, 1), rows)):
+            counts[r, t] += 1
+    want = [torch.softmax(logits, -1), torch.softmax(logits / 0.5, -1),
+            torch.softmax(torch.tensor([-9e9, 1.0, 2.0, -9e9, -9e9]), -1)]
+    for r in range(3):
+        assert (counts[r] / 6000 - want[r]).abs().max() < 0.03, (r, counts[r])
+    assert counts[:, 4].sum() == 0 and counts[2, [0, 3]].sum() == 0
+
+    def seeded_run(company: int) -> list:
+        s = seq(seed=42)
+        others = [seq() for _ in range(company)]
+        return [sample(logits.repeat(company + 1, 1), others + [s])[-1] for _ in range(50)]
+
+    assert seeded_run(0) == seeded_run(5) and len(set(seeded_run(0))) > 1

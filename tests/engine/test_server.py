@@ -144,11 +144,15 @@ def test_chat_n_samples_stream_each_choice_whole(client: openai.OpenAI,
     """Chat with n: each choice starts with its role, ends with its finish reason, and
     matches the single seeded request; with tool_choice required every choice is a call."""
     msgs = [{"role": "user", "content": "tell me something"}]
-    kw = dict(model=served.engine.model_name, messages=msgs, max_tokens=5, temperature=1.0)
+    kw = dict(model=served.engine.model_name, messages=msgs, max_tokens=5, temperature=1.0,
+              extra_body={"ignore_eos": True})
     single = [client.chat.completions.create(seed=11 + j, **kw).choices[0].message.content
               for j in range(2)]
     r = client.chat.completions.create(n=2, seed=11, **kw)
     assert [c.message.content for c in r.choices] == single
+    one = client.chat.completions.create(seed=11, **kw).usage
+    assert r.usage.prompt_tokens == one.prompt_tokens  # the prompt counts once
+    assert r.usage.completion_tokens == 10
     roles, texts, finish = {}, ["", ""], {}
     for c in client.chat.completions.create(n=2, seed=11, stream=True, **kw):
         for ch in c.choices:
@@ -204,7 +208,8 @@ def test_chat_logprobs(client: openai.OpenAI, served: ServerThread) -> None:
     r = client.chat.completions.create(**kw)
     content = r.choices[0].logprobs.content
     assert len(content) == r.usage.completion_tokens
-    assert bytes(b for e in content for b in e.bytes).decode() == r.choices[0].message.content
+    joined = bytes(b for e in content for b in e.bytes).decode("utf-8", errors="replace")
+    assert joined == r.choices[0].message.content
     for e in content:
         assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
         assert e.logprob <= e.top_logprobs[0].logprob

@@ -93,21 +93,51 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
                 failed[i] = exc
                 logits[i] = 0.0  # keeps a broken row out of the batched argmax
     greedy = logits.argmax(dim=-1).tolist()
-    out: list[int | Exception] = []
-    for i, seq in enumerate(seqs):
-        p = seq.params
-        if i in failed:
-            out.append(failed[i])
-        elif p.greedy:
-            out.append(greedy[i])
-        else:
-            try:
-                probs = logits_to_probs(logits[i].float(), p.temperature, p.top_k, p.top_p, p.min_p)
-                out.append(int(torch.multinomial(probs, 1, generator=seq.generator).item()))
-            except Exception as exc:  # noqa: BLE001 - fails this request only
-                out.append(exc)
+    out: list[int | Exception] = [failed[i] if i in failed else greedy[i] for i in range(len(seqs))]
+    drawn = [i for i, seq in enumerate(seqs) if i not in failed and not seq.params.greedy]
+    if drawn:
+        for i, tok in zip(drawn, _draw(logits, [seqs[i] for i in drawn], drawn)):
+            out[i] = tok
     if raw is not None:
         _record_logprobs(raw, seqs, out)
+    return out
+
+
+def _draw(logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int | Exception]:
+    """Sample the rows that are not greedy, batched: temperature and softmax over all of them
+    at once (top-k / top-p / min-p rows through `logits_to_probs`, one by one), then one
+    draw per row by inverting its CDF at a uniform u (the first token whose cumulative
+    probability exceeds u x total). Unseeded rows share one draw of uniforms; a seeded row
+    takes its u from its own generator, so it is reproducible whatever else is in the batch.
+    A row that is not a distribution (NaN, inf, or nothing left) fails alone.
+
+    Per-row `torch.multinomial` cost ~0.22 ms a row on a CPU core (vocab 4,096), 3.6 ms a
+    step at batch 16, a third of the tiny model's decode step; exponential-race noise
+    (vLLM's way on GPUs) draws a number per vocabulary entry, slower still on a CPU."""
+    x = logits[rows].float()
+    temps = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs], dtype=x.dtype,
+                         device=x.device)
+    probs = torch.softmax(x / temps[:, None], dim=-1)
+    bad: dict[int, Exception] = {}
+    for j, s in enumerate(seqs):
+        p = s.params
+        if p.top_k > 0 or p.top_p < 1.0 or p.min_p > 0:
+            try:
+                probs[j] = logits_to_probs(x[j], p.temperature, p.top_k, p.top_p, p.min_p)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                bad[j] = exc
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(len(seqs), 1, dtype=x.dtype, device=x.device)
+    for j, s in enumerate(seqs):
+        if s.params.seed is not None:
+            u[j] = torch.rand(1, generator=s.generator, dtype=x.dtype, device=x.device)
+    toks = torch.searchsorted(cdf, u * total, right=True).clamp_(max=x.shape[-1] - 1)
+    ok = (torch.isfinite(total) & (total > 0)).flatten().tolist()
+    out: list[int | Exception] = []
+    for j, (good, tok) in enumerate(zip(ok, toks.flatten().tolist())):
+        out.append(bad.get(j) or (tok if good else ValueError(
+            "the sampling probabilities are not a distribution (NaN, inf or all zero)")))
     return out
 
 

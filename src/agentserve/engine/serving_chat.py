@@ -119,8 +119,8 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
         choices.append({"index": i, "message": message, "finish_reason": finish,
                         "logprobs": chat_logprobs(tok, lps[i]) if req.logprobs else None})
     release_unread_pins(request, engine, gens)
-    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens)},
-                                       gens))
+    answer = {**base, "choices": choices, "usage": sum_usage(gens, len(gens))}
+    return json_response(with_transfer(answer, gens))
 
 
 def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:
@@ -143,7 +143,7 @@ async def _chat_events(base: dict[str, Any], gens: list[Generation], parse: bool
               lps: list | None = None) -> dict[str, Any]:
         logprobs = chat_logprobs(lp_tok, lps) if lp_tok is not None and lps else None
         choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        extra = {"usage": sum_usage(gens) if every else None} if include_usage else {}
+        extra = {"usage": sum_usage(gens, len(gens)) if every else None} if include_usage else {}
         return {**base, "choices": [choice], **extra}
 
     parsers = [StreamingToolParser() if parse else None for _ in gens]
@@ -165,4 +165,4 @@ async def _chat_events(base: dict[str, Any], gens: list[Generation], parse: bool
             calls = p is not None and p.calls
             yield chunk(i, {}, "tool_calls" if calls and g.finish_reason == "stop" else g.finish_reason)
     if include_usage:
-        yield {**base, "choices": [], "usage": sum_usage(gens)}
+        yield {**base, "choices": [], "usage": sum_usage(gens, len(gens))}
