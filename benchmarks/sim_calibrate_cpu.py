@@ -148,8 +148,10 @@ async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: 
                   ) -> tuple[str, list[float]]:
     """(engine that served it, arrival times of the streamed tokens (first = TTFT), relative
     to the send)."""
+    # Sampled as `agentserve bench` samples (no temperature: the engine's default 1.0), so
+    # the step measured includes the draw the bench's steps pay, not the cheaper argmax.
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
-            "ignore_eos": True, "temperature": 0.0}
+            "ignore_eos": True}
     t0 = time.perf_counter()
     out: list[float] = []
     async with session.post(url + "/v1/completions", json=body) as r:
@@ -163,11 +165,16 @@ async def _stream(session, url: str, model: str, prompt: list[int], max_tokens: 
 
 
 async def _wave(url: str, model: str, n: int, prompt: int, max_tokens: int, rng: random.Random,
-                ) -> list[tuple[str, list[float]]]:
+                heads: list[list[int]] | None = None) -> list[tuple[str, list[float]]]:
+    """``n`` streams of ``prompt`` tokens at once; with ``heads``, stream i's prompt starts
+    with heads[i % len(heads)] (the rest random)."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        prompts = [[rng.randrange(16, 4000) for _ in range(prompt)] for _ in range(n)]
+        prompts = []
+        for i in range(n):
+            head = heads[i % len(heads)] if heads else []
+            prompts.append(head + [rng.randrange(16, 4000) for _ in range(prompt - len(head))])
         return list(await asyncio.gather(*(_stream(session, url, model, p, max_tokens)
                                            for p in prompts)))
 
@@ -210,8 +217,21 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         model = json.loads(r.read())["data"][0]["id"]
     rng = random.Random(1)
 
-    def wave(n: int, p: int, m: int) -> list[tuple[str, list[float]]]:
-        return asyncio.run(_wave(url, model, n, p, m, rng))
+    def wave(n: int, p: int, m: int, heads: list[list[int]] | None = None
+             ) -> list[tuple[str, list[float]]]:
+        return asyncio.run(_wave(url, model, n, p, m, rng, heads))
+
+    # A decode wave needs its 2b streams split b:b between the engines. Left to the router's
+    # load signals, a 32-stream wave came out 16:16 in only 1-2 of 12 draws; so each half of
+    # a wave shares one of two prompt heads (all but the last 32 tokens), which the router's
+    # prefix scorer keeps on one engine each. The decode step measured is the same: each
+    # stream still reads its whole context.
+    heads_by_len: dict[int, list[list[int]]] = {}
+
+    def heads(p: int) -> list[list[int]]:
+        if p not in heads_by_len:
+            heads_by_len[p] = [[rng.randrange(16, 4000) for _ in range(p - 32)] for _ in range(2)]
+        return heads_by_len[p]
 
     wave(2, 256, 4)  # warm up both engines and the router
     # A fully cached prompt still costs per token outside the model (JSON, hashing, prefix
@@ -231,7 +251,7 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         got: list[tuple[float, float]] = []
         for _ in range(4 * reps):
             # long enough that every engine's prefills end before its first stream does
-            g = _itl(wave(2 * b, p, out_tokens + 16 * b), b)
+            g = _itl(wave(2 * b, p, out_tokens + 16 * b, heads(p)), b)
             if g is not None:
                 got.append(g)
                 if len(got) == reps:
