@@ -272,6 +272,17 @@ async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def collect(gens: list[Generation]) -> tuple[list[str], list[list[TokenLogprobs]]]:
+    """Run the generations to their ends: each one's whole text and logprobs."""
+    texts, lps = [""] * len(gens), [[] for _ in gens]
+    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
+        async for i, d in merged:
+            if d is not None:
+                texts[i] += d[0]
+                lps[i] += d[1]
+    return texts, lps
+
+
 class SSE:
     """Server-sent events; the response is prepared lazily so that an error before
     the first chunk can still be a plain JSON error with a proper status."""
@@ -375,12 +386,7 @@ async def create_completion(request: web.Request, engine: EngineClient,
     if req.stream:
         return await stream_sse(request, _completion_events(
             base, gens, n, req.stream_options, engine.tokenizer if req.logprobs is not None else None))
-    texts, lps = [""] * len(gens), [[] for _ in gens]
-    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
-        async for i, d in merged:
-            if d is not None:
-                texts[i] += d[0]
-                lps[i] += d[1]
+    texts, lps = await collect(gens)
     choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason,
                 "logprobs": None if req.logprobs is None
                 else completion_logprobs(engine.tokenizer, lps[i], 0)[0]}

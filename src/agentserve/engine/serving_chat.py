@@ -24,8 +24,8 @@ from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToo
                                         StreamOptions, check_chat, check_prompt_ids, decode,
                                         stop_list)
 from agentserve.engine.request_id import request_ids
-from agentserve.engine.serving import (EngineClient, Generation, client_alive, json_response,
-                                       merge, pd_max_tokens, release_unread_pins,
+from agentserve.engine.serving import (EngineClient, Generation, client_alive, collect,
+                                       json_response, merge, pd_max_tokens, release_unread_pins,
                                        resolve_max_tokens, response_format_grammar,
                                        sampling_params, session_of, stream_sse, sum_usage,
                                        usage_mode, with_transfer)
@@ -103,12 +103,7 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
         base["object"] = "chat.completion.chunk"
         return await stream_sse(request, _chat_events(base, gens, use_tools, req.stream_options,
                                                       tok if req.logprobs else None))
-    texts, lps = [""] * len(gens), [[] for _ in gens]
-    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
-        async for i, d in merged:
-            if d is not None:
-                texts[i] += d[0]
-                lps[i] += d[1]
+    texts, lps = await collect(gens)
     choices = []
     for i, (g, text) in enumerate(zip(gens, texts)):
         content, calls = parse_tool_calls(text) if use_tools else (text, [])
