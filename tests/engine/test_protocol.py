@@ -9,7 +9,8 @@ import pytest
 from agentserve.engine.metrics import RequestTimer, ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, CompletionRequest, NamedToolChoice,
                                         check_chat, check_completion, check_length, decode)
-from agentserve.engine.serving import completion_prompts, resolve_max_tokens, sampling_params
+from agentserve.engine.serving import resolve_max_tokens, sampling_params
+from agentserve.engine.serving_completions import completion_prompts
 from agentserve.engine.serving_chat import chat_messages
 
 

@@ -22,7 +22,8 @@ from aiohttp import web
 from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import APIError
 from agentserve.engine.request_id import echo_request_id
-from agentserve.engine.serving import EngineClient, create_completion, json_response
+from agentserve.engine.serving import EngineClient, json_response
+from agentserve.engine.serving_completions import create_completion
 from agentserve.engine.serving_chat import create_chat
 
 log = logging.getLogger("agentserve.server")

@@ -1,0 +1,102 @@
+"""The /v1/completions handler: text or token-id prompts (or a list of them), n samples each."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from agentserve.engine.constrained import GrammarConstraint
+from agentserve.engine.logprobs import completion_logprobs
+from agentserve.engine.metrics import ServerMetrics
+from agentserve.engine.protocol import (APIError, CompletionRequest, StreamOptions,
+                                        check_completion, check_prompt_ids, decode, stop_list)
+from agentserve.engine.request_id import request_ids
+from agentserve.engine.serving import (EngineClient, Generation, client_alive, collect,
+                                       json_response, merge, pd_max_tokens, release_unread_pins,
+                                       resolve_max_tokens, response_format_grammar,
+                                       sampling_params, session_of, stream_sse, sum_usage,
+                                       usage_mode, with_transfer)
+from agentserve.engine.tokenizer import Tokenizer
+
+
+def _is_ids(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+def completion_prompts(prompt: str | list[Any], tok: Tokenizer) -> list[list[int]]:
+    """Text, token ids, or a list of either -> one token-id list per prompt."""
+    if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
+        items: list[Any] = [prompt]
+    elif prompt and all(isinstance(p, str) or (_is_ids(p) and p) for p in prompt):
+        items = list(prompt)
+    else:
+        raise APIError(400, "prompt must be a non-empty string, a list of token ids, or a list "
+                       "of those", "prompt")
+    out = []
+    for item in items:
+        ids = tok.encode(item) if isinstance(item, str) else item
+        check_prompt_ids(ids, tok.vocab_size)
+        out.append(ids)
+    return out
+
+
+async def create_completion(request: web.Request, engine: EngineClient,
+                            metrics: ServerMetrics, body: bytes) -> web.StreamResponse:
+    arrival = time.monotonic()
+    cid, eid = request_ids(request, "cmpl")
+    req = decode(body, CompletionRequest)
+    check_completion(req)
+    prompts = completion_prompts(req.prompt, engine.tokenizer)
+    if req.kv_transfer_params and len(prompts) > 1:
+        raise APIError(400, "kv_transfer_params needs a single prompt", "kv_transfer_params")
+    grammar = await asyncio.to_thread(response_format_grammar, req, engine.tokenizer)
+    gens, n = [], req.n
+    for i, ids in enumerate(prompts):
+        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len)
+        max_tokens = pd_max_tokens(req.kv_transfer_params, max_tokens)
+        for j in range(n):  # choice i * n + j, as OpenAI orders them
+            params = sampling_params(req, max_tokens, engine.tokenizer, j)
+            params.logprobs = req.logprobs
+            if grammar is not None:  # one matcher per sample: it follows that sample's output
+                params.constraint = GrammarConstraint(engine.tokenizer, grammar)
+            gens.append(Generation(engine, metrics, f"{eid}-{i * n + j}", ids, params,
+                                   stop_list(req.stop), client_alive(request), arrival,
+                                   session_of(request, req.user), req.kv_transfer_params))
+    base = {"id": cid, "object": "text_completion", "created": int(time.time()),
+            "model": engine.model_name}
+    if req.stream:
+        return await stream_sse(request, _completion_events(
+            base, gens, n, req.stream_options, engine.tokenizer if req.logprobs is not None else None))
+    texts, lps = await collect(gens)
+    choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason,
+                "logprobs": None if req.logprobs is None
+                else completion_logprobs(engine.tokenizer, lps[i], 0)[0]}
+               for i, g in enumerate(gens)]
+    release_unread_pins(request, engine, gens)
+    return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens, n)},
+                                       gens))
+
+
+async def _completion_events(base: dict[str, Any], gens: list[Generation], n: int,
+                             opts: StreamOptions | None, lp_tok: Tokenizer | None
+                             ) -> AsyncIterator[dict[str, Any]]:
+    """``lp_tok``: the tokenizer when the request asked for logprobs (else None)."""
+    include_usage, every = usage_mode(opts)
+    offsets = [0] * len(gens)  # each choice's text_offset so far
+    async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
+        async for i, d in merged:
+            text, lps = d if d is not None else ("", [])
+            finish = gens[i].finish_reason if d is None else None
+            logprobs = None
+            if lp_tok is not None and lps:
+                logprobs, offsets[i] = completion_logprobs(lp_tok, lps, offsets[i])
+            choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            extra = {"usage": sum_usage(gens, n) if every else None} if include_usage else {}
+            yield {**base, "choices": [choice], **extra}
+    if include_usage:
+        yield {**base, "choices": [], "usage": sum_usage(gens, n)}
