@@ -104,7 +104,7 @@ class AsyncEngine:
         self._check_admissible(request_id)
         seq = Sequence(request_id, list(prompt_token_ids), params, session_id=session_id,
                        kv_transfer=self._transfer_params(kv_transfer))
-        if not params.greedy:
+        if not params.greedy and params.seed is not None:  # (unseeded draws share one RNG)
             seq.generator = make_generator(params.seed, self.device)  # on the logits' device
         if len(seq.token_ids) >= HASH_OFF_CORE_TOKENS:
             await asyncio.to_thread(self.core.kv.update_hashes, seq)

@@ -77,7 +77,8 @@ def process_row(row: torch.Tensor, seq: Sequence) -> None:
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[int | Exception]:
-    """Pick one token per row. Greedy rows are batched; sampled rows use their own generator.
+    """Pick one token per row: greedy rows by one batched argmax, the others by one batched
+    draw (`_draw`; a seeded request's draw comes from its own generator).
 
     What a request asked for is its own: a row whose processing or draw fails (a grammar,
     a generator, probabilities that are not a distribution) gets the exception in place of
