@@ -114,7 +114,7 @@ class Simulation:
 
     def __init__(self, cfg: SimConfig, sessions: Iterable[Session]) -> None:
         if cfg.cpu_store_on not in ("fill", "evict"):
-            raise ValueError(f"cpu_store_on {cfg.cpu_store_on!r}: expected fill or evict")
+            raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
         self.router = Router(cfg.seed)
