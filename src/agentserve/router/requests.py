@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 
+from agentserve.engine.protocol import MAX_N
 from agentserve.router.config import RouterConfig
 from agentserve.router.core import RouteInput
 from agentserve.router.rawprompt import RawParse, RawPromptCache
@@ -40,10 +41,10 @@ def _max_tokens(req: dict[str, Any]) -> int:
 
 
 def _samples(req: dict[str, Any]) -> int:
-    """The body's ``n`` when it is one the engines accept (1-128), else 1: the engine then
-    answers an out-of-range ``n`` with its own 400."""
+    """The body's ``n`` when it is one the engines accept (1-``MAX_N``), else 1: the engine
+    then answers an out-of-range ``n`` with its own 400."""
     n = req.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
 
 
 def _prompt_input(req: dict[str, Any], tok: IncrementalTokenizer | None,
