@@ -151,7 +151,7 @@ def cache_computed(pool: BlockPool, req: SimRequest, done: int, full: int) -> No
         pool.cache_blocks(req.blocks[done:full], req.hashes[done:full], range(req.n_in), done, parent)
 
 
-def store_cpu(cpu: BlockPool | None, hashes: list[int], n_in: int) -> int:
+def store_cpu(cpu: BlockPool | None, hashes: list[int]) -> int:
     """Write-through of full blocks to the CPU pool (LRU refresh for ones it holds); blocks stored."""
     if cpu is None or not hashes:
         return 0

@@ -2,7 +2,8 @@
 
 Every running request takes part in every step (continuous batching), so a request's whole
 future is known when it is admitted: its MTP acceptances are drawn at once (position i of a
-step is accepted with probability `MTP_ACCEPT[i]`, one uniform per step as `mtp_accepted`),
+step is accepted with probability `MTP_ACCEPT[i]`, one uniform per step as `mtp_accepted`;
+the first step of a segment has no drafts yet and yields one token),
 which fixes the step it finishes on and the steps on which it needs a new 64-token block.
 The instance then touches a request only at those events (~1 in 20 steps, MTP on) instead
 of every step; the step time comes from per-rank sums kept up to date at each event
@@ -118,6 +119,11 @@ class DecodeInstance(Instance):
         rem = req.n_out - req.out_done
         u = self.rng.random(rem)
         acc = 1 + (u[:, None] < self.accept[None, :]).sum(axis=1) if self.draft else np.ones(rem, int)
+        # The segment's first step has no drafts to verify: they are proposed from the target
+        # model's hidden state of the last token, which this instance computes in that step
+        # (vLLM's decode leg recomputes the last prompt token and samples the first token
+        # itself; a preempted request re-prefills). So it yields one token, then ~2.95 a step.
+        acc[0] = 1
         cum = np.cumsum(acc)
         steps = int(np.searchsorted(cum, rem)) + 1  # first step whose total reaches rem
         cum = cum[:steps]

@@ -62,7 +62,7 @@ class PrefillInstance(Instance):
 
     def _store_evicted(self, r: Rank) -> Callable[[list], None]:
         def store(evicted: list) -> None:
-            self.cpu_store_blocks += store_cpu(r.cpu, [h for h, _ in evicted], 0)
+            self.cpu_store_blocks += store_cpu(r.cpu, [h for h, _ in evicted])
         return store
 
     def _admit(self, r: Rank, req: SimRequest) -> bool:
@@ -130,7 +130,7 @@ class PrefillInstance(Instance):
                 full = req.computed // bs
                 cache_computed(r.pool, req, before, full)
                 if not self.write_back:
-                    self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[before:full], req.n_in)
+                    self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[before:full])
                 if req.computed >= req.n_in:
                     r.running.remove(req)
                     r.inflight_tokens -= req.n_in
