@@ -56,7 +56,7 @@ def main() -> None:
                                                                      ignore_eos=True))
         core.scheduler.add(s)
     while any(s.num_output_tokens == 0 for s in core.seqs.values()):
-        core.step()  # prefill
+        core.step([])  # prefill
     tm = Timers()
     core.scheduler.schedule = tm.wrap("schedule", core.scheduler.schedule)
     runner_mod.prepare_batch = tm.wrap("prepare_batch", runner_mod.prepare_batch)
@@ -65,7 +65,7 @@ def main() -> None:
     step = tm.wrap("step", core.step)
     with torch.inference_mode():
         for _ in range(args.steps):
-            step()
+            step([])
     med = {k: statistics.median(v) * 1e3 for k, v in tm.t.items()}
     book = [s - f - sm for s, f, sm in zip(tm.t["step"], tm.t["forward"], tm.t["sample"])]
     result = {"batch": args.batch, "context": args.prompt, "steps": args.steps,

@@ -5,12 +5,20 @@ Runs the engine core in-process (tiny model, no HTTP) with the threads one engin
 linear step-time model `perf.PerfModel` uses for a measured profile:
 
     step = step_overhead_s + per_seq_s x seqs + tok_s x tokens
-           + attn_prefill_s x sum(new x mean context) + attn_decode_s x sum(decode context)
+           + attn_cold_s x sum(new^2 / 2)               (chunks at prefix 0: causal kernel)
+           + attn_prefill_s x sum(new x (prefix + new))  (over a cached prefix: masked kernel)
+           + attn_decode_s x (decode context + gathered prefill context)
 
 - decode steps at batches 1, 8, 32 (context `--prompt`) -> intercept and slope per request;
 - decode steps at batch 8, contexts 256 and 2048 -> `attn_decode_s` (per context token read);
-- prefill chunks of `--chunk` tokens at prefix 0 and at prefix `--chunk` -> `attn_prefill_s`
-  (difference) and `tok_s` (what remains per token after the intercept);
+- cold chunks of 16, `--chunk` / 4 and `--chunk` tokens -> `tok_s` and `attn_cold_s`
+  (`fit_cold`), a chunk at prefix `--chunk` -> `attn_prefill_s` (`fit_cached`). The two
+  attention terms are apart because the engine runs two kernels: a cold chunk takes SDPA's
+  plain causal path (the lower triangle of its scores), a chunk over a cached prefix an
+  explicit mask (the whole rectangle of its queries by its context). One causal term fitted
+  on the second put a 554-token cold chunk at 27 ms against 33 ms measured and made the
+  per-token cost too small (24-35 us against 44-49 us); fitted apart, the two come out
+  at about the same cost per computed score (3.3-4.0e-8 s; this machine, idle cluster);
 - `per_seq_s` = decode slope - tok_s - attn_decode_s x context.
 The older roofline keys (`flops`, `mem_bw`, `step_overhead_s`, `per_request_s`) are kept.
 
@@ -23,13 +31,17 @@ misses that and under-predicted the real ITL by ~2.5x. The calibration requests 
 synthetic fixed shapes (cold prompts of 16 to 4096 tokens, decode batches of 1 to 16 per
 engine), not the trace the simulator is then checked against:
 
-- decode: `2b` streams of a `--prompt`-token prompt start together; the median gap
+- decode: `2b` streams of a `--prompt`-token prompt start together; the mean gap
   between tokens while all of them decode (after the last first token, before the first
-  stream ends) is the step at batch b, the median of three such waves;
+  stream ends) is the step at batch b, the median of three such waves. The mean, not the
+  median: a stream's tokens take the sum of its gaps (its ITL is their mean), and the gaps
+  are skewed right (GC, the router, the other engine): the median of a wave's gaps sat
+  1.5-9% below their mean at batches 1-4 per engine, 0.6-2.6% at 8;
   batches 1, 2, 4, 8, 16 at context `--prompt` (the simulator interpolates between them:
   the step grows faster per request at small batches than the 1-16 line says), and batch 8
   at contexts 256 and 2048;
-- prefill: two cold prompts at once (one per engine) of `chunk` and `2 x chunk` tokens;
+- prefill: two cold prompts at once of `chunk` and `2 x chunk` tokens, kept when the
+  router put one on each engine (TTFT: their mean, the median of such pairs);
   TTFT(chunk) - TTFT(16) is one chunk at prefix 0; TTFT(2 chunk) - TTFT(chunk) one at
   prefix `chunk`;
 - `request_overhead_s`: TTFT of a 16-token prompt minus one modelled step;
@@ -75,27 +87,50 @@ def measure_prefill_steps(core, prompt: int, rng: random.Random, tag: str) -> li
     times = []
     while s.num_output_tokens == 0:
         t0 = time.perf_counter()
-        core.step()
+        core.step([])
         times.append(time.perf_counter() - t0)
     assert s not in core.scheduler.running
     return times
 
 
 def measure_decode(core, batch: int, prompt: int, steps: int, rng: random.Random) -> float:
-    """Median decode step time at `batch` running requests."""
+    """Mean decode step time at `batch` running requests (the mean, as a stream's tokens
+    take the sum of its steps: a median drops the occasional long step they also pay)."""
     seqs = [_add(core, f"d{batch}_{prompt}_{i}", prompt, rng, 10_000) for i in range(batch)]
     while any(s.num_output_tokens == 0 for s in seqs):
-        core.step()
+        core.step([])
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        core.step()
+        core.step([])
         times.append(time.perf_counter() - t0)
     for s in seqs:
         core.abort(s.request_id)
     core._drain_inbox(block=False)  # the core thread is not running: apply the aborts here
     assert not core.scheduler.running, "decode measurement left requests running"
-    return statistics.median(times)
+    return statistics.fmean(times)
+
+
+def fit_cold(base: int, a: tuple[int, float], b: tuple[int, float]) -> tuple[float, float]:
+    """(tok_s, attn_cold_s) from two cold chunks (prefix 0) of n tokens, each given as its
+    cost above a `base`-token one: d = tok x (n - base) + attn_cold x (n^2 - base^2) / 2
+    (the plain causal kernel computes the lower triangle only). Solved exactly; a negative
+    attention term (noise) is dropped and `b` refitted as linear."""
+    (n1, d1), (n2, d2) = a, b
+    x1, y1 = n1 - base, (n1 * n1 - base * base) / 2
+    x2, y2 = n2 - base, (n2 * n2 - base * base) / 2
+    attn = (d2 * x1 - d1 * x2) / (y2 * x1 - y1 * x2)
+    if attn <= 0:
+        return max(d2 / x2, 0.0), 0.0
+    return max((d1 - attn * y1) / x1, 0.0), attn
+
+
+def fit_cached(step: float, chunk: int, fixed: float, tok: float, attn_d: float) -> float:
+    """`attn_prefill_s` from one step that computes a `chunk`-token chunk over a cached
+    `chunk`-token prefix: step = fixed + tok x chunk + attn_prefill x chunk x 2 chunk (an
+    explicit mask: the engine's kernel computes the whole rectangle of the chunk's queries
+    by its context) + attn_decode x 2 chunk (the context gathered from the block table)."""
+    return max((step - fixed - tok * chunk - attn_d * 2 * chunk) / (2 * chunk * chunk), 0.0)
 
 
 def calibrate(model: str = "tiny", prompt: int = 1024, chunk: int = 2048, steps: int = 30,
@@ -108,34 +143,38 @@ def calibrate(model: str = "tiny", prompt: int = 1024, chunk: int = 2048, steps:
     m = model_spec(model)
     with torch.inference_mode():
         measure_prefill_steps(core, 256, rng, "warm")
-        p0, p1 = [], []
+        small = chunk // 4
+        p0, p1, cold = [], [], {16: [], small: []}
         for i in range(reps):  # one chunk at prefix 0, then one at prefix `chunk`
             t = measure_prefill_steps(core, 2 * chunk, rng, f"p{i}")
             p0.append(t[0])
             p1.append(t[1])
+            for n in cold:  # smaller cold chunks: how the cost grows with the chunk
+                cold[n].append(measure_prefill_steps(core, n, rng, f"c{n}_{i}")[0])
         t_p0, t_p1 = statistics.median(p0), statistics.median(p1)
+        t_16, t_small = statistics.median(cold[16]), statistics.median(cold[small])
         dec = {b: measure_decode(core, b, prompt, steps, rng) for b in (1, 8, 32)}
         lo, hi = measure_decode(core, 8, 256, steps, rng), measure_decode(core, 8, 2048, steps, rng)
     slope = (dec[32] - dec[1]) / 31
     intercept = max(dec[1] - slope, 0.0)
     attn_d = max((hi - lo) / (8 * (2048 - 256)), 0.0)
-    # mean context differs by `chunk`; the second chunk also gathers its 2 x chunk context
-    attn_p = max((t_p1 - t_p0 - attn_d * 2 * chunk) / (chunk * chunk), 0.0)
-    tok = max((t_p0 - intercept - attn_p * chunk * chunk / 2) / chunk, 0.0)
+    tok, attn_c = fit_cold(16, (small, t_small - t_16), (chunk, t_p0 - t_16))
     per_seq = max(slope - tok - attn_d * prompt, 0.0)
+    attn_p = fit_cached(t_p1, chunk, intercept + per_seq, tok, attn_d)
     prefill_tok_s = 2 * chunk / (t_p0 + t_p1)
     w_bytes = m.total_params() * m.weight_bytes
     return {
         "model": model, "prompt": prompt, "chunk": chunk, "threads": threads,
         "measured_at": time.time(), "loadavg": os.getloadavg(),
-        "prefill_chunk_s": {"prefix_0": t_p0, f"prefix_{chunk}": t_p1},
+        "prefill_chunk_s": {"prefix_0": t_p0, f"prefix_{chunk}": t_p1, "prefix_0_16": t_16,
+                            f"prefix_0_{small}": t_small},
         "prefill_tok_s": prefill_tok_s,
         "decode_step_s": {str(b): t for b, t in dec.items()},
         "decode_ref_ctx": prompt + steps // 2,  # mean context while the steps were timed
         "decode_step_b8_s": {"256": lo, "2048": hi},
         # linear step model (perf.PerfModel uses these when present)
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
-        "attn_prefill_s": attn_p, "attn_decode_s": attn_d,
+        "attn_prefill_s": attn_p, "attn_cold_s": attn_c, "attn_decode_s": attn_d,
         # roofline view, kept for the other paths
         "flops": prefill_tok_s * 2 * m.total_params(),
         "mem_bw": (w_bytes + prompt * m.kv_bytes_per_token()) / dec[1],
@@ -187,7 +226,7 @@ async def _repeat(url: str, model: str, prompt: list[int]) -> float:
 
 
 def _itl(wave: list[tuple[str, list[float]]], batch: int) -> tuple[float, float] | None:
-    """(median gap between tokens, mean output tokens so far) while each engine decodes its
+    """(mean gap between tokens, mean output tokens so far) while each engine decodes its
     whole batch: per engine, after its last first token (its prefills done) and before its
     first stream ends (the batch still full). None when the router did not give every engine
     `batch` streams, or too few gaps."""
@@ -204,7 +243,7 @@ def _itl(wave: list[tuple[str, list[float]]], batch: int) -> tuple[float, float]
                 if a > lo and b < hi:
                     gaps.append(b - a)
                     done.append(i + 1)
-    return (statistics.median(gaps), statistics.fmean(done)) if len(gaps) >= 8 else None
+    return (statistics.fmean(gaps), statistics.fmean(done)) if len(gaps) >= 8 else None
 
 
 DECODE_BATCHES = (1, 2, 4, 8, 16)  # per engine; perf.measured_step interpolates between them
@@ -241,8 +280,23 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     for _ in range(reps):
         asyncio.run(_repeat(url, model, long))
         cached.append(asyncio.run(_repeat(url, model, long)))
-    ttft = {n: statistics.median(min(w[1][0] for w in wave(2, n, 1)) for _ in range(reps + 2 * (n == 16)))
-            for n in (16, chunk, 2 * chunk)}
+
+    def pair_ttft(n: int, k: int) -> float:
+        """TTFT of a cold `n`-token prompt: the mean of two sent at once that the router
+        put on different engines (two on one engine queue one behind the other; the faster
+        of two, as this took before, sits below what a request sees), median of `k` pairs."""
+        got = []
+        for _ in range(4 * k):
+            w = wave(2, n, 1)
+            if len({engine for engine, _ in w}) == 2:
+                got.append(statistics.fmean(times[0] for _, times in w))
+                if len(got) == k:
+                    return statistics.median(got)
+        raise RuntimeError(f"cold prompts of {n} tokens: only {len(got)} of {4 * k} pairs "
+                           "went one to each engine")
+
+    small = chunk // 4
+    ttft = {n: pair_ttft(n, reps + 2 * (n == 16)) for n in (16, small, chunk, 2 * chunk)}
 
     def itl(b: int, p: int) -> tuple[float, float]:
         """(step, context it read): medians of `reps` good waves (one wave swings by ~10%
@@ -270,25 +324,25 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     slope = (dec[16] - dec[1]) / 15
     intercept = max(dec[1] - slope, 0.0)
     t_p0 = max(ttft[chunk] - ttft[16], 1e-6)
-    t_p1 = max(ttft[2 * chunk] - ttft[chunk], t_p0)
-    # the chunk at prefix `chunk` also gathers its 2 x chunk context (perf.measured_step)
-    attn_p = max((t_p1 - t_p0 - attn_d * 2 * chunk) / (chunk * chunk), 0.0)
-    tok = max((t_p0 - attn_p * chunk * chunk / 2) / chunk, 0.0)
+    t_p1 = max(ttft[2 * chunk] - ttft[chunk], t_p0)  # one whole step: chunk at prefix `chunk`
+    tok, attn_c = fit_cold(16, (small, ttft[small] - ttft[16]), (chunk, t_p0))
     per_seq = max(slope - tok - attn_d * prompt, 0.0)
-    one_step = intercept + per_seq + tok * 16 + attn_p * 16 * 8
+    attn_p = fit_cached(t_p1, chunk, intercept + per_seq, tok, attn_d)
+    one_step = intercept + per_seq + tok * 16 + attn_c * 16 * 16 / 2
 
     m = model_spec("tiny")
     return {
         "model": "tiny", "prompt": prompt, "chunk": chunk, "source": "server",
         "measured_at": time.time(), "loadavg": os.getloadavg(),
         "ttft_s": {str(k): v for k, v in ttft.items()},
-        "prefill_chunk_s": {"prefix_0": t_p0, f"prefix_{chunk}": t_p1},
+        "prefill_chunk_s": {"prefix_0": t_p0, f"prefix_{chunk}": t_p1,
+                            f"prefix_0_{small}": ttft[small] - ttft[16]},
         "prefill_tok_s": 2 * chunk / (t_p0 + t_p1),
         "decode_step_s": {str(b): t for b, t in dec.items()},
         "decode_ref_ctx": prompt,  # the context `decode_step_s` is stated at
         "decode_step_b8_s": {"256": lo, "2048": hi},
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
-        "attn_prefill_s": attn_p, "attn_decode_s": attn_d,
+        "attn_prefill_s": attn_p, "attn_cold_s": attn_c, "attn_decode_s": attn_d,
         "request_overhead_s": max(ttft[16] - one_step, 0.0),
         "cached_prompt_ttft_s": {str(len(long)): statistics.median(cached)},
         "request_overhead_per_token_s": max((statistics.median(cached) - ttft[16])

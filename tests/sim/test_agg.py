@@ -14,7 +14,7 @@ from agentserve.workload.record import RequestRecord
 from agentserve.workload.schema import Session, TraceRequest
 
 PROFILE = {"tok_s": 1e-4, "step_overhead_s": 5e-3, "per_seq_s": 5e-4, "attn_prefill_s": 1e-7,
-           "attn_decode_s": 1e-6, "request_overhead_s": 0.0}
+           "attn_cold_s": 5e-8, "attn_decode_s": 1e-6, "request_overhead_s": 0.0}
 
 
 def _sessions(n: int, turns: int = 3, blocks: int = 8) -> list[Session]:
@@ -47,7 +47,7 @@ def test_measured_step_is_linear(tmp_path, monkeypatch) -> None:
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
     assert perf.linear
     t = perf.measured_step([(100, 0)], decode_ctx=1000.0, decode_n=2)
-    want = 5e-3 + 3 * 5e-4 + 102 * 1e-4 + 1e-7 * 100 * 50 + 1e-6 * 1000
+    want = 5e-3 + 3 * 5e-4 + 102 * 1e-4 + 5e-8 * 100 * 100 / 2 + 1e-6 * 1000
     assert abs(t - want) < 1e-12
 
 
@@ -60,7 +60,7 @@ def test_measured_decode_steps_are_interpolated_in_batch_size(tmp_path, monkeypa
     assert perf.measured_step([], decode_ctx=3 * 1000.0, decode_n=3) == pytest.approx(8.5e-3)
     assert perf.measured_step([], decode_ctx=6 * 1000.0, decode_n=6) == pytest.approx(13e-3)  # last slope
     with_chunk = perf.measured_step([(100, 0)], decode_ctx=2 * 1000.0, decode_n=2)
-    assert with_chunk == pytest.approx(7e-3 + 5e-4 + 100 * 1e-4 + 1e-7 * 100 * 50)
+    assert with_chunk == pytest.approx(7e-3 + 5e-4 + 100 * 1e-4 + 5e-8 * 100 * 100 / 2)
 
 
 def test_prefill_over_a_cached_prefix_gathers_its_context(tmp_path, monkeypatch) -> None:
@@ -68,7 +68,8 @@ def test_prefill_over_a_cached_prefix_gathers_its_context(tmp_path, monkeypatch)
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
     cold = perf.measured_step([(100, 0)], decode_ctx=0.0, decode_n=0)
     warm = perf.measured_step([(100, 900)], decode_ctx=0.0, decode_n=0)
-    assert warm - cold == pytest.approx(1e-7 * 100 * 900 + 1e-6 * 1000)
+    # the masked kernel's rectangle and the gathered context, less the cold chunk's triangle
+    assert warm - cold == pytest.approx(1e-7 * 100 * 1000 + 1e-6 * 1000 - 5e-8 * 100 * 100 / 2)
 
 
 def test_engine_reuses_whole_blocks_of_its_own_size(tmp_path, monkeypatch) -> None:
@@ -92,7 +93,7 @@ def test_decode_attention_reads_the_batch_padded_to_its_longest_context(tmp_path
     """The engine's decode SDPA runs over a block table padded to the longest context, so a
     100-token request decoding beside a 3,000-token one costs 2 x 3,000 context reads, not 3,100."""
     _hw(tmp_path, monkeypatch, step_overhead_s=0.0, per_seq_s=0.0, tok_s=0.0, attn_prefill_s=0.0,
-        attn_decode_s=1e-6)
+        attn_cold_s=0.0, attn_decode_s=1e-6)
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
     rank = Rank(0, 1_000, 0, 16)
     inst = AggInstance(Clock(), perf, rank, budget=256, max_seqs=8)
@@ -147,3 +148,25 @@ def test_requests_over_a_head_being_computed_wait_for_it(tmp_path, monkeypatch) 
     clock.run(100.0)
     assert len(done) == 3 and sorted(r.cached for r in done) == [0, 320, 320]
     assert inst.joined_tokens == 2 * 320 and not inst._parked and not inst._owner
+
+
+def test_cold_and_cached_chunks_cost_their_own_attention(tmp_path, monkeypatch) -> None:
+    """A cold chunk runs the engine's causal kernel (the lower triangle, `attn_cold_s`); a chunk
+    over a cached prefix runs a mask over its whole context (`attn_prefill_s` x the rectangle)
+    and gathers that context (`attn_decode_s` per token)."""
+    _hw(tmp_path, monkeypatch, step_overhead_s=0.0, per_seq_s=0.0, tok_s=0.0, attn_prefill_s=1e-8,
+        attn_cold_s=1e-7, attn_decode_s=1e-6)
+    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    assert perf.measured_step([(100, 0)], 0.0, 0) == pytest.approx(1e-7 * 100 * 100 / 2)
+    assert perf.measured_step([(100, 1_000)], 0.0, 0) == pytest.approx(1e-8 * 100 * 1_100 + 1e-6 * 1_100)
+
+
+def test_profile_without_cold_attention_is_refused(tmp_path, monkeypatch) -> None:
+    import json
+
+    f = tmp_path / "old.json"
+    f.write_text(json.dumps({k: v for k, v in PROFILE.items() if k != "attn_cold_s"}))
+    monkeypatch.setenv("AGENTSERVE_SIM_CPU_PROFILE", str(f))
+    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    with pytest.raises(ValueError, match="attn_cold_s"):
+        perf.measured_step([(100, 0)], 0.0, 0)

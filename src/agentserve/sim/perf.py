@@ -309,20 +309,27 @@ class PerfModel:
         calibration context `decode_ref_ctx`) interpolated in batch size, plus
         `attn_decode_s` x the context read beyond the calibration's; without measured points,
         the line `step_overhead_s + (per_seq_s + tok_s) x decode_n + attn_decode_s x decode_ctx`.
-        Each prefill chunk adds `per_seq_s + tok_s x new + attn_prefill_s x new x mean context`,
-        and, over a cached prefix, `attn_decode_s x (prefix + new)`: the engine then gathers the
-        chunk's whole context from the block table, as a decode does (engine/attention.py).
+        Each prefill chunk adds `per_seq_s + tok_s x new` and its attention, which runs one of
+        two kernels in the engine (engine/attention.py): a chunk at prefix 0 the plain causal
+        one, `attn_cold_s x new^2 / 2`; a chunk over a cached prefix an explicit mask over its
+        whole context, `attn_prefill_s x new x (prefix + new)`, plus `attn_decode_s x (prefix
+        + new)` as it gathers that context from the block table, as a decode does.
         `prefill` = (new, prefix) chunks; `decode_ctx` = the context tokens the decode attention
         of the `decode_n` decoding requests reads (our engine pads the batch to its longest
         context: `decode_n` x longest, see agg.py)."""
         m = self.hw.measured
         if decode_n + len(prefill) == 0:
             return 0.0
+        if "attn_cold_s" not in m:
+            raise ValueError("the cpu-local profile predates the split of cold and cached "
+                             "prefill attention (no attn_cold_s): rerun "
+                             "benchmarks/sim_calibrate_cpu.py")
         new = sum(n for n, _ in prefill)
-        pairs = sum(n * (p + n / 2) for n, p in prefill)
+        cold = sum(n * n / 2 for n, p in prefill if not p)
+        cached = sum(n * (p + n) for n, p in prefill if p)
         gathered = sum(p + n for n, p in prefill if p)
-        step = (m["per_seq_s"] * len(prefill) + m["tok_s"] * new + m["attn_prefill_s"] * pairs
-                + m["attn_decode_s"] * gathered)
+        step = (m["per_seq_s"] * len(prefill) + m["tok_s"] * new + m["attn_cold_s"] * cold
+                + m["attn_prefill_s"] * cached + m["attn_decode_s"] * gathered)
         curve = self._decode_curve
         if decode_n and curve:
             ref = m.get("decode_ref_ctx", m.get("prompt", 0))

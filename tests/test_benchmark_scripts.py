@@ -1,0 +1,63 @@
+"""The benchmark scripts that drive engine internals in-process still run.
+
+They are not timed tests: each runs at a toy size and is checked for a well-formed JSON
+result. Two of them had called `EngineCore.step()` without its `failed` argument since
+that argument was added, and nothing noticed until a benchmark was rerun by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def _run(script: str, *args: str, out: Path) -> dict:
+    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.slow
+def test_sched_overhead_runs(tmp_path: Path) -> None:
+    res = _run("sched_overhead.py", "--batch", "2", "--prompt", "64", "--steps", "3",
+               out=tmp_path / "sched.json")
+    assert res["steps"] == 3 and res["median_ms"]["step"] > 0
+
+
+@pytest.mark.slow
+def test_sim_calibrate_in_process_runs(tmp_path: Path) -> None:
+    res = _run("sim_calibrate_cpu.py", "--prompt", "64", "--chunk", "128", "--steps", "3",
+               "--threads", "1", out=tmp_path / "profile.json")
+    assert res["prefill_tok_s"] > 0 and set(res["decode_step_s"]) == {"1", "8", "32"}
+
+
+@pytest.mark.slow
+def test_engine_speed_runs(tmp_path: Path) -> None:
+    res = _run("engine_speed.py", "--prompt", "256", "--batches", "1,2", "--ctx", "64",
+               "--steps", "3", "--temperature", "1.0", out=tmp_path / "speed.json")
+    assert res["prefill_tok_s"] > 0 and set(res["decode_tok_s"]) == {"1", "2"}
+
+
+def test_prefill_fits_recover_the_model_they_invert() -> None:
+    """`fit_cold` and `fit_cached` return the parameters that generated their inputs."""
+    import sim_calibrate_cpu as cal
+
+    tok, attn_c, attn_p, attn_d, fixed = 5e-5, 2.5e-8, 3e-8, 6e-7, 2.4e-3
+
+    def cold(n: int) -> float:
+        return tok * n + attn_c * n * n / 2
+
+    got = cal.fit_cold(16, (512, cold(512) - cold(16)), (2048, cold(2048) - cold(16)))
+    assert got == pytest.approx((tok, attn_c))
+    step = fixed + tok * 2048 + attn_p * 2048 * 4096 + attn_d * 4096
+    assert cal.fit_cached(step, 2048, fixed, tok, attn_d) == pytest.approx(attn_p)
+    # noise that makes the attention term negative leaves a linear fit, not a negative cost
+    assert cal.fit_cold(16, (512, 1.0), (2048, 1.0)) == (pytest.approx(1.0 / 2032), 0.0)
