@@ -1,0 +1,79 @@
+"""What one simulation is: the deployment, the workload and the model knobs (`agentserve
+sim`'s flags, SIM-1), and the topology notation shared with `agentserve up`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["SimConfig", "parse_topology"]
+
+
+@dataclass(slots=True)
+class SimConfig:
+    """What `agentserve sim` takes (flags of SIM-1)."""
+
+    model: str = "glm-5.2-fp8"
+    gpu: str = "h200"
+    prefill: int = 3  # prefill instances (xP)
+    decode: int = 1  # decode instances (yD)
+    prefill_width: int = 16
+    decode_width: int = 16
+    concurrency: int = 128
+    mtp: bool = True
+    cpu_offload_gib: float = 100.0  # per prefill rank
+    # When blocks reach the CPU tier, as the engine's --kv-store-on: "fill" (write-through,
+    # vLLM's offloading connector: the tier mirrors the device's newest content first) or
+    # "evict" (write-back: the tier holds what the device dropped; the capacities add up)
+    cpu_store_on: str = "fill"
+    workload: str = "sweep-full"
+    duration: float = 600.0
+    seed: int = 0
+    # Prefill max_num_batched_tokens per rank: vLLM's `vllm serve` default on >= 70 GiB GPUs
+    # (EngineArgs.get_batch_defaults: 8,192 for the OpenAI server, 16,384 only for the offline
+    # LLM class). It sets how long one DEP step lasts, so how long a short prompt waits behind
+    # a rank chunking a long one (the step is a barrier across the instance).
+    chunk: int = 8_192
+    max_seqs: int = 256  # decode max_num_seqs per rank
+    # Simulated seconds before the measured stage; None: WARMUP_S for xPyD on a synthesized
+    # workload, else 0. The simulator starts from an empty cluster with every client joining
+    # at once, cold: a burst of full-context prefills that no stage of the reference's
+    # concurrency ladder saw (its deployment was warm). Requests finishing in
+    # (warmup, warmup + duration] are measured, as AIPerf counts a stage's. A trace file is
+    # replayed once (all of it counts) and aggregated engines are compared with
+    # `agentserve bench`, which starts cold: both default to 0.
+    warmup: float | None = None
+    block_size: int = 64
+    # Stationary request mix. Synthesized workloads (xPyD): clients replay runs of REPLAY_RUN
+    # turns, each from a request drawn uniformly over the pool's requests (`workload.RunSampler`), so the
+    # stage's inputs are the corpus's pooled distribution whatever its length. A trace file:
+    # every session is joined at a uniformly random request. False: sessions from their start.
+    join_midway: bool = True
+    # Aggregated engines ("both" role, `agentserve up --topology N`): when > 0 the deployment is
+    # `aggregated` one-rank engines that prefill and decode in the same step (agg.py); the
+    # prefill/decode fields are then unused, `chunk` is the engine's max_num_batched_tokens.
+    aggregated: int = 0
+    # Aggregated engines: the engine's own KV block size in tokens when it is coarser than
+    # `block_size` (a token-scaled trace block): it reuses whole blocks of its size only.
+    engine_block_tokens: int | None = None
+    kv_tokens: int | None = None  # KV capacity per engine (None: the memory model's)
+    # As `agentserve bench`: tokens per trace block (inputs scale by token_scale/block_size;
+    # then `block_size` should equal it) and the output cap.
+    token_scale: int | None = None
+    max_output: int | None = None
+    # Client -> router -> engine and back, per request, outside engine steps (HTTP, routing,
+    # tokenization, stream setup); None: the hardware profile's `request_overhead_s` or 0.
+    request_overhead_s: float | None = None
+    # ... and per prompt token, cached or not (JSON, block hashing, prefix lookup in router
+    # and engine); None: the profile's `request_overhead_per_token_s` or 0.
+    request_overhead_per_token_s: float | None = None
+
+
+def parse_topology(s: str) -> tuple[int, int]:
+    """"3P1D" -> (3, 1); "2" (aggregated engines, as `agentserve up`) -> (0, 2)."""
+    u = s.strip().upper()
+    if u.isdigit() and int(u) > 0:
+        return 0, int(u)
+    if not (u.endswith("D") and "P" in u):
+        raise ValueError(f"topology {s!r}: expected xPyD, e.g. 3P1D")
+    p, d = u[:-1].split("P")
+    return int(p), int(d)
