@@ -56,8 +56,17 @@ def prefill_tok_s(core, device: str, n: int, rng: random.Random) -> float:
     return n / dt
 
 
-def decode_tok_s(core, device: str, batch: int, ctx: int, steps: int, rng: random.Random) -> float:
-    seqs = [_add(core, f"d{batch}-{i}", ctx, rng) for i in range(batch)]
+def contexts(batch: int, ctx: int, mix: bool) -> list[int]:
+    """Each request's context: all `ctx`, or with `mix` spread evenly from ctx / 10 to 2 x ctx
+    (an agentic batch: long main-agent contexts beside short sub-agent ones)."""
+    if not mix or batch == 1:
+        return [ctx] * batch
+    return [round(ctx * (0.1 + 1.9 * i / (batch - 1))) for i in range(batch)]
+
+
+def decode_tok_s(core, device: str, batch: int, ctx: int, steps: int, rng: random.Random,
+                 mix: bool = False) -> float:
+    seqs = [_add(core, f"d{batch}-{i}", n, rng) for i, n in enumerate(contexts(batch, ctx, mix))]
     while any(s.num_output_tokens == 0 for s in seqs):
         core.step([])
     _sync(device)
@@ -80,6 +89,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--ctx-mix", action="store_true",
+                    help="decode contexts spread from ctx/10 to 2 x ctx instead of all ctx")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: every token drawn (agents' default is 1.0)")
     ap.add_argument("--out", default="bench-out/engine_speed.json")
@@ -98,7 +109,9 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "prefill_tokens": args.prompt,
               "prefill_tok_s": prefill_tok_s(core, args.device, args.prompt, rng),
-              "decode_tok_s": {b: decode_tok_s(core, args.device, int(b), args.ctx, args.steps, rng)
+              "ctx_mix": args.ctx_mix,
+              "decode_tok_s": {b: decode_tok_s(core, args.device, int(b), args.ctx, args.steps, rng,
+                                               args.ctx_mix)
                                for b in args.batches.split(",")}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -107,7 +120,7 @@ def main() -> None:
     t.add_column("tok/s", justify="right")
     t.add_row(f"prefill {args.prompt} tokens", f"{result['prefill_tok_s']:.0f}")
     for b, v in result["decode_tok_s"].items():
-        t.add_row(f"decode batch {b} (ctx {args.ctx})", f"{v:.0f}")
+        t.add_row(f"decode batch {b} (ctx {args.ctx}{' mixed' if args.ctx_mix else ''})", f"{v:.0f}")
     Console().print(t)
 
 

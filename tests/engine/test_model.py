@@ -188,3 +188,37 @@ def test_lower_right_causal_bias_reaches_every_layer(dtype):
         got = _prefill_attention(q, k, v, kc, vc, bias, 0.25)
         want = _prefill_attention(q, k, v, kc, vc, explicit, 0.25)
         torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
+
+
+def test_decodes_of_very_different_contexts_attend_in_groups(tiny):
+    """A short context decoding beside long ones gets its own attention call (not padded to
+    the longest); the logits still come back in chunk order and match the dense model."""
+    model, cfg, ref = tiny
+    bs, lens = 16, [1400, 20, 1400, 300]
+    seqs, first = [], 0
+    for i, n in enumerate(lens):
+        seqs.append(Seq(_tokens(n + 1, 40 + i), _blocks(first, n + 1, bs)))
+        first += len(seqs[-1].blocks)
+    kv = _cache(cfg, bs, num_blocks=first + 1)
+    for s, n in zip(seqs, lens):
+        _step(model, kv, [s.chunk(n, need_logits=False)], bs)
+    chunks = [s.chunk(1) for s in seqs]
+    meta = prepare_batch(chunks, bs, "cpu")
+    assert [g.n for g in meta.decodes] == [2, 2]  # the two long ones, then 300 and 20
+    out = model(meta, kv)
+    want = torch.stack([ref.logits(s.tokens)[-1] for s in seqs])
+    torch.testing.assert_close(out, want, atol=ATOL, rtol=1e-4)
+
+
+def test_decode_groups_split_only_where_padding_costs():
+    from agentserve.engine.attention import decode_groups
+
+    assert decode_groups([512] * 8) == [list(range(8))]
+    assert decode_groups([100, 300, 40]) == [[1, 0, 2]]  # pads < 1,024 keys: one call
+    groups = decode_groups([4096, 205, 2048, 3000, 600, 4000])
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert len(groups) > 1 and groups[0][0] == 0  # longest first
+    for g in groups:  # within a group: padding under a quarter of the keys or 1,024 keys
+        top, n = max([4096, 205, 2048, 3000, 600, 4000][i] for i in g), len(g)
+        pad = n * top - sum([4096, 205, 2048, 3000, 600, 4000][i] for i in g)
+        assert pad <= max(1024, 0.25 * n * top)

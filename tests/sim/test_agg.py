@@ -89,15 +89,18 @@ def test_engine_reuses_whole_blocks_of_its_own_size(tmp_path, monkeypatch) -> No
     assert sum(out[16]) / len(out[16]) < sum(out[None]) / len(out[None])
 
 
-def test_decode_attention_reads_the_batch_padded_to_its_longest_context(tmp_path, monkeypatch) -> None:
-    """The engine's decode SDPA runs over a block table padded to the longest context, so a
-    100-token request decoding beside a 3,000-token one costs 2 x 3,000 context reads, not 3,100."""
+@pytest.mark.parametrize(("short", "keys"), [(2_500, 2 * 3_000), (100, 3_000 + 100)])
+def test_decode_attention_reads_each_group_padded_to_its_longest_context(tmp_path, monkeypatch,
+                                                                          short, keys) -> None:
+    """The engine's decode SDPA runs per group of similar contexts, over a block table padded
+    to the group's longest: 2,500 beside 3,000 share a call (2 x 3,000 keys read); 100 beside
+    3,000 get their own (3,100), as engine/decode_groups.py groups them."""
     _hw(tmp_path, monkeypatch, step_overhead_s=0.0, per_seq_s=0.0, tok_s=0.0, attn_prefill_s=0.0,
         attn_cold_s=0.0, attn_decode_s=1e-6)
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
     rank = Rank(0, 1_000, 0, 16)
     inst = AggInstance(Clock(), perf, rank, budget=256, max_seqs=8)
-    for i, n_in in enumerate((100, 3_000)):
+    for i, n_in in enumerate((short, 3_000)):
         req = SimRequest(rec=RequestRecord(request_id=f"r{i}", session_id=f"s{i}", turn=0), hashes=[],
                          n_in=n_in, n_out=10, on_done=lambda r: None)
         req.computed, req.rank = n_in, rank
@@ -106,7 +109,7 @@ def test_decode_attention_reads_the_batch_padded_to_its_longest_context(tmp_path
     steps: list[float] = []
     monkeypatch.setattr(inst, "_run", lambda dt, done: steps.append(dt))
     inst._step()
-    assert steps == [pytest.approx(2 * 3_000 * 1e-6)]
+    assert steps == [pytest.approx(keys * 1e-6)]
 
 
 def test_aggregated_closed_loop(tmp_path, monkeypatch) -> None:

@@ -4,7 +4,10 @@ A step is a list of `SeqChunk`s. `prepare_batch` lays the step's tokens out as
 [all decode tokens (q_len == 1) | prefill chunk 0 | prefill chunk 1 | ...] and builds every
 index tensor once; each layer then reuses them:
 
-- all decodes share ONE block-table gather and ONE SDPA call (key-padding mask);
+- decodes of similar context share one block-table gather and one SDPA call (key-padding
+  mask to the group's longest context); `decode_groups` splits a batch whose contexts differ
+  widely (long main agents beside short sub-agents), so a short context is not padded to the
+  longest one in the step;
 - each prefill chunk gets its own SDPA call (plain causal when it starts at position 0,
   an offset causal mask when earlier tokens already sit in the cache).
 """
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from agentserve.engine.checkpoint import ModelConfig
+from agentserve.engine.decode_groups import decode_groups
 
 
 @dataclass(slots=True)
@@ -82,11 +86,20 @@ class BatchMeta:
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] block_id * block_size + offset of each new token
     logits_idx: torch.Tensor  # [N] rows whose logits are returned, in chunk order
-    num_decodes: int  # rows [0, num_decodes) are decode tokens
-    dec_block_table: torch.Tensor | None  # [B, max_blocks], padded with block 0
-    dec_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, True = attend
-    # (masks turn into additive masks of the model dtype on first use, then are reused)
+    num_decodes: int  # rows [0, num_decodes) are decode tokens, laid out group by group
+    decodes: list[DecodeGroup]  # consecutive row ranges, one SDPA call each
     prefills: list[PrefillMeta]
+
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Decode rows [start, start + n) of the step, attended in one call."""
+
+    start: int
+    n: int
+    block_table: torch.Tensor  # [n, max_blocks], padded with block 0
+    mask: torch.Tensor  # [n, 1, 1, max_blocks * block_size] bool, True = attend
+    # (the mask turns into an additive mask of the model dtype on first use, then is reused)
 
 
 def _slots(block_ids: list[int], start: int, n: int, block_size: int) -> np.ndarray:
@@ -96,7 +109,7 @@ def _slots(block_ids: list[int], start: int, n: int, block_size: int) -> np.ndar
 
 def _decode_meta(chunks: list[SeqChunk], block_size: int, device: torch.device
                  ) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-    """Slots [B], padded block table [B, MB] and key mask [B, 1, 1, MB * block_size]."""
+    """One group: slots [B], padded block table [B, MB] and key mask [B, 1, 1, MB * block_size]."""
     starts = np.fromiter((c.start_pos for c in chunks), dtype=np.int64, count=len(chunks))
     nblk = starts // block_size + 1
     table = np.zeros((len(chunks), int(nblk.max())), dtype=np.int64)
@@ -134,15 +147,18 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
     pre = [i for i, c in enumerate(chunks) if len(c.token_ids) > 1]
     row_of_last = [0] * len(chunks)
     ids, pos, slots = [], [], []
-    dec_table = dec_mask = None
-    if dec:
-        d_chunks = [chunks[i] for i in dec]
-        d_slots, dec_table, dec_mask = _decode_meta(d_chunks, block_size, device)
-        ids.append(np.fromiter((c.token_ids[0] for c in d_chunks), np.int64, len(dec)))
-        pos.append(np.fromiter((c.start_pos for c in d_chunks), np.int64, len(dec)))
+    groups: list[DecodeGroup] = []
+    row = 0
+    for g in decode_groups([chunks[i].start_pos + 1 for i in dec]) if dec else []:
+        d_chunks = [chunks[dec[j]] for j in g]
+        d_slots, table, mask = _decode_meta(d_chunks, block_size, device)
+        ids.append(np.fromiter((c.token_ids[0] for c in d_chunks), np.int64, len(g)))
+        pos.append(np.fromiter((c.start_pos for c in d_chunks), np.int64, len(g)))
         slots.append(d_slots)
-        for row, i in enumerate(dec):
-            row_of_last[i] = row
+        groups.append(DecodeGroup(row, len(g), table, mask))
+        for j in g:
+            row_of_last[dec[j]] = row
+            row += 1
     prefills, q_start = [], len(dec)
     for i in pre:
         c = chunks[i]
@@ -161,8 +177,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
     flat = flat.to(device, non_blocking=True)
     return BatchMeta(
         input_ids=flat[:T], positions=flat[T:2 * T], slot_mapping=flat[2 * T:3 * T],
-        logits_idx=flat[3 * T:], num_decodes=len(dec),
-        dec_block_table=dec_table, dec_mask=dec_mask, prefills=prefills,
+        logits_idx=flat[3 * T:], num_decodes=len(dec), decodes=groups, prefills=prefills,
     )
 
 
@@ -179,16 +194,17 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
-def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: BatchMeta,
+def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: DecodeGroup,
                       scale: float) -> torch.Tensor:
-    """q: [B, H, D]; kc, vc: [num_blocks, block_size, Hkv, D] -> [B, H, D]."""
+    """One group. q: [B, H, D]; kc, vc: [num_blocks, block_size, Hkv, D] -> [B, H, D]."""
     B, H, D = q.shape
     Hkv = kc.shape[2]
     # the G = H / Hkv query heads of one KV head become G query rows of an MHA problem
     qg = q.view(B, Hkv, H // Hkv, D)  # [B, Hkv, G, D]
-    k = _gather(kc, meta.dec_block_table).transpose(1, 2)  # [B, Hkv, K, D]
-    v = _gather(vc, meta.dec_block_table).transpose(1, 2)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.dec_mask, scale=scale)
+    k = _gather(kc, g.block_table).transpose(1, 2)  # [B, Hkv, K, D]
+    v = _gather(vc, g.block_table).transpose(1, 2)
+    g.mask = _additive(g.mask, q.dtype)  # once per step, then reused by every layer
+    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
     return o.reshape(B, H, D)
 
 
@@ -227,11 +243,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCac
     Hkv, D = kc.shape[2], kc.shape[3]
     kc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
     vc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
-    outs = []
-    B = meta.num_decodes
-    if B:
-        meta.dec_mask = _additive(meta.dec_mask, q.dtype)
-        outs.append(_decode_attention(q[:B], kc, vc, meta, scale))
+    outs = [_decode_attention(q[g.start:g.start + g.n], kc, vc, g, scale) for g in meta.decodes]
     for p in meta.prefills:
         s, e = p.q_start, p.q_start + p.q_len
         outs.append(_prefill_attention(q[s:e], k[s:e], v[s:e], kc, vc, p, scale))

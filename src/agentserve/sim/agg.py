@@ -18,6 +18,7 @@ profile is calibrated (cpu-local), else prefill_step + decode_step of the roofli
 
 from __future__ import annotations
 
+from agentserve.engine.decode_groups import padded_keys
 from agentserve.engine.inflight import MIN_JOIN_BLOCKS
 from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
@@ -163,10 +164,11 @@ class AggInstance(Instance):
             return
         pre = [(n, q.computed) for q, n in plan if q.computed < q.n_in]
         dec = [q for q, n in plan if q.computed >= q.n_in]
-        # Our engine's decode attention is one SDPA over a block table padded to the longest
-        # context in the batch (engine/attention.py, key-padding mask): it reads
-        # len(dec) x max context, not the sum; calibration decodes equal contexts, where the two agree.
-        ctx = float(len(dec) * max((q.n_in + q.out_done for q in dec), default=0))
+        # Our engine's decode attention runs one SDPA per group of similar contexts, each over
+        # a block table padded to the group's longest (engine/decode_groups.py): it reads
+        # sum(group size x its longest), not the sum of contexts; calibration decodes equal
+        # contexts (one group), where the two agree.
+        ctx = float(padded_keys([q.n_in + q.out_done for q in dec]))
         if self.perf.linear:
             dt = self.perf.measured_step(pre, ctx, len(dec))
         else:
