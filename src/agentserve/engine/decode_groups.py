@@ -11,8 +11,9 @@ from __future__ import annotations
 __all__ = ["DECODE_PAD_MIN_KEYS", "DECODE_PAD_SHARE", "decode_groups", "padded_keys"]
 
 # A decode group takes the next (shorter) context while the keys it pads stay within this
-# share of what it reads, or under DECODE_PAD_MIN_KEYS in all: below that a second call costs
-# more than the padding it saves. Tiny model, 2-core CPU, contexts spread from 205 to 4,096
+# share of what it reads, or under DECODE_PAD_MIN_KEYS in all: a second call has a fixed cost
+# (a gather and an SDPA launch per layer), so small savings are not split off; both numbers
+# are judgements, not a measured break-even. Tiny model, 2-core CPU, contexts spread from 205 to 4,096
 # (benchmarks/engine_speed.py --ctx 2048 --ctx-mix): batch 16 decoded 317-322 tok/s as one
 # call, 802-818 grouped; batch 8 651-698 -> 777-806; batch 4 608-611 -> 680-709.
 DECODE_PAD_SHARE = 0.25

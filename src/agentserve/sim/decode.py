@@ -123,6 +123,7 @@ class DecodeInstance(Instance):
         # model's hidden state of the last token, which this instance computes in that step
         # (vLLM's decode leg recomputes the last prompt token and samples the first token
         # itself; a preempted request re-prefills). So it yields one token, then ~2.95 a step.
+        # (The step time still counts 1 + draft query rows for it: one step's overcount.)
         acc[0] = 1
         cum = np.cumsum(acc)
         steps = int(np.searchsorted(cum, rem)) + 1  # first step whose total reaches rem
