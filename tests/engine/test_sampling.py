@@ -245,3 +245,28 @@ def test_batched_draw_follows_the_distribution_and_seeds_ignore_the_batch() -> N
         return [sample(logits.repeat(company + 1, 1), others + [s])[-1] for _ in range(50)]
 
     assert seeded_run(0) == seeded_run(5) and len(set(seeded_run(0))) > 1
+
+
+@pytest.mark.parametrize("top_k, top_p, min_p", [(1, 1.0, 0.0), (20, 0.8, 0.0), (50, 1.0, 0.1),
+                                                  (200, 0.95, 0.05), (4095, 0.5, 0.0)])
+def test_top_k_on_candidates_equals_masking_the_vocabulary(top_k, top_p, min_p) -> None:
+    """The candidate path (topk, then softmax / min-p / top-p over k values) gives what masking
+    every other logit to -inf and filtering the whole vocabulary gives."""
+    from agentserve.engine import sampler
+
+    g = torch.Generator().manual_seed(top_k)
+    for _ in range(5):
+        logits = torch.randn(4096, generator=g) * 3
+        fast = sampler.logits_to_probs(logits, 0.7, top_k, top_p, min_p)
+        kth = torch.topk(logits / 0.7, top_k).values[-1]
+        masked = torch.where(logits / 0.7 < kth, torch.full_like(logits, -float("inf")), logits)
+        full = sampler.logits_to_probs(masked, 0.7, 0, top_p, min_p)  # top_k off: the full path
+        torch.testing.assert_close(fast, full, atol=1e-6, rtol=1e-5)
+
+
+def test_top_k_with_a_tie_at_the_kth_logit_keeps_every_tie() -> None:
+    """Masking keeps every logit equal to the k-th (as vLLM does); the candidate path would
+    keep exactly k, so a tie takes the full path."""
+    logits = torch.tensor([5.0, 3.0, 3.0, 3.0, 1.0])
+    probs = logits_to_probs(logits, 1.0, 2, 1.0)
+    assert (probs[1:4] > 0).all() and probs[4] == 0 and probs[0] > probs[1]

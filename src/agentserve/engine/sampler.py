@@ -23,9 +23,15 @@ if TYPE_CHECKING:
 
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                     min_p: float = 0.0) -> torch.Tensor:
-    """logits: [V] -> probs: [V] after temperature, min-p, top-k and top-p (nucleus) filtering."""
+    """logits: [V] -> probs: [V] after temperature, min-p, top-k and top-p (nucleus) filtering.
+
+    With top-k the work is done on the k candidates (`_top_k_probs`): the full-vocabulary
+    softmax and sort are skipped."""
     logits = logits / max(temperature, 1e-5)
     if 0 < top_k < logits.shape[-1]:
+        out = _top_k_probs(logits, top_k, top_p, min_p)
+        if out is not None:
+            return out
         kth = torch.topk(logits, top_k).values[-1]
         logits = torch.where(logits < kth, torch.full_like(logits, -float("inf")), logits)
     probs = torch.softmax(logits, dim=-1)
@@ -41,6 +47,27 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_probs)
         probs = probs / probs.sum()
     return probs
+
+
+def _top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float
+                 ) -> torch.Tensor | None:
+    """`logits_to_probs` on the top-k candidates only: one O(V) `topk`, then softmax, min-p and
+    top-p over k values (already sorted), scattered back into a [V] vector. The same result
+    as masking the rest to -inf, except where the k-th logit ties with others (the mask keeps
+    every tie): then None, and the caller takes the full path. At vocab 151,936 this is one
+    partial selection per row instead of a full softmax plus a full sort."""
+    vals, idx = torch.topk(logits, top_k)
+    if int((logits >= vals[-1]).sum()) != top_k:
+        return None
+    probs = torch.softmax(vals, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs[0], 0.0)
+        probs = probs / probs.sum()
+    if top_p < 1.0:
+        cum = torch.cumsum(probs, dim=-1)
+        probs = probs.masked_fill(cum - probs >= top_p, 0.0)  # keep the smallest set reaching top_p
+        probs = probs / probs.sum()
+    return torch.zeros_like(logits).scatter_(-1, idx, probs)
 
 
 def apply_penalties(row: torch.Tensor, p: SamplingParams, prompt_ids: list[int],
