@@ -270,3 +270,28 @@ def test_top_k_with_a_tie_at_the_kth_logit_keeps_every_tie() -> None:
     logits = torch.tensor([5.0, 3.0, 3.0, 3.0, 1.0])
     probs = logits_to_probs(logits, 1.0, 2, 1.0)
     assert (probs[1:4] > 0).all() and probs[4] == 0 and probs[0] > probs[1]
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, temperature: float, top_p: float,
+                          min_p: float) -> torch.Tensor:
+    probs = torch.softmax(logits / temperature, dim=-1)
+    if min_p > 0:
+        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+        probs = probs / probs.sum()
+    sp, idx = torch.sort(probs, descending=True)
+    sp = sp.masked_fill(torch.cumsum(sp, -1) - sp >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, idx, sp)
+    return out / out.sum()
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0, 12.0])  # flat (nucleus of thousands) to peaked
+@pytest.mark.parametrize("top_p, min_p", [(0.9, 0.0), (0.5, 0.0), (0.95, 0.02)])
+def test_top_p_among_candidates_equals_the_full_sort(scale, top_p, min_p) -> None:
+    """top-p looks for its cut among the most likely tokens first and sorts the vocabulary
+    only when they hold less than top_p: the same nucleus either way."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    for _ in range(4):
+        logits = torch.randn(4096, generator=g) * scale
+        torch.testing.assert_close(logits_to_probs(logits, 0.8, 0, top_p, min_p),
+                                   _nucleus_by_full_sort(logits, 0.8, top_p, min_p),
+                                   atol=1e-6, rtol=1e-5)

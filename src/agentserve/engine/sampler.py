@@ -39,14 +39,23 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
         probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
         probs = probs / probs.sum()
     if top_p < 1.0:
-        sorted_probs, idx = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        # keep the smallest set whose mass reaches top_p (always at least one token)
-        drop = cum - sorted_probs >= top_p
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_probs)
+        # keep the smallest set whose mass reaches top_p (always at least one token): among
+        # the NUCLEUS_CANDIDATES most likely first (one partial selection), as a model's
+        # distribution mostly puts top_p there; else over the fully sorted vocabulary
+        k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
+        top, idx = torch.topk(probs, k)
+        cum = torch.cumsum(top, dim=-1)
+        if k < probs.shape[-1] and float(cum[-1]) < top_p:  # (probs sum to 1 here)
+            top, idx = torch.sort(probs, descending=True)
+            cum = torch.cumsum(top, dim=-1)
+        top = top.masked_fill(cum - top >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, top)
         probs = probs / probs.sum()
     return probs
+
+
+# top-p looks for its cut among this many most likely tokens before sorting the vocabulary
+NUCLEUS_CANDIDATES = 64
 
 
 def _top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float
