@@ -21,12 +21,17 @@ if TYPE_CHECKING:
     from agentserve.engine.sequence import Sequence
 
 
+# top-p looks for its cut among this many most likely tokens before sorting the vocabulary
+NUCLEUS_CANDIDATES = 64
+
+
 def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
                     min_p: float = 0.0) -> torch.Tensor:
     """logits: [V] -> probs: [V] after temperature, min-p, top-k and top-p (nucleus) filtering.
 
     With top-k the work is done on the k candidates (`_top_k_probs`): the full-vocabulary
-    softmax and sort are skipped."""
+    softmax and sort are skipped. Without it, top-p sorts the vocabulary only when the
+    NUCLEUS_CANDIDATES most likely tokens hold less than top_p."""
     logits = logits / max(temperature, 1e-5)
     if 0 < top_k < logits.shape[-1]:
         out = _top_k_probs(logits, top_k, top_p, min_p)
@@ -52,10 +57,6 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
         probs = torch.zeros_like(probs).scatter_(-1, idx, top)
         probs = probs / probs.sum()
     return probs
-
-
-# top-p looks for its cut among this many most likely tokens before sorting the vocabulary
-NUCLEUS_CANDIDATES = 64
 
 
 def _top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float
