@@ -86,9 +86,13 @@ class BatchMeta:
     positions: torch.Tensor  # [T]
     slot_mapping: torch.Tensor  # [T] block_id * block_size + offset of each new token
     logits_idx: torch.Tensor  # [N] rows whose logits are returned, in chunk order
-    num_decodes: int  # rows [0, num_decodes) are decode tokens, laid out group by group
-    decodes: list[DecodeGroup]  # consecutive row ranges, one SDPA call each
+    decodes: list[DecodeGroup]  # the decode rows, group by group, one SDPA call each
     prefills: list[PrefillMeta]
+
+    @property
+    def num_decodes(self) -> int:
+        """Rows [0, num_decodes) are decode tokens."""
+        return sum(g.n for g in self.decodes)
 
 
 @dataclass(slots=True)
@@ -177,7 +181,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
     flat = flat.to(device, non_blocking=True)
     return BatchMeta(
         input_ids=flat[:T], positions=flat[T:2 * T], slot_mapping=flat[2 * T:3 * T],
-        logits_idx=flat[3 * T:], num_decodes=len(dec), decodes=groups, prefills=prefills,
+        logits_idx=flat[3 * T:], decodes=groups, prefills=prefills,
     )
 
 
