@@ -39,24 +39,31 @@ def logits_to_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p:
             return out
         kth = torch.topk(logits, top_k).values[-1]
         logits = torch.where(logits < kth, torch.full_like(logits, -float("inf")), logits)
-    probs = torch.softmax(logits, dim=-1)
-    if min_p > 0:
-        probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
-        probs = probs / probs.sum()
+    probs = _min_p(torch.softmax(logits, dim=-1), min_p)
     if top_p < 1.0:
-        # keep the smallest set whose mass reaches top_p (always at least one token): among
-        # the NUCLEUS_CANDIDATES most likely first (one partial selection), as a model's
-        # distribution mostly puts top_p there; else over the fully sorted vocabulary
+        # the nucleus among the NUCLEUS_CANDIDATES most likely first (one partial selection),
+        # as a model's distribution mostly puts top_p there; else over the sorted vocabulary
         k = min(NUCLEUS_CANDIDATES, probs.shape[-1])
         top, idx = torch.topk(probs, k)
-        cum = torch.cumsum(top, dim=-1)
-        if k < probs.shape[-1] and float(cum[-1]) < top_p:  # (probs sum to 1 here)
+        if k < probs.shape[-1] and float(top.sum()) < top_p:  # (probs sum to 1 here)
             top, idx = torch.sort(probs, descending=True)
-            cum = torch.cumsum(top, dim=-1)
-        top = top.masked_fill(cum - top >= top_p, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, idx, top)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, _nucleus(top, top_p))
         probs = probs / probs.sum()
     return probs
+
+
+def _min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Drop what is below min_p x the most likely probability; renormalize."""
+    if min_p <= 0:
+        return probs
+    probs = probs.masked_fill(probs < min_p * probs.max(), 0.0)
+    return probs / probs.sum()
+
+
+def _nucleus(desc: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Probabilities in descending order (summing to 1 over the vocabulary) with all but the
+    smallest prefix whose mass reaches top_p zeroed (always at least one token)."""
+    return desc.masked_fill(torch.cumsum(desc, dim=-1) - desc >= top_p, 0.0)
 
 
 def _top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float
@@ -69,13 +76,9 @@ def _top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float
     vals, idx = torch.topk(logits, top_k)
     if int((logits >= vals[-1]).sum()) != top_k:
         return None
-    probs = torch.softmax(vals, dim=-1)
-    if min_p > 0:
-        probs = probs.masked_fill(probs < min_p * probs[0], 0.0)
-        probs = probs / probs.sum()
+    probs = _min_p(torch.softmax(vals, dim=-1), min_p)
     if top_p < 1.0:
-        cum = torch.cumsum(probs, dim=-1)
-        probs = probs.masked_fill(cum - probs >= top_p, 0.0)  # keep the smallest set reaching top_p
+        probs = _nucleus(probs, top_p)
         probs = probs / probs.sum()
     return torch.zeros_like(logits).scatter_(-1, idx, probs)
 
