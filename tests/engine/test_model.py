@@ -100,6 +100,27 @@ def test_mixed_batch_prefill_and_decode(tiny, bs):
         torch.testing.assert_close(out, torch.stack(want), atol=ATOL, rtol=1e-4)
 
 
+def test_prompt_rows_return_hidden_states_of_every_scored_position(tiny):
+    """Chunks asking for ``prompt_rows`` get those rows' final hidden states after the logits
+    rows; projected, they are the dense logits at those positions. A one-token chunk (laid
+    out among the decodes) and a chunk after a cached prefix too."""
+    model, cfg, ref = tiny
+    bs = 16
+    a, b, c = (Seq(_tokens(n, 40 + n), _blocks(1 + 20 * i, n, bs)) for i, n in enumerate((40, 30, 25)))
+    dense = [ref.logits(s.tokens) for s in (a, b, c)]
+    kv = _cache(cfg, bs)
+    model.forward_hidden(prepare_batch([a.chunk(20, False), b.chunk(29, False)], bs, "cpu"), kv)
+    chunks = [a.chunk(19, False), b.chunk(1), c.chunk(25, False)]  # a: after its first 20
+    chunks[0].prompt_rows, chunks[1].prompt_rows, chunks[2].prompt_rows = 19, 1, 24
+    meta = prepare_batch(chunks, bs, "cpu")
+    h = model.forward_hidden(meta, kv)
+    assert h.shape[0] == 1 + 19 + 1 + 24
+    got = model.compute_logits(h)
+    want = torch.cat([dense[1][29:30],  # b's logits row, then the scored rows chunk by chunk
+                      dense[0][20:39], dense[1][29:30], dense[2][0:24]])
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+
+
 @pytest.mark.parametrize("bs", [16, 7])
 def test_prefix_hit_then_greedy(tiny, bs):
     model, cfg, ref = tiny

@@ -46,17 +46,28 @@ def test_decode_errors_name_the_field() -> None:
     (b'{"prompt": "p", "top_p": 0}', "top_p"),
     (b'{"prompt": "p", "top_p": 1.01}', "top_p"),
     (b'{"prompt": "p", "max_tokens": 0}', "max_tokens"),
-    (b'{"prompt": "p", "echo": true}', "echo"),
     (b'{"prompt": "p", "logprobs": -1}', "logprobs"),
+    (b'{"prompt": "p", "prompt_logprobs": -1}', "prompt_logprobs"),
+    (b'{"prompt": "p", "prompt_logprobs": 21}', "prompt_logprobs"),
+    (b'{"prompt": "p", "prompt_logprobs": 0, "stream": true}', "prompt_logprobs"),
+    (b'{"prompt": "p", "echo": true, "logprobs": 1, "kv_transfer_params": {}}', None),
+    (b'{"prompt": "p", "echo": true, "logprobs": 1, "kv_transfer_params": {"a": 1}}',
+     "kv_transfer_params"),
+    (b'{"prompt": "p", "max_tokens": -1, "echo": true}', "max_tokens"),
     (b'{"prompt": "p", "logprobs": 21}', "logprobs"),
 ])
-def test_completion_range_checks(body: bytes, param: str) -> None:
+def test_completion_range_checks(body: bytes, param: str | None) -> None:
+    if param is None:  # (an empty kv_transfer_params is no P/D leg)
+        check_completion(decode(body, CompletionRequest))
+        return
     assert bad(check_completion, decode(body, CompletionRequest)).param == param
 
 
 def test_ranges_that_are_fine() -> None:
     for body in (b'{"prompt": "p", "top_p": 1, "temperature": 0, "top_k": -1, "max_tokens": 1}',
-                 b'{"prompt": "p", "temperature": 2.5, "top_k": 40, "seed": 7, "user": "u"}'):
+                 b'{"prompt": "p", "temperature": 2.5, "top_k": 40, "seed": 7, "user": "u"}',
+                 b'{"prompt": "p", "echo": true, "max_tokens": 0, "logprobs": 0}',
+                 b'{"prompt": "p", "prompt_logprobs": 20, "echo": true, "stream": false}'):
         check_completion(decode(body, CompletionRequest))
 
 

@@ -295,3 +295,45 @@ def test_top_p_among_candidates_equals_the_full_sort(scale, top_p, min_p) -> Non
         torch.testing.assert_close(logits_to_probs(logits, 0.8, 0, top_p, min_p),
                                    _nucleus_by_full_sort(logits, 0.8, top_p, min_p),
                                    atol=1e-6, rtol=1e-5)
+
+
+def test_prompt_logprobs_score_every_prompt_token_even_when_cached() -> None:
+    """prompt_logprobs=k: entry i is log_softmax of the model's logits at position i - 1,
+    taken at prompt token i, with its rank and the k most likely (the dense reference);
+    None at 0; handed out once, with the first token. Also when the prompt is computed in
+    several chunks, and when its prefix is cached: the request then reads no cached prefix
+    (as vLLM), so every position is scored."""
+    from agentserve.engine.tiny import default_model_dir
+    from tests.engine.reference import DenseLlama
+    from tests.engine.test_engine import _prompt, _with_engine
+
+    dense = DenseLlama(default_model_dir())
+    prompt = _prompt(150, 5)
+    ref = torch.log_softmax(dense.logits(prompt).float(), -1)  # [150, V]
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=3)
+
+    async def go(eng):
+        outs = []
+        for rid, p in (("warm", SamplingParams(max_tokens=1)), ("a", params), ("b", params)):
+            got = []
+            async for out in eng.generate(rid, prompt, p):
+                got.append(out)
+            outs.append(got)
+        return outs
+
+    # a 33-token budget splits the prompt into chunks of 33 and leaves odd remainders
+    _, first, cached = asyncio.run(_with_engine(go, max_num_batched_tokens=33, block_size=16))
+    for outs in (first, cached):
+        with_lps = [o for o in outs if o.prompt_logprobs is not None]
+        assert len(with_lps) == 1 and with_lps[0] is outs[0]  # once, with the first token
+        assert outs[0].num_cached_tokens == 0  # the warm request's blocks were not read
+        plp = with_lps[0].prompt_logprobs
+        assert len(plp) == len(prompt) and plp[0] is None
+        for i in range(1, len(prompt)):
+            e, row = plp[i], ref[i - 1]
+            assert e.token == prompt[i]
+            assert e.logprob == pytest.approx(float(row[prompt[i]]), abs=1e-4)
+            assert e.rank == int((row >= row[prompt[i]]).sum())
+            top = torch.topk(row, 3)
+            assert [t for t, _ in e.top] == top.indices.tolist()
+            assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)

@@ -199,6 +199,65 @@ def test_completion_logprobs(client: openai.OpenAI, served: ServerThread) -> Non
     assert all(len(top) == 1 for top in zero.top_logprobs)  # just the sampled token
 
 
+def test_completion_echo_and_prompt_logprobs(client: openai.OpenAI, served: ServerThread) -> None:
+    """echo=true: the text starts with the prompt, and with logprobs so do the entries (the
+    first token's null); prompt_logprobs=k: one entry per prompt token holding its own
+    logprob and rank and the k most likely, the same values the echo shows, computed afresh
+    (nothing read from the cache, which holds this prompt). max_tokens=0 with echo: the
+    prompt alone. Streamed: the same text and entries."""
+    prompt = "the cat sat on the mat"
+    ids = served.engine.tokenizer.encode(prompt)
+    kw = dict(model=served.engine.model_name, prompt=prompt, max_tokens=4, temperature=0,
+              extra_body={"ignore_eos": True})
+    plain = client.completions.create(**kw)  # (caches the prompt)
+    r = client.completions.create(echo=True, logprobs=2, **{**kw, "extra_body": {
+        "ignore_eos": True, "prompt_logprobs": 2}})
+    c = r.choices[0]
+    assert c.text == prompt + plain.choices[0].text
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids) + 4 and "".join(lp.tokens) == c.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    plp = c.model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        entry = plp[i][str(ids[i])]
+        assert entry["logprob"] == pytest.approx(lp.token_logprobs[i], abs=1e-6) and entry["rank"] >= 1
+        assert entry["decoded_token"] == lp.tokens[i]
+        assert [e["rank"] for k, e in plp[i].items() if k != str(ids[i])] == \
+            [e for e in (1, 2) if e != entry["rank"]]
+        assert lp.top_logprobs[i][lp.tokens[i]] == pytest.approx(entry["logprob"], abs=1e-6)
+
+    only = client.completions.create(echo=True, logprobs=0, **{**kw, "max_tokens": 0})
+    assert only.choices[0].text == prompt and only.choices[0].finish_reason == "length"
+    assert only.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[:len(ids)])
+    # (as vLLM, an echo with logprobs k reports prompt_logprobs k as well: here the tokens')
+    assert [list(e) for e in only.choices[0].model_extra["prompt_logprobs"][1:]] == \
+        [[str(t)] for t in ids[1:]]
+
+    for case, want in ((dict(kw, logprobs=2), c), (dict(kw, max_tokens=0), only.choices[0])):
+        chunks = [ch for ch in client.completions.create(echo=True, stream=True, **case)
+                  if ch.choices]
+        assert "".join(ch.choices[0].text for ch in chunks) == want.text
+        if case.get("logprobs"):
+            got = [t for ch in chunks if ch.choices[0].logprobs
+                   for t in ch.choices[0].logprobs.token_logprobs]
+            assert got[0] is None and got[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    wait_idle(served)
+    assert served.engine.core.kv.pool.num_used_blocks == 0
+
+
+def test_chat_prompt_logprobs(client: openai.OpenAI, served: ServerThread) -> None:
+    """Chat: prompt_logprobs beside the choices (as vLLM), one per templated prompt token."""
+    r = client.chat.completions.create(
+        model=served.engine.model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        extra_body={"prompt_logprobs": 1})
+    plp = r.model_extra["prompt_logprobs"]
+    assert len(plp) == r.usage.prompt_tokens and plp[0] is None
+    assert all(1 <= len(e) <= 2 and all(v["logprob"] <= 0 for v in e.values()) for e in plp[1:])
+
+
 def test_chat_logprobs(client: openai.OpenAI, served: ServerThread) -> None:
     """logprobs=true, top_logprobs=k: a content entry per token with its bytes (which
     join to the answer's UTF-8) and the k most likely; streamed: the same entries, and with

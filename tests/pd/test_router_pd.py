@@ -169,6 +169,21 @@ async def test_parallel_sampling_is_not_split(pd_stack) -> None:
     assert len(p.calls) == 1
 
 
+@pytest.mark.parametrize("extra", [{"prompt_logprobs": 0}, {"echo": True, "logprobs": 1}])
+async def test_prompt_scoring_is_not_split(pd_stack, extra) -> None:
+    """A request asking for its prompt's logprobs goes whole to the decode endpoint: one
+    engine computes all of that prompt (the engines refuse such a P/D leg); echo without
+    logprobs still splits."""
+    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=16)
+    async with s.post("/v1/completions", json={**body(200), **extra}) as r:
+        assert r.status == 200 and "x-agentserve-pd" not in r.headers
+    assert p.calls == [] and "kv_transfer_params" not in d.calls[-1]
+    plain_echo = {**body(200), "prompt": list(range(1000, 1200)), "echo": True}
+    async with s.post("/v1/completions", json=plain_echo) as r:
+        assert r.status == 200 and "x-agentserve-pd" in r.headers
+    assert len(p.calls) == 1
+
+
 async def test_prefill_choice_is_prefix_aware(pd_stack) -> None:
     gw, s, engines = await pd_stack(["prefill", "prefill", "decode"], threshold=64)
     p0, p1, d = engines

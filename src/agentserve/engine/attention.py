@@ -63,6 +63,9 @@ class SeqChunk:
     start_pos: int  # tokens of this sequence already in the KV cache before this chunk
     block_ids: list[int]  # the sequence's whole block table (covers start_pos + len(token_ids))
     need_logits: bool  # True if the last token's logits are needed
+    # rows of this chunk, from its first, whose hidden states are also returned (prompt
+    # logprobs: row i predicts prompt token start_pos + i + 1)
+    prompt_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -88,6 +91,16 @@ class BatchMeta:
     logits_idx: torch.Tensor  # [N] rows whose logits are returned, in chunk order
     decodes: list[DecodeGroup]  # the decode rows, group by group, one SDPA call each
     prefills: list[PrefillMeta]
+    # [P] rows whose hidden states `forward_hidden` returns after the N above: chunk by
+    # chunk, each chunk's `prompt_rows` in order (empty unless a request asked for them)
+    prompt_idx: torch.Tensor | None = None
+
+    @property
+    def keep_idx(self) -> torch.Tensor:
+        """The rows the last layer keeps: the logits rows, then the prompt-logprob rows."""
+        if self.prompt_idx is None:
+            return self.logits_idx
+        return torch.cat((self.logits_idx, self.prompt_idx))
 
     @property
     def num_decodes(self) -> int:
@@ -175,13 +188,19 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
         row_of_last[i] = q_start - 1
     logits_rows = np.asarray([row_of_last[i] for i, c in enumerate(chunks) if c.need_logits],
                              dtype=np.int64)
-    T = q_start
+    prompt_rows = []
+    for i, c in enumerate(chunks):
+        if c.prompt_rows:  # a chunk's rows run up to its last (a one-token chunk is its own row)
+            first = row_of_last[i] - len(c.token_ids) + 1
+            prompt_rows.append(np.arange(first, first + c.prompt_rows, dtype=np.int64))
+    T, N = q_start, len(logits_rows)
     # one host->device copy for all 1-D index arrays
-    flat = torch.from_numpy(np.concatenate([*ids, *pos, *slots, logits_rows]))
+    flat = torch.from_numpy(np.concatenate([*ids, *pos, *slots, logits_rows, *prompt_rows]))
     flat = flat.to(device, non_blocking=True)
     return BatchMeta(
         input_ids=flat[:T], positions=flat[T:2 * T], slot_mapping=flat[2 * T:3 * T],
-        logits_idx=flat[3 * T:], decodes=groups, prefills=prefills,
+        logits_idx=flat[3 * T:3 * T + N], decodes=groups, prefills=prefills,
+        prompt_idx=flat[3 * T + N:] if prompt_rows else None,
     )
 
 

@@ -240,11 +240,15 @@ class EngineCore:
                 error: str | None = None) -> RequestOutput:
         lps = seq.logprobs[seq.emitted:seq.emitted + len(new)] \
             if seq.params.logprobs is not None else None
+        # the prompt's logprobs go out once, with the first token
+        prompt_lps = None
+        if seq.params.prompt_logprobs is not None and seq.emitted == 0 and new:
+            prompt_lps = seq.prompt_logprobs or [None] * seq.num_prompt_tokens  # (1-token prompt)
         seq.emitted += len(new)
         return RequestOutput(seq.request_id, new, reason is not None, reason, seq.num_prompt_tokens,
                              max(seq.num_cached_tokens, 0), error,
                              seq.cached_by_tier if self.tiers is not None else None,
-                             seq.kv_transfer_out, lps)
+                             seq.kv_transfer_out, lps, prompt_lps)
 
     def _publish_events(self) -> None:
         tier_events = self.tiers.take_events() if self.tiers is not None else []

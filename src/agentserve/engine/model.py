@@ -123,13 +123,24 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, meta: BatchMeta, kv: KVCache) -> torch.Tensor:
         """Logits [num_need_logits, vocab] float32, in chunk order."""
+        h = self.forward_hidden(meta, kv)
+        return self.compute_logits(h[: len(meta.logits_idx)])
+
+    @torch.inference_mode()
+    def forward_hidden(self, meta: BatchMeta, kv: KVCache) -> torch.Tensor:
+        """Final hidden states (after the norm) of rows ``meta.keep_idx``: [N + P, hidden]."""
         h = self.embed_tokens(meta.input_ids)  # [T, hidden]
         cos, sin = rope_cos_sin(meta.positions, self.cfg.head_dim, self.cfg.rope_theta, h.dtype)
         last = len(self.layers) - 1
+        keep = meta.keep_idx
         for i, layer in enumerate(self.layers):
             # The last layer's MLP only matters for rows whose logits we return: in a
             # prefill chunk that skips all but one row (~1/L of the MLP FLOPs).
-            h = layer(h, cos, sin, meta, kv, i, keep=meta.logits_idx if i == last else None)
-        h = self.norm(h)  # [N, hidden]
+            h = layer(h, cos, sin, meta, kv, i, keep=keep if i == last else None)
+        return self.norm(h)  # [N + P, hidden]
+
+    @torch.inference_mode()
+    def compute_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states [R, hidden] -> logits [R, vocab] float32."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w).float()  # [N, vocab]
+        return F.linear(h, w).float()

@@ -65,11 +65,12 @@ class _Sampling(Struct, kw_only=True, omit_defaults=True):
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     min_tokens: int = 0  # vLLM: no EOS, stop token or stop string before this many tokens
     response_format: ResponseFormat | None = None
+    # vLLM: the prompt tokens' logprobs (each given those before it), with the k most likely
+    prompt_logprobs: int | None = None
     # Fields OpenAI or vLLM define that change what is generated and that this engine does
     # not implement: a non-default value is refused (check_unsupported), never ignored.
     best_of: int | None = None
     use_beam_search: bool = False
-    prompt_logprobs: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     guided_json: Any = None
@@ -152,6 +153,7 @@ class ChatRequest(_Sampling, kw_only=True, omit_defaults=True):
     parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = None
+    echo: bool = False  # vLLM: echo the last message (not implemented: refused when true)
 
 
 # Samples per prompt (parallel sampling): each is its own engine request, and the prompt is
@@ -180,7 +182,7 @@ def decode(body: bytes, kind: type[T]) -> T:
 
 # field -> the values that mean "off" (vLLM's defaults); anything else is refused
 _UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "best_of": (None, 1), "use_beam_search": (False,), "prompt_logprobs": (None,),
+    "best_of": (None, 1), "use_beam_search": (False,),
     "allowed_token_ids": (None,), "bad_words": (None, []), "guided_json": (None,),
     "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
     "structured_outputs": (None,), "logits_processors": (None,), "suffix": (None, ""),
@@ -214,8 +216,9 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def check_sampling(req: _Sampling) -> None:
-    """Checks common to both endpoints: unsupported fields, ranges, bias, response_format."""
+def check_sampling(req: _Sampling, allow_zero_tokens: bool = False) -> None:
+    """Checks common to both endpoints: unsupported fields, ranges, bias, response_format.
+    ``allow_zero_tokens``: max_tokens 0 is valid (a completion echoing its prompt only)."""
     check_unsupported(req)
     if not 1 <= req.n <= MAX_N:
         raise APIError(400, f"n must be in [1, {MAX_N}], got {req.n}", "n")
@@ -224,11 +227,20 @@ def check_sampling(req: _Sampling) -> None:
         raise APIError(400, "kv_transfer_params needs n = 1 (a P/D leg is one sample)", "n")
     for name, (ok, what) in _RANGES.items():
         value = getattr(req, name)
-        if value is not None and not ok(value):
+        if value is not None and not ok(value) and not (allow_zero_tokens and name == "max_tokens"):
+            if name == "max_tokens" and value == 0 and isinstance(req, CompletionRequest):
+                what += " (0 only with echo=true: the prompt alone)"
             raise APIError(400, f"{name} must be {what}, got {value}", name)
     if req.stream_options is not None and not req.stream:
         raise APIError(400, "stream_options can only be set when stream is true (as vLLM)",
                        "stream_options")
+    if req.prompt_logprobs is not None:
+        if not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                           f"{req.prompt_logprobs}", "prompt_logprobs")
+        if req.stream:  # (as vLLM: a stream's chunks have no place for them)
+            raise APIError(400, "prompt_logprobs are not available when stream=true",
+                           "prompt_logprobs")
     check_logit_bias(req.logit_bias)
     check_response_format(req.response_format)
 
@@ -257,12 +269,31 @@ def check_response_format(fmt: ResponseFormat | None) -> None:
 
 
 def check_completion(req: CompletionRequest) -> None:
-    check_sampling(req)
-    if req.echo:
-        raise APIError(400, "echo=true is not supported; send echo=false", "echo")
+    echo_only = req.echo and req.max_tokens == 0  # (as vLLM: the prompt alone, scored)
+    check_sampling(req, allow_zero_tokens=echo_only)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise APIError(400, f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}",
                        "logprobs")
+    check_prompt_scoring(req, prompt_logprobs_of(req))
+
+
+def prompt_logprobs_of(req: _Sampling) -> int | None:
+    """How many top logprobs a request wants at each prompt position, or None: its
+    ``prompt_logprobs``, else, for a completion echoing its prompt with logprobs, those
+    (as vLLM: the echoed tokens carry logprobs too)."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    if isinstance(req, CompletionRequest) and req.echo:
+        return req.logprobs
+    return None
+
+
+def check_prompt_scoring(req: _Sampling, k: int | None) -> None:
+    """A request scoring its prompt computes all of it on one engine: no P/D leg."""
+    if k is not None and req.kv_transfer_params:
+        raise APIError(400, "prompt logprobs (prompt_logprobs, or echo with logprobs) need the "
+                       "whole prompt computed on one engine: not with kv_transfer_params",
+                       "kv_transfer_params")
 
 
 _ROLES = {"system", "developer", "user", "assistant", "tool"}
@@ -279,6 +310,10 @@ def check_chat(req: ChatRequest) -> None:
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"top_logprobs must be in [0, {MAX_LOGPROBS}], got "
                            f"{req.top_logprobs}", "top_logprobs")
+    if req.echo:
+        raise APIError(400, "echo is not supported for chat completions; send echo=false",
+                       "echo")
+    check_prompt_scoring(req, req.prompt_logprobs)
     if not req.messages:
         raise APIError(400, "messages must not be empty", "messages")
     for i, m in enumerate(req.messages):

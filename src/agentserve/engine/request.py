@@ -57,6 +57,10 @@ class SamplingParams:
     # the k most likely. As vLLM's default (`logprobs_mode` raw_logprobs), of the model's raw
     # distribution: before penalties, bias, grammar and temperature.
     logprobs: int | None = None
+    # Log-probabilities of the prompt's tokens (each given the ones before it), with the k
+    # most likely at each position: None off. As vLLM, such a request reads no cached
+    # prefix (every position is computed) until its prompt is done.
+    prompt_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -77,11 +81,12 @@ class SamplingParams:
 
 @dataclass(slots=True)
 class TokenLogprobs:
-    """A sampled token's log-probability and the ``k`` most likely tokens', best first."""
+    """A token's log-probability and the ``k`` most likely tokens', best first."""
 
     token: int
     logprob: float
     top: list[tuple[int, float]]
+    rank: int = 0  # the token's 1-based rank in the distribution (0: not computed)
 
 
 @dataclass(slots=True)
@@ -103,4 +108,6 @@ class RequestOutput:
     cached_by_tier: dict[str, int] | None = None  # gpu/cpu/disk split of num_cached_tokens
     kv_transfer_params: dict | None = None  # a finished prefill leg: where its KV waits
     logprobs: list[TokenLogprobs] | None = None  # one per new token, when asked for
+    # with the first token, when asked for: one per prompt token, None for the first
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     time: float = field(default_factory=time.monotonic)

@@ -180,9 +180,12 @@ class Scheduler(KVWaits):
         """Admit the queue head: the tokens it takes from ``budget`` (0 when it went to
         load its KV), or None when it has to wait."""
         fresh = seq.num_cached_tokens < 0
-        computed = self.kv.get_computed_blocks(seq)
+        # A request scoring its prompt (prompt logprobs) computes every position itself: no
+        # cache hit, restore, pull or join (as vLLM's skip_reading_prefix_cache)
+        reads = not seq.wants_prompt_logprobs
+        computed = self.kv.get_computed_blocks(seq) if reads else []
         num_cached = len(computed) * self.kv.block_size
-        if self.kv.enable_caching and (join := self.inflight.joins(seq, len(computed))):
+        if reads and self.kv.enable_caching and (join := self.inflight.joins(seq, len(computed))):
             self._join_base.setdefault(seq.request_id, num_cached)  # a re-park keeps the first
             self._join_need[seq.request_id] = join[1]
             self._park(seq, join[0])
@@ -195,9 +198,9 @@ class Scheduler(KVWaits):
         # The local tiers go first, also for a P/D decode leg: what its own CPU tier holds
         # comes back over PCIe instead of the network (when the measured bandwidths say that
         # is faster than pulling it), and the pull then starts past it.
-        if self.tiers is not None and not seq.kv_restore_failed:
+        if reads and self.tiers is not None and not seq.kv_restore_failed:
             started = self._try_restore(seq, computed)
-        if started is False and self._pull_pending(seq):
+        if reads and started is False and self._pull_pending(seq):
             started = self._try_pull(seq, computed)
         if started is None:
             return None  # backpressure or no room: the head waits

@@ -37,10 +37,19 @@ class Sequence:
     kv_transfer_out: dict | None = None  # params returned by a prefill leg (pins held)
     kv_pull_failed: bool = False  # a remote pull failed once: recompute from now on
     logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, if asked
+    # TokenLogprobs per prompt position (None at 0), filled chunk by chunk, if asked
+    prompt_logprobs: list | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Still computing its prompt logprobs: every prompt position must be computed
+        here, not read from a cache, a tier or a remote engine (a preemption after the
+        first token recomputes like any other request)."""
+        return self.params.prompt_logprobs is not None and self.num_output_tokens == 0
 
     @property
     def num_prompt_tokens(self) -> int:

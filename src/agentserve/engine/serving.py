@@ -23,7 +23,7 @@ from agentserve.engine.constrained import GrammarError, compile_json_grammar
 from agentserve.engine.engine import EngineDraining
 from agentserve.engine.metrics import RequestTimer, ServerMetrics
 from agentserve.engine.protocol import (APIError, StreamOptions, _Sampling,
-                                        check_length)
+                                        check_length, prompt_logprobs_of)
 from agentserve.engine.request import RequestOutput, SamplingParams, TokenLogprobs
 from agentserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -75,7 +75,8 @@ def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         min_p=req.min_p or 0.0, logit_bias=bias or None, min_tokens=min(req.min_tokens, max_tokens),
-        min_tokens_blocked=sorted(set(tok.eos_token_ids) | set(stop_ids)) if req.min_tokens else [])
+        min_tokens_blocked=sorted(set(tok.eos_token_ids) | set(stop_ids)) if req.min_tokens else [],
+        prompt_logprobs=prompt_logprobs_of(req))
 
 
 def response_format_grammar(req: _Sampling, tok: Tokenizer) -> str | None:
@@ -117,6 +118,8 @@ class Generation:
         self.finish_reason: str | None = None
         self.cached_by_tier: dict[str, int] | None = None
         self._lps: list[TokenLogprobs] = []  # of tokens not yet handed out with a delta
+        # the prompt's logprobs, when asked for: set with the first token (None at 0)
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens,
@@ -157,6 +160,8 @@ class Generation:
             self.kv_transfer_params = out.kv_transfer_params
         if out.logprobs:
             self._lps.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         if out.new_token_ids:
             self.timer.on_tokens(out.time)
             self.completion_tokens += len(out.new_token_ids)

@@ -18,7 +18,7 @@ import msgspec
 from aiohttp import web
 
 from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_tool_grammar
-from agentserve.engine.logprobs import chat_logprobs
+from agentserve.engine.logprobs import chat_logprobs, prompt_logprobs
 from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice,
                                         StreamOptions, check_chat, check_prompt_ids, decode,
@@ -115,6 +115,8 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
                         "logprobs": chat_logprobs(tok, lps[i]) if req.logprobs else None})
     release_unread_pins(request, engine, gens)
     answer = {**base, "choices": choices, "usage": sum_usage(gens, len(gens))}
+    if req.prompt_logprobs is not None:  # (vLLM puts them beside the choices: one prompt)
+        answer["prompt_logprobs"] = prompt_logprobs(tok, gens[0].prompt_logprobs or [None])
     return json_response(with_transfer(answer, gens))
 
 

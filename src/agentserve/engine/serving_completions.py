@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 
 from agentserve.engine.constrained import GrammarConstraint
-from agentserve.engine.logprobs import completion_logprobs
+from agentserve.engine.logprobs import completion_logprobs, echoed, prompt_logprobs
 from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, CompletionRequest, StreamOptions,
                                         check_completion, check_prompt_ids, decode, stop_list)
@@ -21,6 +21,7 @@ from agentserve.engine.serving import (EngineClient, Generation, client_alive, c
                                        resolve_max_tokens, response_format_grammar,
                                        sampling_params, session_of, stream_sse, sum_usage,
                                        usage_mode, with_transfer)
+from agentserve.engine.request import TokenLogprobs
 from agentserve.engine.tokenizer import Tokenizer
 
 
@@ -45,6 +46,27 @@ def completion_prompts(prompt: str | list[Any], tok: Tokenizer) -> list[list[int
     return out
 
 
+def _prompt_texts(prompt: str | list[Any], ids: list[list[int]], tok: Tokenizer) -> list[str]:
+    """Each prompt as echo shows it: a text prompt as sent, token ids decoded."""
+    items = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)
+    return [item if isinstance(item, str) else tok.decode(p, skip_special_tokens=False)
+            for item, p in zip(items, ids)]
+
+
+class _Echo:
+    """``echo``: each choice's text starts with its prompt (and its logprobs with the
+    prompt's); with max_tokens 0 that is all it holds (the engine makes one token, as
+    vLLM's does, that is not shown)."""
+
+    def __init__(self, texts: list[str], ids: list[list[int]], n: int, only: bool) -> None:
+        self.texts, self.ids, self.n, self.only = texts, ids, n, only
+
+    def head(self, i: int, g: Generation) -> tuple[str, list[TokenLogprobs | int]]:
+        """Choice ``i``'s prompt text and logprob entries."""
+        p = i // self.n
+        return self.texts[p], echoed(self.ids[p], g.prompt_logprobs)
+
+
 async def create_completion(request: web.Request, engine: EngineClient,
                             metrics: ServerMetrics, body: bytes) -> web.StreamResponse:
     arrival = time.monotonic()
@@ -55,10 +77,13 @@ async def create_completion(request: web.Request, engine: EngineClient,
     if req.kv_transfer_params and len(prompts) > 1:
         raise APIError(400, "kv_transfer_params needs a single prompt", "kv_transfer_params")
     grammar = await asyncio.to_thread(response_format_grammar, req, engine.tokenizer)
+    tok = engine.tokenizer
+    echo = _Echo(_prompt_texts(req.prompt, prompts, tok), prompts, req.n,
+                 req.max_tokens == 0) if req.echo else None
     gens, n = [], req.n
     for i, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len)
-        max_tokens = pd_max_tokens(req.kv_transfer_params, max_tokens)
+        max_tokens = max(pd_max_tokens(req.kv_transfer_params, max_tokens), 1)  # (echo: 0 -> 1)
         for j in range(n):  # choice i * n + j, as OpenAI orders them
             params = sampling_params(req, max_tokens, engine.tokenizer, j)
             params.logprobs = req.logprobs
@@ -71,30 +96,52 @@ async def create_completion(request: web.Request, engine: EngineClient,
             "model": engine.model_name}
     if req.stream:
         return await stream_sse(request, _completion_events(
-            base, gens, n, req.stream_options, engine.tokenizer if req.logprobs is not None else None))
+            base, gens, n, req.stream_options, tok if req.logprobs is not None else None,
+            req.logprobs, echo))
     texts, lps = await collect(gens)
-    choices = [{"index": i, "text": texts[i], "finish_reason": g.finish_reason,
-                "logprobs": None if req.logprobs is None
-                else completion_logprobs(engine.tokenizer, lps[i], 0)[0]}
-               for i, g in enumerate(gens)]
+    choices = []
+    for i, g in enumerate(gens):
+        text = texts[i]
+        entries: list[TokenLogprobs | int] = list(lps[i])
+        if echo is not None:
+            head, head_lps = echo.head(i, g)
+            text, entries = (head, head_lps) if echo.only else (head + text, head_lps + entries)
+        choice = {"index": i, "text": text, "finish_reason": g.finish_reason,
+                  "logprobs": None if req.logprobs is None
+                  else completion_logprobs(tok, entries, 0, req.logprobs)[0]}
+        if g.params.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs(tok, g.prompt_logprobs or [None])
+        choices.append(choice)
     release_unread_pins(request, engine, gens)
     return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens, n)},
                                        gens))
 
 
 async def _completion_events(base: dict[str, Any], gens: list[Generation], n: int,
-                             opts: StreamOptions | None, lp_tok: Tokenizer | None
+                             opts: StreamOptions | None, lp_tok: Tokenizer | None,
+                             lp_k: int | None = None, echo: _Echo | None = None
                              ) -> AsyncIterator[dict[str, Any]]:
-    """``lp_tok``: the tokenizer when the request asked for logprobs (else None)."""
+    """``lp_tok``: the tokenizer when the request asked for ``lp_k`` logprobs (else None). With
+    ``echo`` a choice's first chunk (its last, if it had none before) starts with its prompt."""
     include_usage, every = usage_mode(opts)
     offsets = [0] * len(gens)  # each choice's text_offset so far
+    unechoed = set(range(len(gens))) if echo is not None else set()
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
         async for i, d in merged:
             text, lps = d if d is not None else ("", [])
+            if echo is not None:
+                if echo.only:
+                    text, lps = "", []
+                if i in unechoed:
+                    unechoed.discard(i)
+                    head, head_lps = echo.head(i, gens[i])
+                    text, lps = head + text, [*head_lps, *lps]
+                elif d is not None and not text and not lps:
+                    continue  # the token that echo-only hides
             finish = gens[i].finish_reason if d is None else None
             logprobs = None
             if lp_tok is not None and lps:
-                logprobs, offsets[i] = completion_logprobs(lp_tok, lps, offsets[i])
+                logprobs, offsets[i] = completion_logprobs(lp_tok, lps, offsets[i], lp_k)
             choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
             extra = {"usage": sum_usage(gens, n) if every else None} if include_usage else {}
             yield {**base, "choices": [choice], **extra}

@@ -92,9 +92,10 @@ class PDOrchestrator:
         try:
             req = msgspec.json.decode(body)
             # n > 1 is not split: a P/D leg is one sample (the engines refuse n > 1 with
-            # kv_transfer_params), and the decode engine computes the prompt once for all n
+            # kv_transfer_params), and the decode engine computes the prompt once for all n;
+            # nor is a request scoring its prompt, which one engine computes all of
             if (d.uncached < self.threshold or not isinstance(req, dict)
-                    or req.get("kv_transfer_params") or route.samples > 1):
+                    or req.get("kv_transfer_params") or route.samples > 1 or _scores_prompt(req)):
                 self.legs.labels("aggregated").inc()
                 return await self._decode_leg(request, d, body, headers)
             params, info, prefill_url = await self._prefill_leg(request, route, req)
@@ -205,3 +206,9 @@ class PDOrchestrator:
                 self.gw.metrics.ejections.labels(d.url).inc()
             return self.gw._upstream_error(e)
         return resp
+
+
+def _scores_prompt(req: dict[str, Any]) -> bool:
+    """The request asks for its prompt's logprobs (``prompt_logprobs``, or echo with logprobs)."""
+    return req.get("prompt_logprobs") is not None or (bool(req.get("echo"))
+                                                      and req.get("logprobs") is not None)
