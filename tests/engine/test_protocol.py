@@ -164,3 +164,34 @@ def test_metrics_private_registry_and_names() -> None:
     assert 'vllm:inter_token_latency_seconds_bucket{le="0.025",model_name="m"} 1.0' in text
     assert 'vllm:cache_config_info{block_size="16",model_name="m",num_gpu_blocks="64"} 1.0' in text
     assert "time_to_first_token_seconds_count" in m2.render()[0].decode()
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens_as_the_router_adds_them(
+        tok_dir, tmp_path) -> None:
+    """A tokenizer whose post-processor adds a BOS (Llama's): a completion's text prompt
+    gets it unless add_special_tokens is false (vLLM's default), and the router tokenizes
+    the same prompt to the same ids (its prefix index must see the engine's blocks); token
+    ids are taken as sent."""
+    import shutil
+
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers.processors import TemplateProcessing
+
+    from agentserve.engine.tokenizer import Tokenizer
+    from agentserve.router.tokenize import IncrementalTokenizer
+
+    d = tmp_path / "bos"
+    shutil.copytree(tok_dir, d)
+    hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
+    bos = hf.token_to_id("<|im_start|>")
+    hf.post_processor = TemplateProcessing(single="<|im_start|> $A",
+                                           special_tokens=[("<|im_start|>", bos)])
+    hf.save(str(d / "tokenizer.json"))
+    tok = Tokenizer.from_dir(d)
+    plain = tok.encode("hello world")
+    assert completion_prompts("hello world", tok) == [[bos, *plain]]
+    assert completion_prompts("hello world", tok, add_special_tokens=False) == [plain]
+    assert completion_prompts([5, 6], tok) == [[5, 6]]
+    assert IncrementalTokenizer(tok).text("hello world").ids == [bos, *plain]
+    req = decode(b'{"prompt": "p", "add_special_tokens": false}', CompletionRequest)
+    assert req.add_special_tokens is False

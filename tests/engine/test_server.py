@@ -472,3 +472,35 @@ async def test_disconnect_aborts_and_frees_blocks(served: ServerThread) -> None:
     assert stats.num_running == 0 and stats.kv_usage == 0
     assert stats.generation_tokens - before < 600  # aborted, not run to max_tokens
     served.engine.core.kv.pool.check_invariants()
+
+
+def test_tokenize_and_detokenize(client: openai.OpenAI, served: ServerThread) -> None:
+    """/tokenize (vLLM's): a text prompt's ids are those /v1/completions counts, a chat's
+    those /v1/chat/completions counts; /detokenize turns ids back into the text; bad
+    input is a 400 naming the field."""
+    model = served.engine.model_name
+
+    def ok(path: str, body: dict) -> dict:
+        status, answer = post(served, path, body)
+        assert status == 200, answer
+        return answer
+
+    msgs = [{"role": "user", "content": "hello there"}]
+    t = ok("/tokenize", {"model": model, "prompt": "the cat sat", "return_token_strs": True})
+    r = client.completions.create(model=model, prompt="the cat sat", max_tokens=1)
+    assert t["count"] == len(t["tokens"]) == r.usage.prompt_tokens
+    assert t["max_model_len"] == MAX_MODEL_LEN and "".join(t["token_strs"]) == "the cat sat"
+    c = ok("/tokenize", {"messages": msgs})
+    chat = client.chat.completions.create(model=model, messages=msgs, max_tokens=1)
+    assert c["count"] == chat.usage.prompt_tokens and c["token_strs"] is None
+    bare = ok("/tokenize", {"messages": msgs, "add_generation_prompt": False})
+    assert bare["tokens"] == c["tokens"][:bare["count"]] and bare["count"] < c["count"]
+    assert ok("/detokenize", {"tokens": t["tokens"]}) == {"prompt": "the cat sat"}
+    for path, body, param in (("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": msgs}, "prompt"),
+                              ("/tokenize", {"messages": []}, "messages"),
+                              ("/detokenize", {"tokens": [10**9]}, "tokens"),
+                              ("/detokenize", {"tokens": "abc"}, "tokens")):
+        status, err = post(served, path, body)
+        assert status == 400 and err["error"]["param"] == param, (path, body, err)
+    assert post(served, "/tokenize", {"model": "gpt-9", "prompt": "a"})[0] == 404

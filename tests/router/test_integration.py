@@ -1,5 +1,6 @@
 """Two of our engines behind `agentserve route` (real processes, real KV events)."""
 
+import json
 import random
 import re
 import time
@@ -42,10 +43,20 @@ def two_engines(tmp_path: Path, policy: str, **engine_kw: Any) -> Iterator[str]:
         stop(procs)
 
 
+def _post_json(url: str, body: dict) -> Any:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
 def test_two_engines_precise_routing(tmp_path: Path):
     with two_engines(tmp_path, "precise-prefix") as url:
         rows = run_sessions(url, n_sessions=4, turns=4)
         id_rows = token_id_sessions(url)
+        # /tokenize and /detokenize pass through the router to an engine
+        tok = _post_json(f"{url}/tokenize", {"prompt": "hello world"})
+        assert tok["count"] == len(tok["tokens"]) > 0
+        assert _post_json(f"{url}/detokenize", {"tokens": tok["tokens"]}) == {"prompt": "hello world"}
         metrics = urllib.request.urlopen(f"{url}/metrics", timeout=10).read()
     later = [r for r in rows if r["turn"] > 0]
     for r in later:

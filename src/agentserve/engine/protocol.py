@@ -95,6 +95,7 @@ class ResponseFormat(Struct, kw_only=True, omit_defaults=True):
 
 class CompletionRequest(_Sampling, kw_only=True, omit_defaults=True):
     prompt: str | list[Any]  # text, token ids, or a list of either
+    add_special_tokens: bool = True  # vLLM: a text prompt gets the tokenizer's BOS etc.
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None

@@ -1,7 +1,8 @@
 """The engine's OpenAI-compatible HTTP server (aiohttp).
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-GET /health (503 while draining), GET /metrics (Prometheus text, vLLM names).
+POST /tokenize and /detokenize (vLLM's), GET /health (503 while draining), GET /metrics
+(Prometheus text, vLLM names).
 
 Every failure is an OpenAI error object with a 4xx/5xx status; a bad request never
 disturbs others. With an API key, /v1/* needs `Authorization: Bearer KEY`;
@@ -25,6 +26,7 @@ from agentserve.engine.request_id import echo_request_id
 from agentserve.engine.serving import EngineClient, json_response
 from agentserve.engine.serving_completions import create_completion
 from agentserve.engine.serving_chat import create_chat
+from agentserve.engine.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger("agentserve.server")
 
@@ -103,6 +105,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await create_chat(request, _engine(request), request.app[METRICS], body)
 
 
+async def tokenize_route(request: web.Request) -> web.Response:
+    body = await request.read()
+    check_model(_engine(request), _requested_model(body))
+    return json_response(tokenize(_engine(request), body))
+
+
+async def detokenize_route(request: web.Request) -> web.Response:
+    body = await request.read()
+    check_model(_engine(request), _requested_model(body))
+    return json_response(detokenize(_engine(request), body))
+
+
 async def models(request: web.Request) -> web.Response:
     engine = _engine(request)
     card = {"id": engine.model_name, "object": "model", "created": request.app[CREATED],
@@ -154,6 +168,8 @@ def build_app(engine: EngineClient, api_key: str | None = None,
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_post("/tokenize", tokenize_route)
+    app.router.add_post("/detokenize", detokenize_route)
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/kv_transfer/release", kv_transfer_release)

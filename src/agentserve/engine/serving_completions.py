@@ -29,8 +29,11 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def completion_prompts(prompt: str | list[Any], tok: Tokenizer) -> list[list[int]]:
-    """Text, token ids, or a list of either -> one token-id list per prompt."""
+def completion_prompts(prompt: str | list[Any], tok: Tokenizer,
+                       add_special_tokens: bool = True) -> list[list[int]]:
+    """Text, token ids, or a list of either -> one token-id list per prompt. Text gets the
+    tokenizer's special tokens (a BOS, where its post-processor adds one) unless told not
+    to, as vLLM and the router tokenize it; token ids are taken as sent."""
     if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(p, str) or (_is_ids(p) and p) for p in prompt):
@@ -40,7 +43,7 @@ def completion_prompts(prompt: str | list[Any], tok: Tokenizer) -> list[list[int
                        "of those", "prompt")
     out = []
     for item in items:
-        ids = tok.encode(item) if isinstance(item, str) else item
+        ids = tok.encode(item, add_special_tokens) if isinstance(item, str) else item
         check_prompt_ids(ids, tok.vocab_size)
         out.append(ids)
     return out
@@ -73,7 +76,7 @@ async def create_completion(request: web.Request, engine: EngineClient,
     cid, eid = request_ids(request, "cmpl")
     req = decode(body, CompletionRequest)
     check_completion(req)
-    prompts = completion_prompts(req.prompt, engine.tokenizer)
+    prompts = completion_prompts(req.prompt, engine.tokenizer, req.add_special_tokens)
     if req.kv_transfer_params and len(prompts) > 1:
         raise APIError(400, "kv_transfer_params needs a single prompt", "kv_transfer_params")
     grammar = await asyncio.to_thread(response_format_grammar, req, engine.tokenizer)

@@ -94,6 +94,8 @@ class Gateway:
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         app.router.add_get("/v1/models", self.handle_models)
+        app.router.add_post("/tokenize", self.handle_tokenize)
+        app.router.add_post("/detokenize", self.handle_tokenize)
         app.router.add_get("/health", self.handle_health)
         app.router.add_get("/metrics", self.handle_metrics)
         app.router.add_post("/admin/endpoints", self.handle_add)
@@ -239,6 +241,37 @@ class Gateway:
             return self._count(await self._route(request, body, route))
         finally:
             await self._release()
+
+    async def handle_tokenize(self, request: web.Request) -> web.StreamResponse:
+        """/tokenize and /detokenize: answered by the least busy available engine serving
+        the body's model (engines of one model tokenize alike); a second one if it fails."""
+        if not self._authorized(request):
+            return self._count(error(401, "invalid or missing API key", "authentication_error"))
+        try:
+            body = await request.read()
+            model = msgspec.json.decode(body).get("model") if body else None
+        except web.HTTPRequestEntityTooLarge:
+            return self._count(error(413, f"body larger than {self.opts.max_body_mb} MB"))
+        except (msgspec.DecodeError, AttributeError):
+            return self._count(error(400, "request body is not a JSON object"))
+        eps = sorted((ep for ep in self.router.endpoints.values()
+                      if ep.available() and (not isinstance(model, str) or ep.serves(model))),
+                     key=lambda ep: ep.inflight)
+        if not eps:
+            return self._count(error(503, "no available endpoint serves this model",
+                                     "service_unavailable"))
+        assert self.session is not None
+        timeout = aiohttp.ClientTimeout(total=self.opts.request_timeout_s,
+                                        sock_connect=self.opts.connect_timeout_s)
+        last: Upstream | None = None
+        for ep in eps[:2]:
+            try:
+                resp, _ = await forward(request, self.session, ep.url + request.path, body,
+                                        timeout, lambda: None, {"x-agentserve-endpoint": ep.url})
+                return self._count(resp)
+            except Upstream as e:
+                last = e
+        return self._count(self._upstream_error(last))
 
     async def _route(self, request: web.Request, body: bytes,
                      route: RouteInput) -> web.StreamResponse:
