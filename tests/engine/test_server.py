@@ -504,3 +504,38 @@ def test_tokenize_and_detokenize(client: openai.OpenAI, served: ServerThread) ->
         status, err = post(served, path, body)
         assert status == 400 and err["error"]["param"] == param, (path, body, err)
     assert post(served, "/tokenize", {"model": "gpt-9", "prompt": "a"})[0] == 404
+
+
+def test_return_token_ids(client: openai.OpenAI, served: ServerThread) -> None:
+    """return_token_ids (vLLM's): the prompt's ids and the output's beside the text; the
+    output ids decode to the text and are as many as usage counts; streamed, each chunk
+    has its own ids, the first the prompt's (completions: per choice; chat: beside the
+    choices), and they join to the same list."""
+    model = served.engine.model_name
+    tok = served.engine.tokenizer
+    prompt = "the cat sat on the mat"
+    ids = tok.encode(prompt)
+    kw = dict(model=model, prompt=prompt, max_tokens=6, temperature=0,
+              extra_body={"ignore_eos": True, "return_token_ids": True})
+    c = client.completions.create(**kw).choices[0]
+    assert c.model_extra["prompt_token_ids"] == ids and len(c.model_extra["token_ids"]) == 6
+    assert tok.decode(c.model_extra["token_ids"]) == c.text
+    chunks = [ch.choices[0] for ch in client.completions.create(stream=True, **kw) if ch.choices]
+    assert chunks[0].model_extra["prompt_token_ids"] == ids
+    assert all("prompt_token_ids" not in ch.model_extra for ch in chunks[1:])
+    assert [t for ch in chunks for t in ch.model_extra["token_ids"]] == c.model_extra["token_ids"]
+    plain = client.completions.create(model=model, prompt=prompt, max_tokens=2).choices[0]
+    assert "token_ids" not in (plain.model_extra or {})
+
+    msgs = [{"role": "user", "content": "hi"}]
+    ckw = dict(model=model, messages=msgs, max_tokens=5, temperature=0,
+               extra_body={"ignore_eos": True, "return_token_ids": True})
+    r = client.chat.completions.create(**ckw)
+    assert r.model_extra["prompt_token_ids"] == tok.encode(
+        tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+    out = r.choices[0].model_extra["token_ids"]
+    assert len(out) == r.usage.completion_tokens == 5 and tok.decode(out) == r.choices[0].message.content
+    stream = list(client.chat.completions.create(stream=True, **ckw))
+    assert stream[0].model_extra["prompt_token_ids"] == r.model_extra["prompt_token_ids"]
+    assert all("prompt_token_ids" not in ch.model_extra for ch in stream[1:])
+    assert [t for ch in stream if ch.choices for t in ch.choices[0].model_extra["token_ids"]] == out

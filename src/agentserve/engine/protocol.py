@@ -58,6 +58,9 @@ class _Sampling(Struct, kw_only=True, omit_defaults=True):
     stream_options: StreamOptions | None = None
     user: str | None = None
     kv_transfer_params: dict[str, Any] | None = None  # vLLM P/D disaggregation (engine/transfer.py)
+    # vLLM: the prompt's and the output's token ids beside the text (token in, token out:
+    # an agent or RL harness then never re-tokenizes what the model wrote)
+    return_token_ids: bool | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None  # vLLM's extension, as HF's

@@ -28,8 +28,9 @@ from agentserve.engine.request import RequestOutput, SamplingParams, TokenLogpro
 from agentserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-# What a generation hands out per engine step: text, and logprobs of the tokens behind it.
-Delta = tuple[str, list[TokenLogprobs]]
+# What a generation hands out per engine step: text, the logprobs of the tokens behind it,
+# and those tokens' ids (when asked for: vLLM's return_token_ids).
+Delta = tuple[str, list[TokenLogprobs], list[int]]
 
 
 class EngineClient(Protocol):
@@ -104,7 +105,7 @@ class Generation:
     def __init__(self, engine: EngineClient, metrics: ServerMetrics, request_id: str,
                  prompt_ids: list[int], params: SamplingParams, stop: list[str],
                  alive: Callable[[], bool], arrival: float, session_id: str | None = None,
-                 kv_transfer: dict[str, Any] | None = None) -> None:
+                 kv_transfer: dict[str, Any] | None = None, token_ids: bool = False) -> None:
         self.engine, self.request_id, self.session_id = engine, request_id, session_id
         self.kv_transfer = kv_transfer
         self.kv_transfer_params: dict[str, Any] | None = None  # set by a finished prefill leg
@@ -118,17 +119,24 @@ class Generation:
         self.finish_reason: str | None = None
         self.cached_by_tier: dict[str, int] | None = None
         self._lps: list[TokenLogprobs] = []  # of tokens not yet handed out with a delta
+        self._ids: list[int] | None = [] if token_ids else None  # the same, their ids
         # the prompt's logprobs, when asked for: set with the first token (None at 0)
         self.prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    @property
+    def token_ids(self) -> bool:
+        """Whether its deltas carry their token ids (the request's return_token_ids)."""
+        return self._ids is not None
 
     def usage(self) -> dict[str, Any]:
         return usage(self.prompt_tokens, self.completion_tokens, self.cached_tokens,
                      self.cached_by_tier)
 
     async def deltas(self) -> AsyncIterator[Delta]:
-        """(text, logprobs of the tokens behind it) as they come; logprobs are [] unless
-        the request asked for them, and a token whose text is held back (a character in
-        progress, a possible stop string) still hands its logprobs out with its step."""
+        """(text, logprobs of the tokens behind it, their ids) as they come; logprobs and
+        ids are [] unless the request asked for them, and a token whose text is held back
+        (a character in progress, a possible stop string) still hands its logprobs and id
+        out with its step."""
         # The session id only travels when given, so engine clients without it still work.
         kw: dict[str, Any] = {"session_id": self.session_id} if self.session_id else {}
         if self.kv_transfer:
@@ -138,9 +146,12 @@ class Generation:
             async with contextlib.aclosing(stream):
                 async for out in stream:
                     text = self._take(out)
-                    if text or self._lps:
+                    if text or self._lps or self._ids:
                         lps, self._lps = self._lps, []
-                        yield text, lps
+                        ids: list[int] = []
+                        if self._ids:
+                            ids, self._ids = self._ids, []
+                        yield text, lps, ids
                     if self.finish_reason is not None:
                         break
                     if not self.alive():  # client gone: leaving the loop aborts the request
@@ -165,6 +176,8 @@ class Generation:
         if out.new_token_ids:
             self.timer.on_tokens(out.time)
             self.completion_tokens += len(out.new_token_ids)
+            if self._ids is not None:
+                self._ids.extend(out.new_token_ids)
         text, stopped = self.detok.push(out.new_token_ids)
         if stopped:
             self.finish_reason = "stop"
@@ -274,15 +287,18 @@ async def merge(streams: list[AsyncIterator[Delta]]) -> AsyncIterator[tuple[int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def collect(gens: list[Generation]) -> tuple[list[str], list[list[TokenLogprobs]]]:
-    """Run the generations to their ends: each one's whole text and logprobs."""
-    texts, lps = [""] * len(gens), [[] for _ in gens]
+async def collect(gens: list[Generation]
+                  ) -> tuple[list[str], list[list[TokenLogprobs]], list[list[int]]]:
+    """Run the generations to their ends: each one's whole text, logprobs and token ids
+    (the last two empty unless asked for)."""
+    texts, lps, ids = [""] * len(gens), [[] for _ in gens], [[] for _ in gens]
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
         async for i, d in merged:
             if d is not None:
                 texts[i] += d[0]
                 lps[i] += d[1]
-    return texts, lps
+                ids[i] += d[2]
+    return texts, lps, ids
 
 
 class SSE:

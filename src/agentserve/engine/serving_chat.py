@@ -96,14 +96,15 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
             params.constraint = GrammarConstraint(tok, grammar)
         gens.append(Generation(engine, metrics, eid if req.n == 1 else f"{eid}-{j}", ids, params,
                                stop_list(req.stop), client_alive(request), arrival,
-                               session_of(request, req.user), req.kv_transfer_params))
+                               session_of(request, req.user), req.kv_transfer_params,
+                               bool(req.return_token_ids)))
     base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:
         base["object"] = "chat.completion.chunk"
         return await stream_sse(request, _chat_events(base, gens, use_tools, req.stream_options,
                                                       tok if req.logprobs else None))
-    texts, lps = await collect(gens)
+    texts, lps, out_ids = await collect(gens)
     choices = []
     for i, (g, text) in enumerate(zip(gens, texts)):
         content, calls = parse_tool_calls(text) if use_tools else (text, [])
@@ -112,11 +113,14 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
             message["tool_calls"] = [c.to_openai() for c in calls]
         finish = "tool_calls" if calls and g.finish_reason == "stop" else g.finish_reason
         choices.append({"index": i, "message": message, "finish_reason": finish,
-                        "logprobs": chat_logprobs(tok, lps[i]) if req.logprobs else None})
+                        "logprobs": chat_logprobs(tok, lps[i]) if req.logprobs else None,
+                        **({"token_ids": out_ids[i]} if req.return_token_ids else {})})
     release_unread_pins(request, engine, gens)
     answer = {**base, "choices": choices, "usage": sum_usage(gens, len(gens))}
     if req.prompt_logprobs is not None:  # (vLLM puts them beside the choices: one prompt)
         answer["prompt_logprobs"] = prompt_logprobs(tok, gens[0].prompt_logprobs or [None])
+    if req.return_token_ids:  # (the same, with the choices' own token_ids)
+        answer["prompt_token_ids"] = ids
     return json_response(with_transfer(answer, gens))
 
 
@@ -133,14 +137,22 @@ async def _chat_events(base: dict[str, Any], gens: list[Generation], parse: bool
     """Each choice: its role first (with its first text, so that an early error stays a
     plain JSON error), its deltas, then its finish; choices interleave as they come. With
     logprobs (``lp_tok``), a step's ride on its first chunk (an empty delta when the tool
-    parser holds its text back)."""
+    parser holds its text back), and so do its token ids, when asked for (the very first
+    chunk then carries the prompt's, as vLLM)."""
     include_usage, every = usage_mode(opts)
+    with_ids = bool(gens) and gens[0].token_ids
+    prompt_ids: list[int] | None = gens[0].prompt_ids if with_ids else None
 
     def chunk(i: int, delta: dict[str, Any], finish: str | None = None,
-              lps: list | None = None) -> dict[str, Any]:
+              lps: list | None = None, ids: list[int] | None = None) -> dict[str, Any]:
+        nonlocal prompt_ids
         logprobs = chat_logprobs(lp_tok, lps) if lp_tok is not None and lps else None
         choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
         extra = {"usage": sum_usage(gens, len(gens)) if every else None} if include_usage else {}
+        if with_ids:
+            choice["token_ids"] = ids or []
+            if prompt_ids is not None:
+                extra["prompt_token_ids"], prompt_ids = prompt_ids, None
         return {**base, "choices": [choice], **extra}
 
     parsers = [StreamingToolParser() if parse else None for _ in gens]
@@ -151,10 +163,10 @@ async def _chat_events(base: dict[str, Any], gens: list[Generation], parse: bool
                 started[i] = True
                 yield chunk(i, {"role": "assistant", "content": ""})
             if d is not None:
-                text, lps = d
-                out = _chat_deltas(parsers[i], text) or ([{}] if lps else [])
+                text, lps, ids = d
+                out = _chat_deltas(parsers[i], text) or ([{}] if lps or ids else [])
                 for k, delta in enumerate(out):
-                    yield chunk(i, delta, lps=lps if k == 0 else None)
+                    yield chunk(i, delta, lps=lps if k == 0 else None, ids=ids if k == 0 else None)
                 continue
             for delta in _chat_deltas(parsers[i], "", end=True):  # choice i has ended
                 yield chunk(i, delta)

@@ -94,14 +94,15 @@ async def create_completion(request: web.Request, engine: EngineClient,
                 params.constraint = GrammarConstraint(engine.tokenizer, grammar)
             gens.append(Generation(engine, metrics, f"{eid}-{i * n + j}", ids, params,
                                    stop_list(req.stop), client_alive(request), arrival,
-                                   session_of(request, req.user), req.kv_transfer_params))
+                                   session_of(request, req.user), req.kv_transfer_params,
+                                   bool(req.return_token_ids)))
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:
         return await stream_sse(request, _completion_events(
             base, gens, n, req.stream_options, tok if req.logprobs is not None else None,
             req.logprobs, echo))
-    texts, lps = await collect(gens)
+    texts, lps, out_ids = await collect(gens)
     choices = []
     for i, g in enumerate(gens):
         text = texts[i]
@@ -114,6 +115,9 @@ async def create_completion(request: web.Request, engine: EngineClient,
                   else completion_logprobs(tok, entries, 0, req.logprobs)[0]}
         if g.params.prompt_logprobs is not None:
             choice["prompt_logprobs"] = prompt_logprobs(tok, g.prompt_logprobs or [None])
+        if req.return_token_ids:  # (echo with max_tokens 0: the token made is not shown)
+            choice["prompt_token_ids"] = g.prompt_ids
+            choice["token_ids"] = [] if echo is not None and echo.only else out_ids[i]
         choices.append(choice)
     release_unread_pins(request, engine, gens)
     return json_response(with_transfer({**base, "choices": choices, "usage": sum_usage(gens, n)},
@@ -125,16 +129,19 @@ async def _completion_events(base: dict[str, Any], gens: list[Generation], n: in
                              lp_k: int | None = None, echo: _Echo | None = None
                              ) -> AsyncIterator[dict[str, Any]]:
     """``lp_tok``: the tokenizer when the request asked for ``lp_k`` logprobs (else None). With
-    ``echo`` a choice's first chunk (its last, if it had none before) starts with its prompt."""
+    ``echo`` a choice's first chunk (its last, if it had none before) starts with its prompt.
+    With token ids asked for, each chunk carries its tokens' (``token_ids``) and a choice's
+    first its prompt's (``prompt_token_ids``), as vLLM."""
     include_usage, every = usage_mode(opts)
     offsets = [0] * len(gens)  # each choice's text_offset so far
     unechoed = set(range(len(gens))) if echo is not None else set()
+    unprompted = set(range(len(gens))) if gens and gens[0].token_ids else None
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
         async for i, d in merged:
-            text, lps = d if d is not None else ("", [])
+            text, lps, ids = d if d is not None else ("", [], [])
             if echo is not None:
                 if echo.only:
-                    text, lps = "", []
+                    text, lps, ids = "", [], []
                 if i in unechoed:
                     unechoed.discard(i)
                     head, head_lps = echo.head(i, gens[i])
@@ -146,6 +153,11 @@ async def _completion_events(base: dict[str, Any], gens: list[Generation], n: in
             if lp_tok is not None and lps:
                 logprobs, offsets[i] = completion_logprobs(lp_tok, lps, offsets[i], lp_k)
             choice = {"index": i, "text": text, "finish_reason": finish, "logprobs": logprobs}
+            if unprompted is not None:
+                choice["token_ids"] = ids
+                if i in unprompted:
+                    unprompted.discard(i)
+                    choice["prompt_token_ids"] = gens[i].prompt_ids
             extra = {"usage": sum_usage(gens, n) if every else None} if include_usage else {}
             yield {**base, "choices": [choice], **extra}
     if include_usage:
