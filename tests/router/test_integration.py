@@ -131,3 +131,42 @@ def test_a_sub_agent_burst_computes_its_shared_head_once(tmp_path: Path):
     assert len({ep for ep, _ in got}) == 1, got  # one engine took the whole group
     # the head computed once: without the wait, [0, 256, 256, 256] or [0, 0, 0, 0]
     assert sorted(c for _, c in got) == [0, 1536, 1536, 1536], got
+
+
+def test_anthropic_messages_sessions_through_the_router(tmp_path: Path):
+    """Claude Code's API through the router: /v1/messages conversations (the session in
+    metadata.user_id) stay on one engine, the router predicts each turn's cache read
+    exactly (it renders the Messages body as the engine does), and count_tokens passes
+    through."""
+    import anthropic
+
+    with two_engines(tmp_path, "precise-prefix") as url:
+        client = anthropic.Anthropic(base_url=url, api_key="none", max_retries=0)
+        import openai
+        name = openai.OpenAI(base_url=f"{url}/v1", api_key="none").models.list().data[0].id
+        rows = []
+        for s in range(3):
+            msgs: list[dict] = []
+            for turn in range(3):
+                msgs.append({"role": "user", "content": f"session {s} turn {turn}: " + "fix the bug " * 40})
+                raw = client.messages.with_raw_response.create(
+                    model=name, max_tokens=4, system="You are a coding agent. " * 20, messages=msgs,
+                    metadata={"user_id": f"user_x_session_{s}"}, extra_body={"temperature": 0})
+                m = raw.parse()
+                rows.append((s, turn, raw.headers["x-agentserve-endpoint"],
+                             int(raw.headers["x-agentserve-predicted-cached"]),
+                             m.usage.cache_read_input_tokens))
+                msgs.append({"role": "assistant", "content": m.content})
+                time.sleep(0.3)  # (the turn's KV events reach the router)
+            counted = client.messages.count_tokens(model=name, messages=msgs,
+                                                   system="You are a coding agent. " * 20)
+            assert counted.input_tokens > 0
+        bad = {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}
+        with pytest.raises(anthropic.BadRequestError) as err:  # the router's own 400
+            client.messages.create(**bad, model=name)
+        assert err.value.body["type"] == "error" and "image" in err.value.body["error"]["message"]
+    for s in range(3):
+        eps = {ep for ss, _, ep, _, _ in rows if ss == s}
+        assert len(eps) == 1, rows
+    assert all(pred == cached for _, _, _, pred, cached in rows), rows
+    assert all(cached > 0 for _, turn, _, _, cached in rows if turn > 0), rows

@@ -1,11 +1,12 @@
 """The engine's OpenAI-compatible HTTP server (aiohttp).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models,
-POST /tokenize and /detokenize (vLLM's), GET /health (503 while draining), GET /metrics
-(Prometheus text, vLLM names).
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages and
+/v1/messages/count_tokens (Anthropic's), GET /v1/models, POST /tokenize and /detokenize
+(vLLM's), GET /health (503 while draining), GET /metrics (Prometheus text, vLLM names).
 
-Every failure is an OpenAI error object with a 4xx/5xx status; a bad request never
-disturbs others. With an API key, /v1/* needs `Authorization: Bearer KEY`;
+Every failure is an OpenAI error object (on /v1/messages an Anthropic one) with a 4xx/5xx
+status; a bad request never disturbs others. With an API key, /v1/* needs
+`Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic clients send the latter);
 /health and /metrics stay open for probes and scrapers.
 """
 
@@ -26,6 +27,7 @@ from agentserve.engine.request_id import echo_request_id
 from agentserve.engine.serving import EngineClient, json_response
 from agentserve.engine.serving_completions import create_completion
 from agentserve.engine.serving_chat import create_chat
+from agentserve.engine.serving_messages import anthropic_error, count_tokens, create_message
 from agentserve.engine.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger("agentserve.server")
@@ -66,30 +68,32 @@ def _requested_model(body: bytes) -> str | None:
 
 @web.middleware
 async def errors_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Turn every error into an OpenAI error object."""
+    """Turn every error into an OpenAI error object (an Anthropic one on /v1/messages)."""
     try:
         return await handler(request)
     except APIError as e:
-        return json_response(e.body(), e.status)
+        err = e
     except web.HTTPRequestEntityTooLarge:
         err = APIError(413, f"request body too large: the limit is {request.app[MAX_BODY]} bytes")
-        return json_response(err.body(), 413)
     except web.HTTPException as e:
         if e.status < 400:
             raise
-        return json_response(APIError(e.status, e.reason).body(), e.status)
+        err = APIError(e.status, e.reason)
     except Exception as e:  # a bug: answer 500, keep serving
         log.exception("request %s %s failed", request.method, request.path)
-        return json_response(APIError(500, f"internal error: {type(e).__name__}: {e}").body(), 500)
+        err = APIError(500, f"internal error: {type(e).__name__}: {e}")
+    body = anthropic_error(err) if request.path.startswith("/v1/messages") else err.body()
+    return json_response(body, err.status)
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[API_KEY]
     if key and request.path.startswith("/v1/"):
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
-            raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        if (request.headers.get("Authorization", "") != f"Bearer {key}"
+                and request.headers.get("x-api-key") != key):
+            raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>' "
+                           "or 'x-api-key: <key>'", code="invalid_api_key")
     return await handler(request)
 
 
@@ -103,6 +107,18 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     body = await request.read()
     check_model(_engine(request), _requested_model(body))
     return await create_chat(request, _engine(request), request.app[METRICS], body)
+
+
+async def messages(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    check_model(_engine(request), _requested_model(body))
+    return await create_message(request, _engine(request), request.app[METRICS], body)
+
+
+async def messages_count_tokens(request: web.Request) -> web.Response:
+    body = await request.read()
+    check_model(_engine(request), _requested_model(body))
+    return json_response(count_tokens(_engine(request), body))
 
 
 async def tokenize_route(request: web.Request) -> web.Response:
@@ -167,6 +183,8 @@ def build_app(engine: EngineClient, api_key: str | None = None,
     app.on_response_prepare.append(echo_request_id)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/messages", messages)
+    app.router.add_post("/v1/messages/count_tokens", messages_count_tokens)
     app.router.add_get("/v1/models", models)
     app.router.add_post("/tokenize", tokenize_route)
     app.router.add_post("/detokenize", detokenize_route)

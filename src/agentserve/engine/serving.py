@@ -309,12 +309,14 @@ class SSE:
         self.request = request
         self.resp: web.StreamResponse | None = None
 
-    async def send(self, obj: dict[str, Any]) -> None:
+    async def send(self, obj: dict[str, Any], event: str | None = None) -> None:
+        """One event: ``data: JSON``, after an ``event: NAME`` line when named (Anthropic's)."""
         if self.resp is None:
             self.resp = web.StreamResponse(headers={
                 "Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
             await self.resp.prepare(self.request)
-        await self.resp.write(b"data: " + msgspec.json.encode(obj) + b"\n\n")
+        head = b"event: " + event.encode() + b"\n" if event else b""
+        await self.resp.write(head + b"data: " + msgspec.json.encode(obj) + b"\n\n")
 
     async def close(self) -> web.StreamResponse:
         assert self.resp is not None

@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -62,11 +63,54 @@ def tool_grammar(tok: Tokenizer, tools: list[dict[str, Any]], req: ChatRequest) 
         raise APIError(400, str(e), "tools") from None
 
 
+@dataclass(slots=True)
+class ChatRun:
+    """A chat request under way: its prompt's ids and one generation per sample."""
+
+    req: ChatRequest
+    ids: list[int]
+    gens: list[Generation]
+    use_tools: bool  # tool calls are parsed out of the answers
+
+
 async def create_chat(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
                       body: bytes) -> web.StreamResponse:
     arrival = time.monotonic()
     cid, eid = request_ids(request, "chatcmpl")
     req = decode(body, ChatRequest)
+    run = await start_chat(request, engine, metrics, req, eid, arrival)
+    tok, ids, gens, use_tools = engine.tokenizer, run.ids, run.gens, run.use_tools
+    base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
+            "model": engine.model_name}
+    if req.stream:
+        base["object"] = "chat.completion.chunk"
+        return await stream_sse(request, _chat_events(base, gens, use_tools, req.stream_options,
+                                                      tok if req.logprobs else None))
+    texts, lps, out_ids = await collect(gens)
+    choices = []
+    for i, (g, text) in enumerate(zip(gens, texts)):
+        content, calls = parse_tool_calls(text) if use_tools else (text, [])
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [c.to_openai() for c in calls]
+        finish = "tool_calls" if calls and g.finish_reason == "stop" else g.finish_reason
+        choices.append({"index": i, "message": message, "finish_reason": finish,
+                        "logprobs": chat_logprobs(tok, lps[i]) if req.logprobs else None,
+                        **({"token_ids": out_ids[i]} if req.return_token_ids else {})})
+    release_unread_pins(request, engine, gens)
+    answer = {**base, "choices": choices, "usage": sum_usage(gens, len(gens))}
+    if req.prompt_logprobs is not None:  # (vLLM puts them beside the choices: one prompt)
+        answer["prompt_logprobs"] = prompt_logprobs(tok, gens[0].prompt_logprobs or [None])
+    if req.return_token_ids:  # (the same, with the choices' own token_ids)
+        answer["prompt_token_ids"] = ids
+    return json_response(with_transfer(answer, gens))
+
+
+async def start_chat(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
+                     req: ChatRequest, eid: str, arrival: float) -> ChatRun:
+    """Check ``req``, render its prompt (chat template, tools), compile its grammar and set
+    up one generation per sample (not started: iterating one runs it). Shared by
+    /v1/chat/completions and /v1/messages, which differ only in their answers' shapes."""
     check_chat(req)
     tok = engine.tokenizer
     use_tools = bool(req.tools) and req.tool_choice != "none"
@@ -98,30 +142,7 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
                                stop_list(req.stop), client_alive(request), arrival,
                                session_of(request, req.user), req.kv_transfer_params,
                                bool(req.return_token_ids)))
-    base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
-            "model": engine.model_name}
-    if req.stream:
-        base["object"] = "chat.completion.chunk"
-        return await stream_sse(request, _chat_events(base, gens, use_tools, req.stream_options,
-                                                      tok if req.logprobs else None))
-    texts, lps, out_ids = await collect(gens)
-    choices = []
-    for i, (g, text) in enumerate(zip(gens, texts)):
-        content, calls = parse_tool_calls(text) if use_tools else (text, [])
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if calls:
-            message["tool_calls"] = [c.to_openai() for c in calls]
-        finish = "tool_calls" if calls and g.finish_reason == "stop" else g.finish_reason
-        choices.append({"index": i, "message": message, "finish_reason": finish,
-                        "logprobs": chat_logprobs(tok, lps[i]) if req.logprobs else None,
-                        **({"token_ids": out_ids[i]} if req.return_token_ids else {})})
-    release_unread_pins(request, engine, gens)
-    answer = {**base, "choices": choices, "usage": sum_usage(gens, len(gens))}
-    if req.prompt_logprobs is not None:  # (vLLM puts them beside the choices: one prompt)
-        answer["prompt_logprobs"] = prompt_logprobs(tok, gens[0].prompt_logprobs or [None])
-    if req.return_token_ids:  # (the same, with the choices' own token_ids)
-        answer["prompt_token_ids"] = ids
-    return json_response(with_transfer(answer, gens))
+    return ChatRun(req, ids, gens, use_tools)
 
 
 def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:

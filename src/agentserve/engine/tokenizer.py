@@ -193,6 +193,7 @@ class IncrementalDetokenizer:
         self.pending = ""  # decoded text held back because it may start a stop string
         self.text = ""  # everything emitted so far
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended it, if one did
 
     def _decode_new(self) -> str:
         """Text of tokens past read_offset, holding back only a character still in progress.
@@ -245,9 +246,11 @@ class IncrementalDetokenizer:
             self.pending = ""
             self.text += buf
             return buf, False
-        cut = min((i for i in (buf.find(s) for s in self.stop) if i >= 0), default=-1)
+        found = [(i, s) for s in self.stop if (i := buf.find(s)) >= 0]
+        cut = min(found)[0] if found else -1
         if cut >= 0:
             self.stopped = True
+            self.stop_string = min(found)[1]
             self.pending = ""
             delta = buf[:cut]
         else:

@@ -64,6 +64,30 @@ async def internal_errors(request: web.Request, handler: Any) -> web.StreamRespo
                      "log", "internal_error")
 
 
+@web.middleware
+async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """On /v1/messages the router's own errors take Anthropic's shape, as the engines'
+    (which pass through as they are)."""
+    resp = await handler(request)
+    if (not request.path.startswith("/v1/messages") or resp.status < 400
+            or not isinstance(resp, web.Response) or resp.body is None):
+        return resp
+    try:
+        body = msgspec.json.decode(resp.body)
+    except (msgspec.DecodeError, TypeError):
+        return resp
+    if isinstance(body, dict) and "type" not in body and isinstance(body.get("error"), dict):
+        from agentserve.engine.protocol import APIError
+        from agentserve.engine.serving_messages import anthropic_error
+
+        e = body["error"]
+        shaped = anthropic_error(APIError(resp.status, str(e.get("message")), e.get("param")))
+        return web.json_response(shaped, status=resp.status, headers={
+            k: v for k, v in resp.headers.items() if k.lower() not in ("content-type",
+                                                                       "content-length")})
+    return resp
+
+
 class Gateway:
     """Router + background loops + HTTP handlers."""
 
@@ -90,9 +114,11 @@ class Gateway:
     # ---- lifecycle --------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=int(self.opts.max_body_mb * 2**20),
-                              middlewares=[internal_errors])
+                              middlewares=[anthropic_errors, internal_errors])
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
+        app.router.add_post("/v1/messages", self.handle_generate)
+        app.router.add_post("/v1/messages/count_tokens", self.handle_tokenize)
         app.router.add_get("/v1/models", self.handle_models)
         app.router.add_post("/tokenize", self.handle_tokenize)
         app.router.add_post("/detokenize", self.handle_tokenize)
@@ -216,8 +242,9 @@ class Gateway:
             self._slot.notify()
 
     def _authorized(self, request: web.Request) -> bool:
-        key = self.cfg.api_key
-        return not key or request.headers.get("Authorization", "") == f"Bearer {key}"
+        key = self.cfg.api_key  # (Anthropic clients send it as x-api-key)
+        return (not key or request.headers.get("Authorization", "") == f"Bearer {key}"
+                or request.headers.get("x-api-key") == key)
 
     # ---- handlers -------------------------------------------------------------------
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
@@ -243,8 +270,9 @@ class Gateway:
             await self._release()
 
     async def handle_tokenize(self, request: web.Request) -> web.StreamResponse:
-        """/tokenize and /detokenize: answered by the least busy available engine serving
-        the body's model (engines of one model tokenize alike); a second one if it fails."""
+        """/tokenize, /detokenize and /v1/messages/count_tokens: answered by the least busy
+        available engine serving the body's model (engines of one model tokenize alike); a
+        second one if it fails."""
         if not self._authorized(request):
             return self._count(error(401, "invalid or missing API key", "authentication_error"))
         try:

@@ -1,11 +1,13 @@
-"""OpenAI request bodies -> `RouteInput` (validation, session key, tokenization).
+"""OpenAI (and Anthropic Messages) request bodies -> `RouteInput` (validation, session key,
+tokenization).
 
 Malformed requests are rejected here with a message (HTTP 400) before any backend is
 touched. Prompts given as token ids are used as they are; text and chat prompts are
 tokenized with the model's tokenizer (incrementally, see `tokenize.py`). Without a
 tokenizer, text prompts are routed by load only (no prefix information).
 
-The session key is the `x-session-id` header, else the body's `user` field.
+The session key is the `x-session-id` header, else the body's `user` field (a Messages
+body's `metadata.user_id`, where Claude Code names its session).
 """
 
 from __future__ import annotations
@@ -93,6 +95,26 @@ def _chat_input(req: dict[str, Any], tok: IncrementalTokenizer | None) -> RouteI
     return RouteInput(t.ids, tokenized=t)
 
 
+def _messages_input(body: bytes, headers: Any, tok: IncrementalTokenizer | None) -> RouteInput:
+    """An Anthropic Messages body, routed as the chat it stands for (rendered as the engine
+    renders it: `serving_messages.to_chat`)."""
+    from agentserve.engine.protocol import APIError, decode
+    from agentserve.engine.serving_chat import chat_messages
+    from agentserve.engine.serving_messages import MessagesRequest, to_chat
+
+    try:
+        req = decode(body, MessagesRequest)
+        chat = to_chat(req)
+    except APIError as e:
+        raise BadRequest(e.message) from None
+    use_tools = bool(chat.tools) and chat.tool_choice != "none"
+    route = _chat_input({"messages": chat_messages(chat.messages),
+                         "tools": msgspec.to_builtins(chat.tools) if use_tools else None}, tok)
+    route.model, route.max_tokens = req.model, req.max_tokens
+    route.session = headers.get("x-session-id") or chat.user
+    return route
+
+
 def parse_request(path: str, body: bytes, headers: Any,
                   tok: IncrementalTokenizer | None,
                   raw_cache: RawPromptCache | None = None) -> RouteInput:
@@ -101,6 +123,10 @@ def parse_request(path: str, body: bytes, headers: Any,
     With `raw_cache`, completions bodies whose prompt is a list of token ids are read
     incrementally from their bytes (`rawprompt.py`)."""
     t0 = time.perf_counter()
+    if path.startswith("/v1/messages"):
+        route = _messages_input(body, headers, tok)
+        route.parse_seconds = time.perf_counter() - t0
+        return route
     chat = path.endswith("/chat/completions")
     raw: RawParse | None = None
     try:
