@@ -98,7 +98,9 @@ CASES: list[tuple[str, str, Any, int, str | None, str]] = [
     ("frequency-penalty", "/v1/chat/completions", {**OK_CHAT, "frequency_penalty": -2.5}, 400,
      "frequency_penalty", "[-2, 2]"),
     ("repetition-penalty", "/v1/completions", {"prompt": "hi", "repetition_penalty": 0}, 400,
-     "repetition_penalty", "(0, 2]"),
+     "repetition_penalty", "[1e-6, 2]"),
+    ("repetition-penalty-tiny", "/v1/completions",  # (1/p overflowed: a 500 before)
+     {"prompt": "hi", "repetition_penalty": 1e-67}, 400, "repetition_penalty", "[1e-6, 2]"),
     ("min-p", "/v1/completions", {"prompt": "hi", "min_p": 1.5}, 400, "min_p", "[0, 1]"),
     ("logit-bias-key", "/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, 400,
      "logit_bias", "token ids"),

@@ -337,3 +337,14 @@ def test_prompt_logprobs_score_every_prompt_token_even_when_cached() -> None:
             top = torch.topk(row, 3)
             assert [t for t, _ in e.top] == top.indices.tolist()
             assert [v for _, v in e.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+
+
+@pytest.mark.parametrize("top_k", [0, 5])
+def test_a_vanishing_top_p_keeps_the_most_likely_token(top_k) -> None:
+    """top_p in (0, 1] however small (1e-169 is 0 in float32): the nucleus is the most
+    likely token, never empty (an empty one failed the request)."""
+    logits = torch.randn(300, generator=torch.Generator().manual_seed(0))
+    for top_p in (1e-169, 1e-9):
+        probs = logits_to_probs(logits, 1.0, top_k, top_p)
+        assert probs.sum() == pytest.approx(1.0) and int(probs.argmax()) == int(logits.argmax())
+        assert probs.max() == 1.0

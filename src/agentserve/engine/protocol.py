@@ -215,7 +215,8 @@ _RANGES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_tokens": (lambda v: v >= 0, ">= 0"),
     "presence_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
     "frequency_penalty": (lambda v: -2 <= v <= 2, "in [-2, 2]"),
-    "repetition_penalty": (lambda v: 0 < v <= 2, "in (0, 2]"),
+    # (vLLM: (0, 2]; below 1e-6 the penalty's 1/p overflows float32 logits)
+    "repetition_penalty": (lambda v: 1e-6 <= v <= 2, "in [1e-6, 2]"),
     "seed": (lambda v: _SEED_MIN <= v <= _SEED_MAX, "a 64-bit signed integer"),
 }
 

@@ -63,7 +63,9 @@ def _min_p(probs: torch.Tensor, min_p: float) -> torch.Tensor:
 def _nucleus(desc: torch.Tensor, top_p: float) -> torch.Tensor:
     """Probabilities in descending order (summing to 1 over the vocabulary) with all but the
     smallest prefix whose mass reaches top_p zeroed (always at least one token)."""
-    return desc.masked_fill(torch.cumsum(desc, dim=-1) - desc >= top_p, 0.0)
+    drop = torch.cumsum(desc, dim=-1) - desc >= top_p
+    drop[..., 0] = False  # (a top_p below float32's range reads as 0, which would drop it too)
+    return desc.masked_fill(drop, 0.0)
 
 
 def _top_k_probs(logits: torch.Tensor, top_k: int, top_p: float, min_p: float

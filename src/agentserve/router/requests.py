@@ -42,6 +42,13 @@ def _max_tokens(req: dict[str, Any]) -> int:
     return v
 
 
+def _flag(req: dict[str, Any], name: str, default: bool) -> bool:
+    v = req.get(name, default)
+    if not isinstance(v, bool):
+        raise BadRequest(f"{name} must be a boolean")
+    return v
+
+
 def _samples(req: dict[str, Any]) -> int:
     """The body's ``n`` when it is one the engines accept (1-``MAX_N``), else 1: the engine
     then answers an out-of-range ``n`` with its own 400."""
@@ -60,7 +67,7 @@ def _prompt_input(req: dict[str, Any], tok: IncrementalTokenizer | None,
     if isinstance(prompt, str):
         if tok is None:
             return RouteInput([])
-        t = tok.text(prompt, add_special_tokens=req.get("add_special_tokens", True),
+        t = tok.text(prompt, add_special_tokens=_flag(req, "add_special_tokens", True),
                      session=session)
         return RouteInput(t.ids, tokenized=t)
     if isinstance(prompt, list):
@@ -87,7 +94,7 @@ def _chat_input(req: dict[str, Any], tok: IncrementalTokenizer | None) -> RouteI
         return RouteInput([])
     try:
         t = tok.chat(messages, tools=tools,
-                     add_generation_prompt=req.get("add_generation_prompt", True))
+                     add_generation_prompt=_flag(req, "add_generation_prompt", True))
     except ValueError as e:  # template rejected the conversation
         raise BadRequest(str(e)) from e
     except Exception as e:  # a template may raise anything on odd input
