@@ -3,7 +3,10 @@
 import asyncio
 import time
 
+import msgspec
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agentserve.kv.events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
                                   decode_event_batch, encode_event_batch)
@@ -111,3 +114,38 @@ async def test_live_zmq_with_replay_catches_up():
         ctx.destroy(linger=0)
     finally:
         pub.close()
+
+
+_msgpack_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**63, 2**64 - 1), st.floats(allow_nan=False),
+              st.text(max_size=8), st.binary(max_size=12)),
+    lambda kids: st.one_of(st.lists(kids, max_size=4),
+                           st.dictionaries(st.text(max_size=8), kids, max_size=4)), max_leaves=12)
+_events = st.lists(st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["BlockStored", "BlockRemoved",
+                                                     "AllBlocksCleared", "Nope"])},
+                          optional={"block_hashes": st.lists(st.one_of(
+                              st.integers(-2**63, 2**64 - 1), st.binary(max_size=40)), max_size=3),
+                              "parent_block_hash": st.one_of(st.none(), st.integers(0, 9)),
+                              "token_ids": st.lists(st.integers(-1, 9), max_size=3),
+                              "block_size": st.integers(-2, 64), "medium": st.one_of(
+                                  st.none(), st.sampled_from(["GPU", "cpu", "DISK", "", "x"])),
+                              "lora_id": st.none(), "lora_name": st.none(),
+                              "group_idx": st.one_of(st.none(), st.integers(-1, 2))}),
+    _msgpack_values), max_size=4)
+
+
+@settings(max_examples=400, deadline=None, derandomize=True)
+@given(st.one_of(st.binary(max_size=64), _msgpack_values.map(msgspec.msgpack.encode),
+                 st.tuples(st.floats(0, 1e9), _events, st.one_of(st.none(), st.integers(-1, 3))
+                           ).map(lambda t: msgspec.msgpack.encode(list(t)))))
+def test_any_payload_decodes_to_a_batch_the_index_takes_or_a_value_error(payload: bytes) -> None:
+    """Whatever bytes an endpoint publishes, decoding gives a batch or a ValueError (the
+    subscriber logs it and resyncs), and applying a decoded batch never raises: one bad
+    publisher must not stop the router's event loop for its endpoint."""
+    try:
+        batch = decode_event_batch(payload)
+    except ValueError:
+        return
+    a = EventApplier(PrefixIndex(), URL, on_block_size=lambda n: None)
+    a.apply(0, batch)
