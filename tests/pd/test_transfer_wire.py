@@ -297,3 +297,33 @@ def test_block_ids_out_of_the_cache_are_refused() -> None:
     finally:
         cli.close()
         srv.close()
+
+
+def test_malformed_requests_get_an_error_frame_and_the_server_keeps_serving() -> None:
+    """A peer with the token sending a request of the wrong shape gets ``ok: false`` with
+    the reason (not a dropped connection and a traceback), nothing is checked out, and the
+    next pull is served."""
+    from agentserve.engine.transfer_frames import recv_header, send_frame
+
+    k, v = cache()
+    src = Source(k, v)
+    srv = TcpBackend("t")
+    port = srv.serve(src, "127.0.0.1", 0)
+    cli = TcpBackend("t", timeout=5)
+    try:
+        for bad in ({"idx": "0,1"}, {"idx": [0, "1"]}, {"hashes": 7}, {"chunk_blocks": "x"}):
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                send_frame(c, {"op": "pull", "token": "t", "rid": "r", "idx": [0],
+                               "hashes": [b""], **bad})
+                head = recv_header(c)
+            assert head["ok"] is False and "malformed request" in head["error"], (bad, head)
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            send_frame(c, ["not", "a", "map"])  # (no token in it: refused as one without)
+            assert recv_header(c)["ok"] is False
+        assert src.busy == 0
+        k2, v2 = k.clone().zero_(), v.clone().zero_()
+        cli.pull_into(PullSpec("127.0.0.1", port, "r", [0, 1], [b"", b""]), k2, v2, [0, 1])
+        assert torch.equal(k2[:, 0], k[:, 0]) and torch.equal(v2[:, 1], v[:, 2])
+    finally:
+        cli.close()
+        srv.close()

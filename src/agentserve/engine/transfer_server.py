@@ -94,7 +94,8 @@ class TcpServing:
                     req = recv_header(conn)
                 except (TransferError, OSError, msgspec.DecodeError):
                     return
-                if not hmac.compare_digest(str(req.get("token", "")), self.token):
+                if not isinstance(req, dict) or not hmac.compare_digest(
+                        str(req.get("token", "")), self.token):
                     send_frame(conn, {"ok": False, "error": "bad kv-transfer token"})
                     return
                 try:
@@ -106,12 +107,18 @@ class TcpServing:
     def _reply(self, conn: socket.socket, req: dict[str, Any], source: BlockSource,
                stages: tuple[StagingBuffer, StagingBuffer]) -> None:
         rid, op = str(req.get("rid", "")), req.get("op")
+        idx, hashes = req.get("idx", []), req.get("hashes", [])
+        if not (isinstance(idx, list) and all(type(i) is int for i in idx)
+                and isinstance(hashes, list) and isinstance(req.get("chunk_blocks") or 0, int)):
+            send_frame(conn, {"ok": False, "error": "malformed request: idx must be a list of "
+                              "block indexes, hashes a list, chunk_blocks an integer"})
+            return
         if op == "release":
             source.release(rid)
             send_frame(conn, {"ok": True, "nbytes": 0})
             return
         try:
-            ids = source.checkout(rid, list(req.get("idx", [])), list(req.get("hashes", [])))
+            ids = source.checkout(rid, idx, hashes)
         except TransferError as e:
             send_frame(conn, {"ok": False, "error": str(e)})
             return
