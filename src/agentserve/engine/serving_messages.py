@@ -36,10 +36,11 @@ from agentserve.engine.protocol import (APIError, ChatRequest, FunctionCall, Fun
                                         MessageToolCall, NamedFunction, NamedToolChoice, Tool,
                                         decode)
 from agentserve.engine.request_id import request_ids
+from agentserve.engine.answer_stream import pieces
 from agentserve.engine.serving import (SSE, EngineClient, Generation, collect, json_response,
-                                       merge, release_unread_pins)
+                                       release_unread_pins)
 from agentserve.engine.serving_chat import chat_messages, start_chat
-from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
+from agentserve.engine.tools import parse_tool_calls
 
 
 class Block(Struct, kw_only=True, omit_defaults=True):
@@ -275,16 +276,8 @@ async def _stream(request: web.Request, head: dict[str, Any], g: Generation,
 
 async def _events(head: dict[str, Any], g: Generation, use_tools: bool
                   ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
-    parser = StreamingToolParser() if use_tools else None
     index, kind = -1, None  # the open block: its index and type (None: none open)
-    started = called = False
-
-    def open_block(block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        nonlocal index, kind
-        out = close_block()
-        index, kind = index + 1, block["type"]
-        return out + [("content_block_start", {"type": "content_block_start", "index": index,
-                                               "content_block": block})]
+    called = False
 
     def close_block() -> list[tuple[str, dict[str, Any]]]:
         nonlocal kind
@@ -293,42 +286,37 @@ async def _events(head: dict[str, Any], g: Generation, use_tools: bool
         kind = None
         return [("content_block_stop", {"type": "content_block_stop", "index": index})]
 
-    def deltas(text: str, end: bool = False) -> list[tuple[str, dict[str, Any]]]:
-        nonlocal called
-        if parser is None:
-            content, calls = text, []
-        else:
-            content, calls = parser.finish() if end else parser.feed(text)
-        out: list[tuple[str, dict[str, Any]]] = []
-        if content:
-            if kind != "text":
-                out += open_block({"type": "text", "text": ""})
-            out.append(("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                "delta": {"type": "text_delta", "text": content}}))
-        for c in calls:
-            fn = c.get("function", {})
-            if "id" in c:  # a new call: its own block
+    def open_block(block: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        nonlocal index, kind
+        out = close_block()
+        index, kind = index + 1, block["type"]
+        return out + [("content_block_start", {"type": "content_block_start", "index": index,
+                                               "content_block": block})]
+
+    def delta(body: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        return "content_block_delta", {"type": "content_block_delta", "index": index,
+                                       "delta": body}
+
+    async with contextlib.aclosing(pieces(g, use_tools)) as stream:
+        async for p in stream:
+            if p.kind == "start":  # after the first step: the cached tokens are known
+                yield "message_start", {"type": "message_start", "message": {
+                    **head, "content": [], "stop_reason": None, "stop_sequence": None,
+                    "usage": {**_usage(g), "output_tokens": 0}}}
+            elif p.kind == "text":
+                if kind != "text":
+                    for ev in open_block({"type": "text", "text": ""}):
+                        yield ev
+                yield delta({"type": "text_delta", "text": p.text})
+            elif p.kind == "call":
                 called = True
-                out += open_block({"type": "tool_use", "id": c["id"], "name": fn.get("name", ""),
-                                   "input": {}})
-            if fn.get("arguments"):
-                out.append(("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}}))
-        return out
-
-    def start() -> tuple[str, dict[str, Any]]:
-        usage = {**_usage(g), "output_tokens": 0}
-        return "message_start", {"type": "message_start", "message": {
-            **head, "content": [], "stop_reason": None, "stop_sequence": None, "usage": usage}}
-
-    async with contextlib.aclosing(merge([g.deltas()])) as merged:
-        async for _, d in merged:
-            if not started:  # after the first step: the cached tokens are known
-                started = True
-                yield start()
-            for ev in deltas(d[0]) if d is not None else deltas("", end=True) + close_block():
-                yield ev
+                for ev in open_block({"type": "tool_use", "id": p.call_id, "name": p.name,
+                                      "input": {}}):
+                    yield ev
+            else:
+                yield delta({"type": "input_json_delta", "partial_json": p.text})
+    for ev in close_block():
+        yield ev
     reason, sequence = _stop(g, called)
     yield "message_delta", {"type": "message_delta",
                             "delta": {"stop_reason": reason, "stop_sequence": sequence},
