@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from agentserve.engine.protocol import ChatRequest, CompletionRequest
 from agentserve.engine.serving_messages import MessagesRequest
+from agentserve.engine.serving_responses import ResponsesRequest
 from tests.conftest import API_KEY, ServerThread, wait_idle
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.integers(-2**70, 2**70),
@@ -34,11 +35,14 @@ ENDPOINTS: dict[str, tuple[dict[str, Any], list[str]]] = {
                              [f.name for f in msgspec.structs.fields(ChatRequest)]),
     "/v1/messages": ({"messages": [MSG], "max_tokens": 3},
                      [f.name for f in msgspec.structs.fields(MessagesRequest)]),
+    "/v1/responses": ({"input": "hi", "max_output_tokens": 3},
+                      [f.name for f in msgspec.structs.fields(ResponsesRequest)]),
     "/tokenize": ({"prompt": "hello"}, ["prompt", "messages", "tools", "add_special_tokens",
                                         "add_generation_prompt", "return_token_strs"]),
 }
 # values that would only make a request long, not wrong: kept small
 _SMALL = {"max_tokens": st.integers(-1, 6), "max_completion_tokens": st.integers(-1, 6),
+          "max_output_tokens": st.integers(-1, 6),
           "n": st.integers(-1, 3), "min_tokens": st.integers(-1, 4)}
 _TOOL = {"type": "function", "function": {"name": "f", "parameters": {
     "type": "object", "properties": {"a": {"enum": [1, 2]}}, "required": ["a"]}}}
@@ -60,6 +64,16 @@ _block = st.one_of(
     st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": _txt, "content": st.one_of(
         _txt, st.just([{"type": "text", "text": "r"}]), st.just([{"type": "image"}]))}),
     st.fixed_dictionaries({"type": st.sampled_from(["thinking", "image", "document"])}))
+_item = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "developer", "tool"]),
+                           "content": st.one_of(_txt, st.lists(st.fixed_dictionaries({
+                               "type": st.sampled_from(["input_text", "output_text",
+                                                        "input_image"]), "text": _txt}),
+                               max_size=2))}),
+    st.fixed_dictionaries({"type": st.just("function_call")}, optional={
+        "call_id": _txt, "name": _txt, "arguments": st.one_of(_txt, st.just('{"a": 1}'))}),
+    st.fixed_dictionaries({"type": st.sampled_from(["function_call_output", "reasoning", "x"])},
+                          optional={"call_id": _txt, "output": _txt}))
 _anthropic_msg = st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system"]),
                                         "content": st.one_of(_txt, st.lists(_block, max_size=3))})
 # well-typed values around the edges of each field's range, so that combinations of valid
@@ -88,6 +102,11 @@ _PLAUSIBLE = {
     "prompt": st.one_of(st.text(max_size=8), st.lists(st.integers(-1, 5000), max_size=6)),
     "messages": st.lists(st.one_of(_chat_msg, _anthropic_msg), max_size=4),
     "system": st.one_of(_txt, st.lists(_block, max_size=2)),
+    "input": st.one_of(_txt, st.lists(_item, max_size=4)), "instructions": _txt,
+    "text": st.sampled_from([{"format": {"type": "text"}}, {"format": {"type": "json_object"}},
+                             {"format": {"type": "json_schema", "name": "x",
+                                         "schema": {"type": "object"}}}, {"format": {}}]),
+    "previous_response_id": st.one_of(st.none(), _txt), "prompt_cache_key": _txt,
     "kv_transfer_params": st.sampled_from([None, {}, {"do_remote_decode": True}]),
 }
 
@@ -123,7 +142,6 @@ def test_any_body_gets_an_answer_or_a_4xx(served: ServerThread, path: str) -> No
     @given(_bodies(path))
     def check(body: dict[str, Any]) -> None:
         status, raw = _send(served, path, body)
-        print("STATUS", path, status)
         assert status == 200 or 400 <= status < 500, (status, body, raw[:400])
         if status != 200:
             err = json.loads(raw)

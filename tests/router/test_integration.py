@@ -133,11 +133,11 @@ def test_a_sub_agent_burst_computes_its_shared_head_once(tmp_path: Path):
     assert sorted(c for _, c in got) == [0, 1536, 1536, 1536], got
 
 
-def test_anthropic_messages_sessions_through_the_router(tmp_path: Path):
-    """Claude Code's API through the router: /v1/messages conversations (the session in
-    metadata.user_id) stay on one engine, the router predicts each turn's cache read
-    exactly (it renders the Messages body as the engine does), and count_tokens passes
-    through."""
+def test_agent_api_sessions_through_the_router(tmp_path: Path):
+    """Claude Code's and Codex's APIs through the router: /v1/messages conversations (the
+    session in metadata.user_id) and /v1/responses ones (in prompt_cache_key) stay on one
+    engine, the router predicts each turn's cache read exactly (it renders these bodies as
+    the engine does), and count_tokens passes through."""
     import anthropic
 
     with two_engines(tmp_path, "precise-prefix") as url:
@@ -161,11 +161,25 @@ def test_anthropic_messages_sessions_through_the_router(tmp_path: Path):
             counted = client.messages.count_tokens(model=name, messages=msgs,
                                                    system="You are a coding agent. " * 20)
             assert counted.input_tokens > 0
+        oai = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+        for s in range(3, 5):
+            conv: list[dict] = []
+            for turn in range(3):
+                conv.append({"role": "user", "content": f"codex {s} turn {turn}: " + "run tests " * 40})
+                raw = oai.responses.with_raw_response.create(
+                    model=name, input=conv, instructions="You are Codex. " * 20,
+                    max_output_tokens=4, temperature=0, prompt_cache_key=f"conv-{s}")
+                r = raw.parse()
+                rows.append((s, turn, raw.headers["x-agentserve-endpoint"],
+                             int(raw.headers["x-agentserve-predicted-cached"]),
+                             r.usage.input_tokens_details.cached_tokens))
+                conv += [o.model_dump(exclude_none=True) for o in r.output]
+                time.sleep(0.3)
         bad = {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}
         with pytest.raises(anthropic.BadRequestError) as err:  # the router's own 400
             client.messages.create(**bad, model=name)
         assert err.value.body["type"] == "error" and "image" in err.value.body["error"]["message"]
-    for s in range(3):
+    for s in range(5):
         eps = {ep for ss, _, ep, _, _ in rows if ss == s}
         assert len(eps) == 1, rows
     assert all(pred == cached for _, _, _, pred, cached in rows), rows

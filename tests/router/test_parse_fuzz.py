@@ -22,7 +22,8 @@ def tok() -> IncrementalTokenizer:
     return IncrementalTokenizer(Tokenizer.from_dir(default_model_dir()))
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/messages",
+                                  "/v1/responses"])
 def test_any_body_parses_or_is_a_bad_request(tok, path: str) -> None:
     raw = RawPromptCache()
 

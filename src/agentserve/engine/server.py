@@ -1,8 +1,9 @@
 """The engine's OpenAI-compatible HTTP server (aiohttp).
 
-Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/messages and
-/v1/messages/count_tokens (Anthropic's), GET /v1/models, POST /tokenize and /detokenize
-(vLLM's), GET /health (503 while draining), GET /metrics (Prometheus text, vLLM names).
+Routes: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses (stateless),
+POST /v1/messages and /v1/messages/count_tokens (Anthropic's), GET /v1/models, POST
+/tokenize and /detokenize (vLLM's), GET /health (503 while draining), GET /metrics
+(Prometheus text, vLLM names).
 
 Every failure is an OpenAI error object (on /v1/messages an Anthropic one) with a 4xx/5xx
 status; a bad request never disturbs others. With an API key, /v1/* needs
@@ -28,6 +29,7 @@ from agentserve.engine.serving import EngineClient, json_response
 from agentserve.engine.serving_completions import create_completion
 from agentserve.engine.serving_chat import create_chat
 from agentserve.engine.serving_messages import anthropic_error, count_tokens, create_message
+from agentserve.engine.serving_responses import create_response
 from agentserve.engine.serving_tokenize import detokenize, tokenize
 
 log = logging.getLogger("agentserve.server")
@@ -115,6 +117,12 @@ async def messages(request: web.Request) -> web.StreamResponse:
     return await create_message(request, _engine(request), request.app[METRICS], body)
 
 
+async def responses(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    check_model(_engine(request), _requested_model(body))
+    return await create_response(request, _engine(request), request.app[METRICS], body)
+
+
 async def messages_count_tokens(request: web.Request) -> web.Response:
     body = await request.read()
     check_model(_engine(request), _requested_model(body))
@@ -183,6 +191,7 @@ def build_app(engine: EngineClient, api_key: str | None = None,
     app.on_response_prepare.append(echo_request_id)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses)
     app.router.add_post("/v1/messages", messages)
     app.router.add_post("/v1/messages/count_tokens", messages_count_tokens)
     app.router.add_get("/v1/models", models)

@@ -117,6 +117,7 @@ class Gateway:
                               middlewares=[anthropic_errors, internal_errors])
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
+        app.router.add_post("/v1/responses", self.handle_generate)
         app.router.add_post("/v1/messages", self.handle_generate)
         app.router.add_post("/v1/messages/count_tokens", self.handle_tokenize)
         app.router.add_get("/v1/models", self.handle_models)

@@ -94,10 +94,11 @@ class PDOrchestrator:
             # n > 1 is not split: a P/D leg is one sample (the engines refuse n > 1 with
             # kv_transfer_params), and the decode engine computes the prompt once for all n;
             # nor is a request scoring its prompt, which one engine computes all of, nor an
-            # Anthropic Messages request (its body has no kv_transfer_params to carry a leg)
+            # Anthropic Messages or a Responses request (their bodies have no
+            # kv_transfer_params to carry a leg)
             if (d.uncached < self.threshold or not isinstance(req, dict)
                     or req.get("kv_transfer_params") or route.samples > 1 or _scores_prompt(req)
-                    or request.path.startswith("/v1/messages")):
+                    or request.path.startswith(("/v1/messages", "/v1/responses"))):
                 self.legs.labels("aggregated").inc()
                 return await self._decode_leg(request, d, body, headers)
             params, info, prefill_url = await self._prefill_leg(request, route, req)

@@ -1,5 +1,5 @@
-"""OpenAI (and Anthropic Messages) request bodies -> `RouteInput` (validation, session key,
-tokenization).
+"""OpenAI (completions, chat, responses) and Anthropic Messages request bodies ->
+`RouteInput` (validation, session key, tokenization).
 
 Malformed requests are rejected here with a message (HTTP 400) before any backend is
 touched. Prompts given as token ids are used as they are; text and chat prompts are
@@ -7,7 +7,8 @@ tokenized with the model's tokenizer (incrementally, see `tokenize.py`). Without
 tokenizer, text prompts are routed by load only (no prefix information).
 
 The session key is the `x-session-id` header, else the body's `user` field (a Messages
-body's `metadata.user_id`, where Claude Code names its session).
+body's `metadata.user_id`, where Claude Code names its session; a Responses body's
+`prompt_cache_key`, where Codex names its conversation).
 """
 
 from __future__ import annotations
@@ -102,22 +103,28 @@ def _chat_input(req: dict[str, Any], tok: IncrementalTokenizer | None) -> RouteI
     return RouteInput(t.ids, tokenized=t)
 
 
-def _messages_input(body: bytes, headers: Any, tok: IncrementalTokenizer | None) -> RouteInput:
-    """An Anthropic Messages body, routed as the chat it stands for (rendered as the engine
-    renders it: `serving_messages.to_chat`)."""
+def _converted_input(path: str, body: bytes, headers: Any,
+                     tok: IncrementalTokenizer | None) -> RouteInput:
+    """An Anthropic Messages or OpenAI Responses body, routed as the chat it stands for
+    (rendered as the engine renders it: ``to_chat`` of serving_messages / _responses)."""
     from agentserve.engine.protocol import APIError, decode
     from agentserve.engine.serving_chat import chat_messages
-    from agentserve.engine.serving_messages import MessagesRequest, to_chat
 
+    if path.startswith("/v1/messages"):
+        from agentserve.engine.serving_messages import MessagesRequest as Kind
+        from agentserve.engine.serving_messages import to_chat
+    else:
+        from agentserve.engine.serving_responses import ResponsesRequest as Kind  # type: ignore
+        from agentserve.engine.serving_responses import to_chat  # type: ignore
     try:
-        req = decode(body, MessagesRequest)
-        chat = to_chat(req)
+        req = decode(body, Kind)
+        chat = to_chat(req)  # type: ignore[arg-type]
     except APIError as e:
         raise BadRequest(e.message) from None
     use_tools = bool(chat.tools) and chat.tool_choice != "none"
     route = _chat_input({"messages": chat_messages(chat.messages),
                          "tools": msgspec.to_builtins(chat.tools) if use_tools else None}, tok)
-    route.model, route.max_tokens = req.model, req.max_tokens
+    route.model, route.max_tokens = req.model, chat.max_tokens or 256
     route.session = headers.get("x-session-id") or chat.user
     return route
 
@@ -130,8 +137,8 @@ def parse_request(path: str, body: bytes, headers: Any,
     With `raw_cache`, completions bodies whose prompt is a list of token ids are read
     incrementally from their bytes (`rawprompt.py`)."""
     t0 = time.perf_counter()
-    if path.startswith("/v1/messages"):
-        route = _messages_input(body, headers, tok)
+    if path.startswith(("/v1/messages", "/v1/responses")):
+        route = _converted_input(path, body, headers, tok)
         route.parse_seconds = time.perf_counter() - t0
         return route
     chat = path.endswith("/chat/completions")

@@ -1,0 +1,339 @@
+"""POST /v1/responses: OpenAI's Responses API, stateless (what Codex speaks with
+``store: false``: the whole conversation in ``input`` each turn).
+
+As /v1/messages, a Responses request becomes the equivalent chat request (`to_chat`) and
+runs on the chat path; only the answer's shape differs. The mapping:
+
+- ``instructions`` -> a system message; ``input`` text -> a user message; input items:
+  messages (system / developer / user / assistant, text parts) as they are,
+  ``function_call`` items -> the assistant's ``tool_calls`` (joined to the assistant
+  message before them), ``function_call_output`` -> ``tool`` messages; ``reasoning``
+  items are dropped (chat templates drop earlier reasoning too); an image, a file or a
+  built-in tool (web_search, file_search, ...) is a 400.
+- ``tools`` (function tools), ``tool_choice``, ``parallel_tool_calls``,
+  ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (json_schema /
+  json_object, constrained as ``response_format``); ``prompt_cache_key`` (else ``user``)
+  is the session for routing and the CPU tier's session policy.
+- The answer: a ``message`` item with the text, then one ``function_call`` item per call;
+  ``status`` ``incomplete`` (``max_output_tokens``) when cut short; usage with
+  ``input_tokens_details.cached_tokens`` from the prefix cache.
+- Nothing is stored: ``previous_response_id`` is a 400 (send the conversation in
+  ``input``), and ``store`` is accepted but keeps nothing. ``reasoning`` is accepted and
+  answered without reasoning items (no reasoning parser).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from aiohttp import web
+from msgspec import Struct
+
+from agentserve.engine.answer_stream import pieces
+from agentserve.engine.metrics import ServerMetrics
+from agentserve.engine.protocol import (APIError, ChatRequest, FunctionCall, FunctionDef,
+                                        JsonSchemaFormat, Message, MessageToolCall, NamedFunction,
+                                        NamedToolChoice, ResponseFormat, Tool, decode)
+from agentserve.engine.request_id import request_ids
+from agentserve.engine.serving import (SSE, EngineClient, Generation, collect, json_response,
+                                       release_unread_pins)
+from agentserve.engine.serving_chat import start_chat
+from agentserve.engine.tools import parse_tool_calls
+
+
+class Part(Struct, kw_only=True, omit_defaults=True):
+    type: str  # input_text / output_text / refusal (others are refused)
+    text: str | None = None
+    refusal: str | None = None
+
+
+class InputItem(Struct, kw_only=True, omit_defaults=True):
+    type: str | None = None  # message (the default with a role), function_call, ...
+    role: str | None = None
+    content: str | list[Part] | None = None
+    call_id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+    output: str | list[Part] | None = None
+
+
+class FunctionTool(Struct, kw_only=True, omit_defaults=True):
+    type: str
+    name: str | None = None
+    description: str | None = None
+    parameters: Any = None
+    strict: bool | None = None
+
+
+class ToolChoiceFunction(Struct, kw_only=True, omit_defaults=True):
+    type: str
+    name: str | None = None
+
+
+class TextFormat(Struct, kw_only=True, omit_defaults=True):
+    type: str
+    name: str | None = None
+    schema: Any = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class TextConfig(Struct, kw_only=True, omit_defaults=True):
+    format: TextFormat | None = None
+
+
+class ResponsesRequest(Struct, kw_only=True, omit_defaults=True):
+    model: str | None = None
+    input: str | list[InputItem]
+    instructions: str | None = None
+    tools: list[FunctionTool] | None = None
+    tool_choice: str | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool = True
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stream: bool = False
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    previous_response_id: str | None = None
+    text: TextConfig | None = None
+    metadata: dict[str, str] | None = None
+
+
+def _text(content: str | list[Part] | None, where: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    out = []
+    for p in content:
+        if p.type not in ("input_text", "output_text", "text", "refusal"):
+            raise APIError(400, f"{where}: only text parts are supported, got {p.type!r}", where)
+        out.append(p.text if p.text is not None else p.refusal or "")
+    return "\n".join(out)
+
+
+def _messages(req: ResponsesRequest) -> list[Message]:
+    msgs = [Message(role="system", content=req.instructions)] if req.instructions else []
+    if isinstance(req.input, str):
+        return [*msgs, Message(role="user", content=req.input)]
+    for i, item in enumerate(req.input):
+        where, kind = f"input[{i}]", item.type or ("message" if item.role else None)
+        if kind == "message":
+            if item.role not in ("system", "developer", "user", "assistant"):
+                raise APIError(400, f"{where}.role must be system, developer, user or "
+                               f"assistant, got {item.role!r}", f"{where}.role")
+            msgs.append(Message(role=item.role, content=_text(item.content, where)))
+        elif kind == "function_call":
+            if not item.call_id or not item.name:
+                raise APIError(400, f"{where}: a function_call needs call_id and name", where)
+            call = MessageToolCall(id=item.call_id, function=FunctionCall(
+                name=item.name, arguments=item.arguments or "{}"))
+            last = msgs[-1] if msgs else None
+            if last is not None and last.role == "assistant":  # one turn's calls: one message
+                last.tool_calls = [*(last.tool_calls or []), call]
+            else:
+                msgs.append(Message(role="assistant", content="", tool_calls=[call]))
+        elif kind == "function_call_output":
+            if not item.call_id:
+                raise APIError(400, f"{where}: a function_call_output needs call_id", where)
+            msgs.append(Message(role="tool", tool_call_id=item.call_id,
+                                content=_text(item.output, f"{where}.output")))
+        elif kind != "reasoning":
+            raise APIError(400, f"{where}: input items of type {kind!r} are not supported", where)
+    if not msgs:
+        raise APIError(400, "input must not be empty", "input")
+    return msgs
+
+
+def _tools(tools: list[FunctionTool] | None) -> list[Tool] | None:
+    out = []
+    for i, t in enumerate(tools or []):
+        if t.type != "function" or not t.name:
+            raise APIError(400, f"tools[{i}]: only function tools (with a name) are supported, "
+                           f"got type {t.type!r}", f"tools[{i}]")
+        out.append(Tool(function=FunctionDef(name=t.name, description=t.description,
+                                             parameters=t.parameters, strict=t.strict)))
+    return out or None
+
+
+def _format(text: TextConfig | None) -> ResponseFormat | None:
+    fmt = text.format if text is not None else None
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_schema":
+        return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+            name=fmt.name, schema=fmt.schema, description=fmt.description, strict=fmt.strict))
+    return ResponseFormat(type=fmt.type)  # json_object, or a type check_chat refuses
+
+
+def to_chat(req: ResponsesRequest) -> ChatRequest:
+    """The chat request a Responses request stands for (the module docstring has the map)."""
+    if req.previous_response_id is not None:
+        raise APIError(400, "previous_response_id is not supported: responses are not stored; "
+                       "send the whole conversation in input", "previous_response_id")
+    if req.max_output_tokens is not None and req.max_output_tokens < 1:
+        raise APIError(400, f"max_output_tokens must be >= 1, got {req.max_output_tokens}",
+                       "max_output_tokens")
+    choice = req.tool_choice
+    if isinstance(choice, ToolChoiceFunction):
+        if choice.type != "function" or not choice.name:
+            raise APIError(400, "tool_choice must be auto, none, required or {type: function, "
+                           "name}", "tool_choice")
+        choice = NamedToolChoice(function=NamedFunction(name=choice.name))
+    return ChatRequest(
+        messages=_messages(req), tools=_tools(req.tools), tool_choice=choice,
+        parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
+        temperature=req.temperature, top_p=req.top_p, stream=req.stream,
+        response_format=_format(req.text), user=req.prompt_cache_key or req.user)
+
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _usage(g: Generation) -> dict[str, Any]:
+    return {"input_tokens": g.prompt_tokens,
+            "input_tokens_details": {"cached_tokens": g.cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": g.completion_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": g.prompt_tokens + g.completion_tokens}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str
+               ) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name,
+            "arguments": arguments, "status": status}
+
+
+def _envelope(rid: str, req: ResponsesRequest, model: str, created: float) -> dict[str, Any]:
+    """The response object around its output (what the request asked for, echoed)."""
+    return {"id": rid, "object": "response", "created_at": created, "model": model,
+            "status": "in_progress", "error": None, "incomplete_details": None,
+            "instructions": req.instructions, "metadata": req.metadata or {},
+            "parallel_tool_calls": req.parallel_tool_calls,
+            "tool_choice": msgspec.to_builtins(req.tool_choice) or "auto",
+            "tools": msgspec.to_builtins(req.tools or []), "temperature": req.temperature,
+            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "output": [],
+            "usage": None}
+
+
+def _finished(env: dict[str, Any], g: Generation, output: list[dict[str, Any]]) -> dict[str, Any]:
+    cut = g.finish_reason == "length"
+    return {**env, "status": "incomplete" if cut else "completed", "output": output,
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "usage": _usage(g)}
+
+
+async def create_response(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
+                          body: bytes) -> web.StreamResponse:
+    arrival = time.monotonic()
+    rid, eid = request_ids(request, "resp")
+    req = decode(body, ResponsesRequest)
+    run = await start_chat(request, engine, metrics, to_chat(req), eid, arrival)
+    env = _envelope(rid.replace("resp-", "resp_", 1), req, engine.model_name, time.time())
+    g = run.gens[0]
+    if req.stream:
+        return await _stream(request, env, g, run.use_tools)
+    texts, _, _ = await collect(run.gens)
+    content, calls = parse_tool_calls(texts[0]) if run.use_tools else (texts[0], [])
+    status = "incomplete" if g.finish_reason == "length" else "completed"
+    output = [_message_item(_id("msg"), content, status)] if content else []
+    output += [_call_item(_id("fc"), c.id, c.name, c.arguments, status) for c in calls]
+    release_unread_pins(request, engine, run.gens)
+    return json_response(_finished(env, g, output))
+
+
+async def _stream(request: web.Request, env: dict[str, Any], g: Generation,
+                  use_tools: bool) -> web.StreamResponse:
+    """Responses' event stream (``event:`` names, a ``sequence_number`` on each); an error
+    after the first byte is an ``error`` event."""
+    sse = SSE(request)
+    seq = 0
+    try:
+        async with contextlib.aclosing(_events(env, g, use_tools)) as events:
+            async for data in events:
+                await sse.send({**data, "sequence_number": seq}, event=data["type"])
+                seq += 1
+    except APIError as e:
+        if sse.resp is None:
+            raise
+        await sse.send({"type": "error", "code": str(e.status), "message": e.message,
+                        "param": e.param, "sequence_number": seq}, event="error")
+    except ConnectionResetError:  # the client left; closing the events aborted the request
+        return sse.resp or web.StreamResponse()
+    assert sse.resp is not None
+    await sse.resp.write_eof()
+    return sse.resp
+
+
+async def _events(env: dict[str, Any], g: Generation, use_tools: bool
+                  ) -> AsyncIterator[dict[str, Any]]:
+    output: list[dict[str, Any]] = []  # items done
+    item: dict[str, Any] | None = None  # the open item
+
+    def close() -> list[dict[str, Any]]:
+        nonlocal item
+        if item is None:
+            return []
+        it, item = item, None
+        n, out = len(output), []
+        if it["type"] == "message":
+            text = it["content"][0]["text"]
+            base = {"item_id": it["id"], "output_index": n, "content_index": 0}
+            out += [{"type": "response.output_text.done", **base, "text": text, "logprobs": []},
+                    {"type": "response.content_part.done", **base, "part": it["content"][0]}]
+        else:
+            out.append({"type": "response.function_call_arguments.done", "item_id": it["id"],
+                        "output_index": n, "arguments": it["arguments"]})
+        it["status"] = "completed"
+        output.append(it)
+        return out + [{"type": "response.output_item.done", "output_index": n, "item": it}]
+
+    def open_(new: dict[str, Any]) -> list[dict[str, Any]]:
+        nonlocal item
+        out = close()
+        item = new
+        out.append({"type": "response.output_item.added", "output_index": len(output),
+                    "item": {**new, "content": []} if new["type"] == "message" else dict(new)})
+        if new["type"] == "message":
+            out.append({"type": "response.content_part.added", "item_id": new["id"],
+                        "output_index": len(output), "content_index": 0,
+                        "part": {"type": "output_text", "text": "", "annotations": []}})
+        return out
+
+    async with contextlib.aclosing(pieces(g, use_tools)) as stream:
+        async for p in stream:
+            if p.kind == "start":
+                yield {"type": "response.created", "response": env}
+                yield {"type": "response.in_progress", "response": env}
+            elif p.kind == "text":
+                if item is None or item["type"] != "message":
+                    for ev in open_(_message_item(_id("msg"), "", "in_progress")):
+                        yield ev
+                item["content"][0]["text"] += p.text
+                yield {"type": "response.output_text.delta", "item_id": item["id"],
+                       "output_index": len(output), "content_index": 0, "delta": p.text,
+                       "logprobs": []}
+            elif p.kind == "call":
+                for ev in open_(_call_item(_id("fc"), p.call_id, p.name, "", "in_progress")):
+                    yield ev
+            elif item is not None:  # arguments of the open call
+                item["arguments"] += p.text
+                yield {"type": "response.function_call_arguments.delta", "item_id": item["id"],
+                       "output_index": len(output), "delta": p.text}
+    for ev in close():
+        yield ev
+    done = _finished(env, g, output)
+    if done["status"] == "incomplete":
+        for it in output:
+            it["status"] = "incomplete"
+    yield {"type": f"response.{done['status']}", "response": done}
