@@ -16,10 +16,10 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
-from collections.abc import Awaitable, Callable
-
 from aiohttp import web
 
 from agentserve.engine.metrics import ServerMetrics
@@ -99,46 +99,23 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     return await handler(request)
 
 
-async def completions(request: web.Request) -> web.StreamResponse:
-    body = await request.read()
-    check_model(_engine(request), _requested_model(body))
-    return await create_completion(request, _engine(request), request.app[METRICS], body)
+def _generation(create: Callable[..., Awaitable[web.StreamResponse]]) -> Handler:
+    """A generation route: the body's model checked, then ``create(request, engine,
+    metrics, body)``."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        check_model(_engine(request), _requested_model(body))
+        return await create(request, _engine(request), request.app[METRICS], body)
+    return handler
 
 
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    body = await request.read()
-    check_model(_engine(request), _requested_model(body))
-    return await create_chat(request, _engine(request), request.app[METRICS], body)
-
-
-async def messages(request: web.Request) -> web.StreamResponse:
-    body = await request.read()
-    check_model(_engine(request), _requested_model(body))
-    return await create_message(request, _engine(request), request.app[METRICS], body)
-
-
-async def responses(request: web.Request) -> web.StreamResponse:
-    body = await request.read()
-    check_model(_engine(request), _requested_model(body))
-    return await create_response(request, _engine(request), request.app[METRICS], body)
-
-
-async def messages_count_tokens(request: web.Request) -> web.Response:
-    body = await request.read()
-    check_model(_engine(request), _requested_model(body))
-    return json_response(count_tokens(_engine(request), body))
-
-
-async def tokenize_route(request: web.Request) -> web.Response:
-    body = await request.read()
-    check_model(_engine(request), _requested_model(body))
-    return json_response(tokenize(_engine(request), body))
-
-
-async def detokenize_route(request: web.Request) -> web.Response:
-    body = await request.read()
-    check_model(_engine(request), _requested_model(body))
-    return json_response(detokenize(_engine(request), body))
+def _answer(answer: Callable[[EngineClient, bytes], dict[str, Any]]) -> Handler:
+    """A route answered at once (tokenizing, counting): ``answer(engine, body)`` as JSON."""
+    async def handler(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        check_model(_engine(request), _requested_model(body))
+        return json_response(answer(_engine(request), body))
+    return handler
 
 
 async def models(request: web.Request) -> web.Response:
@@ -189,14 +166,14 @@ def build_app(engine: EngineClient, api_key: str | None = None,
     app[CREATED] = int(time.time())
     app[MAX_BODY] = max_body_bytes
     app.on_response_prepare.append(echo_request_id)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/responses", responses)
-    app.router.add_post("/v1/messages", messages)
-    app.router.add_post("/v1/messages/count_tokens", messages_count_tokens)
+    app.router.add_post("/v1/completions", _generation(create_completion))
+    app.router.add_post("/v1/chat/completions", _generation(create_chat))
+    app.router.add_post("/v1/responses", _generation(create_response))
+    app.router.add_post("/v1/messages", _generation(create_message))
+    app.router.add_post("/v1/messages/count_tokens", _answer(count_tokens))
     app.router.add_get("/v1/models", models)
-    app.router.add_post("/tokenize", tokenize_route)
-    app.router.add_post("/detokenize", detokenize_route)
+    app.router.add_post("/tokenize", _answer(tokenize))
+    app.router.add_post("/detokenize", _answer(detokenize))
     app.router.add_get("/health", health)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/kv_transfer/release", kv_transfer_release)

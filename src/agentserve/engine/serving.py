@@ -344,6 +344,26 @@ async def stream_sse(request: web.Request,
     return await sse.close()
 
 
+async def stream_named(request: web.Request, events: AsyncIterator[tuple[str, dict[str, Any]]],
+                       error_event: Callable[[APIError], dict[str, Any]]) -> web.StreamResponse:
+    """Named events (``event: NAME`` then ``data: JSON``, no ``[DONE]``: Anthropic's and the
+    Responses API's streams); an error after the first byte is an ``error`` event."""
+    sse = SSE(request)
+    try:
+        async with contextlib.aclosing(events):
+            async for name, data in events:
+                await sse.send(data, event=name)
+    except APIError as e:
+        if sse.resp is None:
+            raise
+        await sse.send(error_event(e), event="error")
+    except ConnectionResetError:  # the client left; closing `events` aborted the request
+        return sse.resp or web.StreamResponse()
+    assert sse.resp is not None
+    await sse.resp.write_eof()
+    return sse.resp
+
+
 def client_alive(request: web.Request) -> Callable[[], bool]:
     def alive() -> bool:
         transport = request.transport

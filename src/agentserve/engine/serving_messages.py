@@ -37,8 +37,8 @@ from agentserve.engine.protocol import (APIError, ChatRequest, FunctionCall, Fun
                                         decode)
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.answer_stream import pieces
-from agentserve.engine.serving import (SSE, EngineClient, Generation, collect, json_response,
-                                       release_unread_pins)
+from agentserve.engine.serving import (EngineClient, Generation, collect, json_response,
+                                       release_unread_pins, stream_named)
 from agentserve.engine.serving_chat import chat_messages, start_chat
 from agentserve.engine.tools import parse_tool_calls
 
@@ -242,7 +242,7 @@ async def create_message(request: web.Request, engine: EngineClient, metrics: Se
     g = run.gens[0]
     head = {"id": mid, "type": "message", "role": "assistant", "model": engine.model_name}
     if req.stream:
-        return await _stream(request, head, g, run.use_tools)
+        return await stream_named(request, _events(head, g, run.use_tools), anthropic_error)
     texts, _, _ = await collect(run.gens)
     content, calls = parse_tool_calls(texts[0]) if run.use_tools else (texts[0], [])
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
@@ -253,29 +253,10 @@ async def create_message(request: web.Request, engine: EngineClient, metrics: Se
                           "stop_sequence": sequence, "usage": _usage(g)})
 
 
-async def _stream(request: web.Request, head: dict[str, Any], g: Generation,
-                  use_tools: bool) -> web.StreamResponse:
-    """Anthropic's event stream: message_start, per block start / deltas / stop,
-    message_delta (stop reason, output tokens), message_stop; an error after the first
-    byte is an ``error`` event."""
-    sse = SSE(request)
-    try:
-        async with contextlib.aclosing(_events(head, g, use_tools)) as events:
-            async for name, data in events:
-                await sse.send(data, event=name)
-    except APIError as e:
-        if sse.resp is None:
-            raise
-        await sse.send(anthropic_error(e), event="error")
-    except ConnectionResetError:  # the client left; closing the events aborted the request
-        return sse.resp or web.StreamResponse()
-    assert sse.resp is not None
-    await sse.resp.write_eof()
-    return sse.resp
-
-
 async def _events(head: dict[str, Any], g: Generation, use_tools: bool
                   ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Anthropic's event stream: message_start, per block start / deltas / stop,
+    message_delta (stop reason, output tokens), message_stop."""
     index, kind = -1, None  # the open block: its index and type (None: none open)
     called = False
 

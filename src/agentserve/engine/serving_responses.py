@@ -40,8 +40,8 @@ from agentserve.engine.protocol import (APIError, ChatRequest, FunctionCall, Fun
                                         JsonSchemaFormat, Message, MessageToolCall, NamedFunction,
                                         NamedToolChoice, ResponseFormat, Tool, decode)
 from agentserve.engine.request_id import request_ids
-from agentserve.engine.serving import (SSE, EngineClient, Generation, collect, json_response,
-                                       release_unread_pins)
+from agentserve.engine.serving import (EngineClient, Generation, collect, json_response,
+                                       release_unread_pins, stream_named)
 from agentserve.engine.serving_chat import start_chat
 from agentserve.engine.tools import parse_tool_calls
 
@@ -75,12 +75,10 @@ class ToolChoiceFunction(Struct, kw_only=True, omit_defaults=True):
     name: str | None = None
 
 
-class TextFormat(Struct, kw_only=True, omit_defaults=True):
+class TextFormat(JsonSchemaFormat, kw_only=True, omit_defaults=True):
+    """``text.format``: chat's json_schema fields, flattened beside the type."""
+
     type: str
-    name: str | None = None
-    schema: Any = None
-    description: str | None = None
-    strict: bool | None = None
 
 
 class TextConfig(Struct, kw_only=True, omit_defaults=True):
@@ -242,7 +240,10 @@ async def create_response(request: web.Request, engine: EngineClient, metrics: S
     env = _envelope(rid.replace("resp-", "resp_", 1), req, engine.model_name, time.time())
     g = run.gens[0]
     if req.stream:
-        return await _stream(request, env, g, run.use_tools)
+        seq = [0]
+        return await stream_named(request, _numbered(_events(env, g, run.use_tools), seq),
+                                  lambda e: {"type": "error", "code": str(e.status), "param": e.param,
+                                             "message": e.message, "sequence_number": seq[0]})
     texts, _, _ = await collect(run.gens)
     content, calls = parse_tool_calls(texts[0]) if run.use_tools else (texts[0], [])
     status = "incomplete" if g.finish_reason == "length" else "completed"
@@ -252,31 +253,22 @@ async def create_response(request: web.Request, engine: EngineClient, metrics: S
     return json_response(_finished(env, g, output))
 
 
-async def _stream(request: web.Request, env: dict[str, Any], g: Generation,
-                  use_tools: bool) -> web.StreamResponse:
-    """Responses' event stream (``event:`` names, a ``sequence_number`` on each); an error
-    after the first byte is an ``error`` event."""
-    sse = SSE(request)
-    seq = 0
-    try:
-        async with contextlib.aclosing(_events(env, g, use_tools)) as events:
+def _numbered(events: AsyncIterator[dict[str, Any]], seq: list[int]
+              ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Name each event by its type and number it (``sequence_number``; ``seq[0]`` is the
+    next number, for an error event)."""
+    async def gen() -> AsyncIterator[tuple[str, dict[str, Any]]]:
+        async with contextlib.aclosing(events):
             async for data in events:
-                await sse.send({**data, "sequence_number": seq}, event=data["type"])
-                seq += 1
-    except APIError as e:
-        if sse.resp is None:
-            raise
-        await sse.send({"type": "error", "code": str(e.status), "message": e.message,
-                        "param": e.param, "sequence_number": seq}, event="error")
-    except ConnectionResetError:  # the client left; closing the events aborted the request
-        return sse.resp or web.StreamResponse()
-    assert sse.resp is not None
-    await sse.resp.write_eof()
-    return sse.resp
+                yield data["type"], {**data, "sequence_number": seq[0]}
+                seq[0] += 1
+    return gen()
 
 
 async def _events(env: dict[str, Any], g: Generation, use_tools: bool
                   ) -> AsyncIterator[dict[str, Any]]:
+    """The Responses event stream: created, in_progress, per output item added / deltas /
+    done, then completed (or incomplete)."""
     output: list[dict[str, Any]] = []  # items done
     item: dict[str, Any] | None = None  # the open item
 
