@@ -62,6 +62,14 @@ def test_up_1p1d_pd_fallback_and_clean_stop(tmp_path: Path) -> None:
                                            "kv_transfer_params": {"do_remote_decode": True}})
         params = leg["kv_transfer_params"]
         assert params["remote_port"] and params["remote_block_ids"]
+        # Claude Code's and Codex's APIs take the P/D path too (the router renders them to
+        # see what the decode engine lacks)
+        msg = post(st["router"], {"max_tokens": 3, "temperature": 0, "messages": [
+            {"role": "user", "content": "fix the bug " * 150}]}, "/v1/messages")
+        assert msg["type"] == "message" and msg["usage"]["output_tokens"] == 3
+        out = post(st["router"], {"max_output_tokens": 3, "temperature": 0,
+                                  "input": "run the tests " * 150}, "/v1/responses")
+        assert out["object"] == "response" and out["usage"]["output_tokens"] == 3
         os.kill(eng["prefill"]["pid"], signal.SIGKILL)  # prefill engine dies before the pull
         time.sleep(2.5)  # the launcher has seen it die: the cluster must keep serving
         assert up.poll() is None, "launcher stopped the cluster when one prefill engine died"
@@ -70,7 +78,7 @@ def test_up_1p1d_pd_fallback_and_clean_stop(tmp_path: Path) -> None:
         again = post(st["router"], {**body, "prompt": list(range(9, 309))})  # prefill down:
         assert again["choices"][0]["finish_reason"] == "length"  # the router falls back
         router_metrics = urllib.request.urlopen(st["router"] + "/metrics").read().decode()
-        assert 'agentserve_router_pd_requests_total{path="disaggregated"} 1.0' in router_metrics
+        assert 'agentserve_router_pd_requests_total{path="disaggregated"} 3.0' in router_metrics
         assert 'agentserve_router_pd_requests_total{path="fallback"} 1.0' in router_metrics
         up.send_signal(signal.SIGTERM)  # the launcher notices the dead engine anyway
         up.wait(60)

@@ -115,6 +115,28 @@ def test_chat_with_tools_on_both_legs(pd: tuple[ServerThread, ServerThread]) -> 
     assert fn[0]["name"] == "get_weather"
 
 
+@pytest.mark.parametrize("path,body", [
+    ("/v1/messages", {"max_tokens": 6, "temperature": 0, "system": "You are terse.",
+                      "messages": [{"role": "user", "content": "fix the bug " * 40}]}),
+    ("/v1/responses", {"max_output_tokens": 6, "temperature": 0, "instructions": "Be terse.",
+                       "input": "run the tests " * 40}),
+])
+def test_agent_apis_split_into_legs(pd: tuple[ServerThread, ServerThread], path: str,
+                                    body: dict[str, Any]) -> None:
+    """Anthropic Messages and Responses requests carry kv_transfer_params like chat's: the
+    prefill leg answers with the params, the decode leg pulls the prompt and answers as
+    the aggregated engine does (greedy)."""
+    p, d = pd
+    pulls = transfer(d)["pulls"]
+    ref = post(p.url, body, path)
+    got = disagg(p, d, body, path)
+    text = (lambda r: r["content"][0]["text"]) if path == "/v1/messages" else \
+        (lambda r: r["output"][0]["content"][0]["text"])
+    assert text(got) == text(ref)
+    assert transfer(d)["pulls"] == pulls + 1 and transfer(d)["pull_failures"] == 0
+    wait_clean(p, d)
+
+
 def test_only_missing_blocks_are_pulled(pd: tuple[ServerThread, ServerThread]) -> None:
     p, d = pd
     rng = random.Random(11)

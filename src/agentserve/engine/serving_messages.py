@@ -38,7 +38,7 @@ from agentserve.engine.protocol import (APIError, ChatRequest, FunctionCall, Fun
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.answer_stream import pieces
 from agentserve.engine.serving import (EngineClient, Generation, collect, json_response,
-                                       release_unread_pins, stream_named)
+                                       release_unread_pins, stream_named, with_transfer)
 from agentserve.engine.serving_chat import chat_messages, start_chat
 from agentserve.engine.tools import parse_tool_calls
 
@@ -91,6 +91,7 @@ class MessagesRequest(Struct, kw_only=True, omit_defaults=True):
     top_k: int | None = None
     stop_sequences: list[str] | None = None
     metadata: Metadata | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a P/D leg (the router's), as chat's
 
 
 class CountTokensRequest(Struct, kw_only=True, omit_defaults=True):
@@ -190,7 +191,7 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
         messages=_messages(req), tools=_tools(req.tools), tool_choice=tool_choice,
         parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        stop=req.stop_sequences, stream=req.stream,
+        stop=req.stop_sequences, stream=req.stream, kv_transfer_params=req.kv_transfer_params,
         user=req.metadata.user_id if req.metadata is not None else None)
 
 
@@ -249,8 +250,8 @@ async def create_message(request: web.Request, engine: EngineClient, metrics: Se
     blocks += [_tool_block(c.id, c.name, c.arguments) for c in calls]
     reason, sequence = _stop(g, bool(calls))
     release_unread_pins(request, engine, run.gens)
-    return json_response({**head, "content": blocks, "stop_reason": reason,
-                          "stop_sequence": sequence, "usage": _usage(g)})
+    return json_response(with_transfer({**head, "content": blocks, "stop_reason": reason,
+                                        "stop_sequence": sequence, "usage": _usage(g)}, run.gens))
 
 
 async def _events(head: dict[str, Any], g: Generation, use_tools: bool

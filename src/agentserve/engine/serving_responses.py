@@ -41,7 +41,7 @@ from agentserve.engine.protocol import (APIError, ChatRequest, FunctionCall, Fun
                                         NamedToolChoice, ResponseFormat, Tool, decode)
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.serving import (EngineClient, Generation, collect, json_response,
-                                       release_unread_pins, stream_named)
+                                       release_unread_pins, stream_named, with_transfer)
 from agentserve.engine.serving_chat import start_chat
 from agentserve.engine.tools import parse_tool_calls
 
@@ -101,6 +101,7 @@ class ResponsesRequest(Struct, kw_only=True, omit_defaults=True):
     previous_response_id: str | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a P/D leg (the router's), as chat's
 
 
 def _text(content: str | list[Part] | None, where: str) -> str:
@@ -186,7 +187,8 @@ def to_chat(req: ResponsesRequest) -> ChatRequest:
         messages=_messages(req), tools=_tools(req.tools), tool_choice=choice,
         parallel_tool_calls=req.parallel_tool_calls, max_tokens=req.max_output_tokens,
         temperature=req.temperature, top_p=req.top_p, stream=req.stream,
-        response_format=_format(req.text), user=req.prompt_cache_key or req.user)
+        response_format=_format(req.text), user=req.prompt_cache_key or req.user,
+        kv_transfer_params=req.kv_transfer_params)
 
 
 def _id(prefix: str) -> str:
@@ -250,7 +252,7 @@ async def create_response(request: web.Request, engine: EngineClient, metrics: S
     output = [_message_item(_id("msg"), content, status)] if content else []
     output += [_call_item(_id("fc"), c.id, c.name, c.arguments, status) for c in calls]
     release_unread_pins(request, engine, run.gens)
-    return json_response(_finished(env, g, output))
+    return json_response(with_transfer(_finished(env, g, output), run.gens))
 
 
 def _numbered(events: AsyncIterator[dict[str, Any]], seq: list[int]

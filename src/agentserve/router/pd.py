@@ -7,8 +7,10 @@ Per request, when the fleet has prefill endpoints:
 2. disaggregate only when the decode endpoint lacks at least ``pd_threshold`` prompt
    tokens (a mostly cached turn is cheaper to finish where its KV already is);
 3. pick a prefill endpoint (roles prefill/both; prefix- and queue-aware scorers);
-4. prefill leg: the same body with ``max_tokens=1``, ``stream=false`` and
-   ``kv_transfer_params={"do_remote_decode": true, ...}``;
+4. prefill leg: the same body with ``max_tokens=1`` (``max_output_tokens`` on
+   /v1/responses), ``stream=false`` and ``kv_transfer_params={"do_remote_decode": true,
+   ...}``, to the same path (chat, completions, Responses or Anthropic Messages: the
+   engines carry the params on each);
 5. decode leg: the original body plus the ``kv_transfer_params`` the prefill returned,
    streamed back through the normal proxy.
 
@@ -38,6 +40,7 @@ from agentserve.router.core import Decision, NoEndpoint, RouteInput, Router
 from agentserve.router.proxy import Upstream, forward, forward_headers
 
 RELEASE_PATH = "/v1/kv_transfer/release"  # agentserve engines; vLLM's pins expire instead
+MAX_FIELD = {"/v1/responses": "max_output_tokens"}  # a path's output limit, where not max_tokens
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
@@ -93,12 +96,9 @@ class PDOrchestrator:
             req = msgspec.json.decode(body)
             # n > 1 is not split: a P/D leg is one sample (the engines refuse n > 1 with
             # kv_transfer_params), and the decode engine computes the prompt once for all n;
-            # nor is a request scoring its prompt, which one engine computes all of, nor an
-            # Anthropic Messages or a Responses request (their bodies have no
-            # kv_transfer_params to carry a leg)
+            # nor is a request scoring its prompt, which one engine computes all of
             if (d.uncached < self.threshold or not isinstance(req, dict)
-                    or req.get("kv_transfer_params") or route.samples > 1 or _scores_prompt(req)
-                    or request.path.startswith(("/v1/messages", "/v1/responses"))):
+                    or req.get("kv_transfer_params") or route.samples > 1 or _scores_prompt(req)):
                 self.legs.labels("aggregated").inc()
                 return await self._decode_leg(request, d, body, headers)
             params, info, prefill_url = await self._prefill_leg(request, route, req)
@@ -167,7 +167,8 @@ class PDOrchestrator:
         except NoEndpoint:
             self.fallbacks.labels("no_prefill_endpoint").inc()
             return None, "fallback=no_prefill_endpoint", ""
-        leg = {**req, "max_tokens": 1, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS)}
+        leg = {**req, "stream": False, "kv_transfer_params": dict(PREFILL_PARAMS),
+               MAX_FIELD.get(request.path, "max_tokens"): 1}
         leg.pop("stream_options", None)
         leg.pop("max_completion_tokens", None)
         t0 = time.perf_counter()
