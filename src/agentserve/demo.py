@@ -6,7 +6,8 @@ each its own process, logs in a temporary folder), replays bundled agent session
 Claude Code sessions from the Weka sample, tokens scaled down so a 2-core CPU finishes
 in about a minute) through the router with `agentserve bench --mode sessions`, stops
 the cluster (no processes left), and prints the per-turn table of the first session
-(prefix cache at work), the P/D split (requests whose uncached prompt on the decode
+(prefix cache at work), a two-turn conversation in Claude Code's and Codex's APIs
+(/v1/messages, /v1/responses) with what its second turn read from the cache, the P/D split (requests whose uncached prompt on the decode
 engine reached the router's threshold were prefilled on the prefill engine and their KV
 pulled; mostly cached turns stay on the decode engine), the summary and the report path.
 """
@@ -56,6 +57,7 @@ def demo(
                           max_turns=max_turns, token_scale=token_scale, gap_cap=0.5, max_output=32,
                           out=str(out))
         stages = run_bench(cfg)
+        agents = _agent_apis(url)
         pd = _pd_summary(url, [s.url for s, _ in cluster.engines if s.role in ("decode", "both")])
     finally:
         cluster.stop()
@@ -71,10 +73,50 @@ def demo(
         # cached on the decode engine, so a turn's first prefill shows up as cached too.
         console.print("(cached tokens include KV pulled from the prefill engine, as vLLM reports "
                       "them; captured reuse can therefore exceed 100%)")
-    if s["requests_failed"]:  # a demo that lost requests failed, whatever else it shows
-        console.print(f"[bold red]{s['requests_failed']} requests failed[/]: see the errors in "
-                      f"{out / 'requests.jsonl'} and the engine logs in {run_dir}")
+    console.print(agents)
+    if s["requests_failed"] or agents.startswith("agent APIs failed"):
+        # a demo that lost requests failed, whatever else it shows
+        console.print(f"[bold red]requests failed[/] ({s['requests_failed']} of the replay): see "
+                      f"the errors in {out / 'requests.jsonl'} and the engine logs in {run_dir}")
         raise typer.Exit(1)
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.loads(r.read())
+
+
+def _agent_apis(router: str) -> str:
+    """Two turns of a conversation in Claude Code's API (/v1/messages) and in Codex's
+    (/v1/responses) through the router: one line saying what the second turn read from
+    the prefix cache."""
+    system = "You are a coding agent in a large repository. " * 30
+    try:
+        msgs: list[dict] = []
+        reads = []
+        for turn in range(2):
+            msgs.append({"role": "user", "content": f"turn {turn}: fix the failing test"})
+            m = _post(router + "/v1/messages", {
+                "max_tokens": 8, "system": system, "messages": msgs, "temperature": 0,
+                "metadata": {"user_id": "demo_session_claude"}})
+            msgs.append({"role": "assistant", "content": m["content"]})
+            u = m["usage"]
+        reads.append(f"Claude Code's /v1/messages: turn 2 read {u['cache_read_input_tokens']} of "
+                     f"{u['input_tokens'] + u['cache_read_input_tokens']} prompt tokens from cache")
+        items: list[dict] = []
+        for turn in range(2):
+            items.append({"role": "user", "content": f"turn {turn}: run the tests"})
+            r = _post(router + "/v1/responses", {
+                "max_output_tokens": 8, "instructions": system, "input": items, "temperature": 0,
+                "prompt_cache_key": "demo_session_codex"})
+            items += r["output"]
+            u = r["usage"]
+        reads.append(f"Codex's /v1/responses: {u['input_tokens_details']['cached_tokens']} of "
+                     f"{u['input_tokens']}")
+    except (OSError, KeyError, ValueError) as e:
+        return f"agent APIs failed: {e!r}"
+    return "agent APIs through the router: " + "; ".join(reads)
 
 
 def _metric(text: str, name: str, label: str = "") -> float:
