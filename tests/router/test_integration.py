@@ -175,6 +175,16 @@ def test_agent_api_sessions_through_the_router(tmp_path: Path):
                              r.usage.input_tokens_details.cached_tokens))
                 conv += [o.model_dump(exclude_none=True) for o in r.output]
                 time.sleep(0.3)
+        # streamed through the router: each API's stream arrives whole, nothing appended
+        with client.messages.stream(model=name, max_tokens=4, messages=msgs[:1],
+                                    extra_body={"temperature": 0}) as stream:
+            kinds = [ev.type for ev in stream]
+            assert stream.get_final_message().usage.output_tokens == 4
+        assert kinds[-1] == "message_stop" and "error" not in kinds
+        events = list(oai.responses.create(model=name, input="run the tests", stream=True,
+                                           max_output_tokens=4, temperature=0))
+        assert events[-1].type == "response.incomplete"
+        assert [e.type for e in events].count("error") == 0
         bad = {"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "image"}]}]}
         with pytest.raises(anthropic.BadRequestError) as err:  # the router's own 400
             client.messages.create(**bad, model=name)

@@ -1,19 +1,22 @@
 """Forward one request to one endpoint and pass the answer through, chunk by chunk.
 
 The body is forwarded byte for byte (never re-encoded). A streamed answer is written to
-the client as each upstream chunk arrives; the last few KB are kept to read the final
-`usage` chunk. `Upstream` errors raised *before the first byte* let the gateway retry
-on another endpoint; after the first byte the stream is the client's, and a stream the
-upstream ends without `data: [DONE]` (engine died, connection broke) gets an OpenAI error
-event and `[DONE]`, as vLLM's server does for its own errors, so that clients raise rather
-than take a truncated answer for a whole one. A client disconnect cancels the handler,
-which closes the upstream connection, which makes the engine abort the request.
+the client as each upstream chunk arrives; the first and last few KB are kept to read the
+prompt's cached tokens. `Upstream` errors raised *before the first byte* let the gateway
+retry on another endpoint; after the first byte the stream is the client's, and a stream
+the upstream ends before its end (OpenAI's `data: [DONE]`, Anthropic's `message_stop`, the
+Responses API's `response.completed`; the engine died, the connection broke) gets an error
+event in that API's shape (OpenAI's error object and `[DONE]`, as vLLM's server does for
+its own errors), so that clients raise rather than take a truncated answer for a whole
+one. A client disconnect cancels the handler, which closes the upstream connection, which
+makes the engine abort the request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -68,24 +71,80 @@ def forward_headers(request: web.Request) -> dict[str, str]:
 
 
 def cached_tokens_of(usage: Any) -> int | None:
-    """usage.prompt_tokens_details.cached_tokens, if present."""
+    """The prompt's cached tokens in a usage object: OpenAI's
+    ``prompt_tokens_details.cached_tokens``, the Responses API's
+    ``input_tokens_details.cached_tokens`` or Anthropic's ``cache_read_input_tokens``."""
     if not isinstance(usage, dict):
         return None
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
-        return details["cached_tokens"]
+    for key in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(key)
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            return details["cached_tokens"]
+    read = usage.get("cache_read_input_tokens")
+    return read if isinstance(read, int) else None
+
+
+def _usage_in(event: Any) -> Any:
+    """The usage object of a streamed event: at its top (OpenAI), in its ``response``
+    (Responses) or its ``message`` (Anthropic's message_start)."""
+    if not isinstance(event, dict):
+        return None
+    for holder in (event, event.get("response"), event.get("message")):
+        if isinstance(holder, dict) and isinstance(holder.get("usage"), dict):
+            return holder["usage"]
     return None
 
 
-def usage_from_sse(tail: bytes) -> int | None:
-    """Cached tokens from the last SSE `data:` line that carries usage."""
-    for line in reversed(tail.split(b"\n")):
-        if b'"usage"' in line and line.startswith(b"data:"):
+_CACHED = re.compile(rb'"(?:cached_tokens|cache_read_input_tokens)":(\d+)')
+
+
+def usage_from_sse(tail: bytes, head: bytes = b"") -> int | None:
+    """Cached tokens from the last SSE ``data:`` line that reports them (the final usage
+    chunk, response.completed), else from the first (Anthropic's message_start). A line
+    cut by the kept window is read by pattern."""
+    for lines in (reversed(tail.split(b"\n")), head.split(b"\n")):
+        for line in lines:
+            if not line.startswith(b"data:") or b'"usage"' not in line:
+                continue
             try:
-                return cached_tokens_of(msgspec.json.decode(line[5:].strip()).get("usage"))
-            except (msgspec.DecodeError, AttributeError):
-                return None
+                got = cached_tokens_of(_usage_in(msgspec.json.decode(line[5:].strip())))
+            except msgspec.DecodeError:
+                m = _CACHED.findall(line)
+                got = int(m[-1]) if m else None
+            if got is not None:
+                return got
     return None
+
+
+class Dialect:
+    """How a streaming API ends its stream, and an error event in its shape."""
+
+    def __init__(self, path: str) -> None:
+        self.kind = ("anthropic" if path.startswith("/v1/messages")
+                     else "responses" if path.startswith("/v1/responses") else "openai")
+
+    def complete(self, tail: bytes) -> bool:
+        """The stream reached its end (an error event the engine sent counts)."""
+        end = tail.rstrip()
+        if self.kind == "openai":
+            return end.endswith(b"data: [DONE]")
+        last = end.rsplit(b"\n\n", 1)[-1]
+        names = ((b"message_stop", b"error") if self.kind == "anthropic" else
+                 (b"response.completed", b"response.incomplete", b"response.failed", b"error"))
+        return any(last.startswith(b"event: " + n + b"\n") for n in names)
+
+    def error(self, tail: bytes, message: str) -> bytes:
+        """An error event that ends the stream, starting on an event boundary."""
+        sep = b"" if not tail or tail.endswith(b"\n\n") else b"\n\n"  # close a cut-off event
+        if self.kind == "anthropic":
+            body = {"type": "error", "error": {"type": "api_error", "message": message}}
+            return sep + b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
+        if self.kind == "responses":
+            seqs = re.findall(rb'"sequence_number":(\d+)', tail)
+            body = {"type": "error", "code": "upstream_error", "message": message, "param": None,
+                    "sequence_number": int(seqs[-1]) + 1 if seqs else 0}
+            return sep + b"event: error\ndata: " + msgspec.json.encode(body) + b"\n\n"
+        return stream_error(tail, message)
 
 
 async def forward(request: web.Request, session: aiohttp.ClientSession, url: str,
@@ -146,25 +205,28 @@ async def _stream(request: web.Request, resp: aiohttp.ClientResponse,
         "Content-Type": resp.headers.get("Content-Type", "text/event-stream"),
         "Cache-Control": "no-cache", **extra_headers})
     await out.prepare(request)
-    tail = first[-_TAIL:]
-    broke = "the stream ended without [DONE]"
+    head, tail = first[:_TAIL], first[-_TAIL:]
+    dialect = Dialect(request.path)
+    broke = "the stream ended before its end event"
     try:
         if first:
             await out.write(first)
         async for chunk in it:
             await out.write(chunk)
             tail = (tail + chunk)[-_TAIL:]
+            if len(head) < _TAIL:
+                head = (head + chunk)[:_TAIL]
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         broke = f"{type(e).__name__}: {e}"
     except (ConnectionResetError, RuntimeError):
         resp.close()  # the client went away: drop the upstream connection (engine aborts)
         raise
-    if not tail.rstrip().endswith(b"data: [DONE]"):
+    if not dialect.complete(tail):
         logger.warning("upstream %s broke mid-stream (%s)", resp.url, broke)
-        await out.write(stream_error(tail, f"the engine's stream broke mid-answer ({broke}); "
-                                     "the output above is incomplete"))
+        await out.write(dialect.error(tail, f"the engine's stream broke mid-answer ({broke}); "
+                                      "the output above is incomplete"))
     await out.write_eof()
-    return out, usage_from_sse(tail)
+    return out, usage_from_sse(tail, head)
 
 
 def stream_error(tail: bytes, message: str) -> bytes:
