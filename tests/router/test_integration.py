@@ -175,6 +175,26 @@ def test_agent_api_sessions_through_the_router(tmp_path: Path):
                              r.usage.input_tokens_details.cached_tokens))
                 conv += [o.model_dump(exclude_none=True) for o in r.output]
                 time.sleep(0.3)
+        # a tool-using Claude Code session: tool_use and tool_result blocks in every turn
+        weather = {"name": "get_weather", "input_schema": {
+            "type": "object", "additionalProperties": False, "required": ["city"],
+            "properties": {"city": {"type": "string", "maxLength": 8}}}}
+        msgs = [{"role": "user", "content": "check the weather " * 30}]
+        for turn in range(3):
+            raw = client.messages.with_raw_response.create(
+                model=name, max_tokens=60, messages=msgs, tools=[weather],
+                tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                metadata={"user_id": "user_x_session_5"}, extra_body={"seed": turn})
+            m = raw.parse()
+            rows.append((5, turn, raw.headers["x-agentserve-endpoint"],
+                         int(raw.headers["x-agentserve-predicted-cached"]),
+                         m.usage.cache_read_input_tokens))
+            [use] = [b for b in m.content if b.type == "tool_use"]
+            msgs += [{"role": "assistant", "content": m.content},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id,
+                                                   "content": f"sunny {turn}"},
+                                                  {"type": "text", "text": "and now?"}]}]
+            time.sleep(0.3)
         # streamed through the router: each API's stream arrives whole, nothing appended
         with client.messages.stream(model=name, max_tokens=4, messages=msgs[:1],
                                     extra_body={"temperature": 0}) as stream:
@@ -189,7 +209,7 @@ def test_agent_api_sessions_through_the_router(tmp_path: Path):
         with pytest.raises(anthropic.BadRequestError) as err:  # the router's own 400
             client.messages.create(**bad, model=name)
         assert err.value.body["type"] == "error" and "image" in err.value.body["error"]["message"]
-    for s in range(5):
+    for s in range(6):
         eps = {ep for ss, _, ep, _, _ in rows if ss == s}
         assert len(eps) == 1, rows
     assert all(pred == cached for _, _, _, pred, cached in rows), rows
