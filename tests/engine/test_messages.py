@@ -142,3 +142,20 @@ def test_api_key_by_x_api_key_header(served: ServerThread) -> None:
     with pytest.raises(anthropic.AuthenticationError):
         bad.messages.create(model=_model(served), max_tokens=2,
                             messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_final_assistant_message_is_a_prefill(client: anthropic.Anthropic,
+                                                served: ServerThread) -> None:
+    """As Anthropic's API: the answer continues the final assistant message's text (the
+    chat path's continue_final_message) and holds only the continuation."""
+    msgs = [{"role": "user", "content": "name a colour"},
+            {"role": "assistant", "content": "The colour is"}]
+    r = client.messages.create(model=_model(served), max_tokens=5, messages=msgs,
+                               extra_body={"temperature": 0})
+    chat = openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0)
+    ref = chat.chat.completions.create(model=_model(served), messages=msgs, max_tokens=5,
+                                       temperature=0, extra_body={
+                                           "continue_final_message": True,
+                                           "add_generation_prompt": False})
+    assert r.content[0].text == ref.choices[0].message.content
+    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == ref.usage.prompt_tokens

@@ -539,3 +539,29 @@ def test_return_token_ids(client: openai.OpenAI, served: ServerThread) -> None:
     assert stream[0].model_extra["prompt_token_ids"] == r.model_extra["prompt_token_ids"]
     assert all("prompt_token_ids" not in ch.model_extra for ch in stream[1:])
     assert [t for ch in stream if ch.choices for t in ch.choices[0].model_extra["token_ids"]] == out
+
+
+def test_continue_final_message(client: openai.OpenAI, served: ServerThread) -> None:
+    """continue_final_message (vLLM's): the prompt ends with the final message's text (no
+    end of turn, no new generation prompt), so the answer continues it: the same prompt
+    ids /tokenize gives, the same greedy answer as a completion of those ids. Both flags
+    at once, or an empty final message, are 400s."""
+    model = served.engine.model_name
+    msgs = [{"role": "user", "content": "name a colour"},
+            {"role": "assistant", "content": "The colour is"}]
+    status, t = post(served, "/tokenize", {"messages": msgs, "continue_final_message": True})
+    assert status == 200
+    assert served.engine.tokenizer.decode(t["tokens"]).endswith("The colour is")
+    r = client.chat.completions.create(model=model, messages=msgs, max_tokens=5, temperature=0,
+                                       extra_body={"continue_final_message": True,
+                                                   "add_generation_prompt": False})
+    assert r.usage.prompt_tokens == t["count"]
+    ref = client.completions.create(model=model, prompt=t["tokens"], max_tokens=5, temperature=0)
+    assert r.choices[0].message.content == ref.choices[0].text
+    for extra, needle in (({"continue_final_message": True}, "cannot both be true"),
+                          ({"continue_final_message": True, "add_generation_prompt": False,
+                            "messages": [{"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": ""}]}, "empty")):
+        status, err = post(served, "/v1/chat/completions",
+                           {"messages": msgs, "max_tokens": 2, **extra})
+        assert status == 400 and needle in err["error"]["message"], err

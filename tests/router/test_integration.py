@@ -195,6 +195,17 @@ def test_agent_api_sessions_through_the_router(tmp_path: Path):
                                                    "content": f"sunny {turn}"},
                                                   {"type": "text", "text": "and now?"}]}]
             time.sleep(0.3)
+        # a prefill (a final assistant message: rendered and cut as the engine does)
+        prefilled = [{"role": "user", "content": "name a colour " * 40},
+                     {"role": "assistant", "content": "The colour is"}]
+        for turn in range(2):
+            raw = client.messages.with_raw_response.create(
+                model=name, max_tokens=3, messages=prefilled, extra_body={"temperature": 0},
+                metadata={"user_id": "user_x_session_6"})
+            rows.append((6, turn, raw.headers["x-agentserve-endpoint"],
+                         int(raw.headers["x-agentserve-predicted-cached"]),
+                         raw.parse().usage.cache_read_input_tokens))
+            time.sleep(0.3)
         # streamed through the router: each API's stream arrives whole, nothing appended
         with client.messages.stream(model=name, max_tokens=4, messages=msgs[:1],
                                     extra_body={"temperature": 0}) as stream:
@@ -209,7 +220,7 @@ def test_agent_api_sessions_through_the_router(tmp_path: Path):
         with pytest.raises(anthropic.BadRequestError) as err:  # the router's own 400
             client.messages.create(**bad, model=name)
         assert err.value.body["type"] == "error" and "image" in err.value.body["error"]["message"]
-    for s in range(6):
+    for s in range(7):
         eps = {ep for ss, _, ep, _, _ in rows if ss == s}
         assert len(eps) == 1, rows
     assert all(pred == cached for _, _, _, pred, cached in rows), rows

@@ -158,6 +158,10 @@ class ChatRequest(_Sampling, kw_only=True, omit_defaults=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     echo: bool = False  # vLLM: echo the last message (not implemented: refused when true)
+    # vLLM: end the prompt with the assistant's generation prompt (default), or continue the
+    # final message (its text is the answer's beginning: a "prefill"), not both
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 # Samples per prompt (parallel sampling): each is its own engine request, and the prompt is
@@ -319,6 +323,9 @@ def check_chat(req: ChatRequest) -> None:
         raise APIError(400, "echo is not supported for chat completions; send echo=false",
                        "echo")
     check_prompt_scoring(req, req.prompt_logprobs)
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be "
+                       "true (as vLLM): send add_generation_prompt=false", "continue_final_message")
     if not req.messages:
         raise APIError(400, "messages must not be empty", "messages")
     for i, m in enumerate(req.messages):

@@ -30,7 +30,7 @@ from agentserve.engine.serving import (EngineClient, Generation, client_alive, c
                                        resolve_max_tokens, response_format_grammar,
                                        sampling_params, session_of, stream_sse, sum_usage,
                                        usage_mode, with_transfer)
-from agentserve.engine.tokenizer import Tokenizer
+from agentserve.engine.tokenizer import Tokenizer, continue_final
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
 
@@ -115,8 +115,12 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
     tok = engine.tokenizer
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = [msgspec.to_builtins(t) for t in req.tools or []] if use_tools else None
+    msgs = chat_messages(req.messages)
     try:
-        prompt = tok.apply_chat_template(chat_messages(req.messages), tools=tools)
+        prompt = tok.apply_chat_template(msgs, tools=tools,
+                                         add_generation_prompt=req.add_generation_prompt)
+        if req.continue_final_message:
+            prompt = continue_final(prompt, msgs[-1]["content"] or "")
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
     ids = tok.encode(prompt)

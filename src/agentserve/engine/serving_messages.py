@@ -12,6 +12,8 @@ the answer's shape differs. The mapping, as vLLM's:
 - ``tools`` (``input_schema``) -> functions; ``tool_choice`` auto / any / tool / none ->
   auto / required / named / none; ``stop_sequences`` -> stop strings; ``metadata.user_id``
   -> the session (routing and the CPU tier's session policy see Claude Code's sessions).
+- A final assistant message is a prefill: the answer continues its text (and holds only
+  the continuation), as Anthropic's API does (chat's ``continue_final_message``).
 - The answer: a text block, then one ``tool_use`` block per call; ``stop_reason``
   ``tool_use`` / ``max_tokens`` / ``stop_sequence`` / ``end_turn``; usage as Anthropic
   counts it: ``input_tokens`` excludes ``cache_read_input_tokens`` (the prefix cache's hit).
@@ -187,7 +189,9 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
                            f"{choice.type!r}", "tool_choice")
     if req.max_tokens < 1:
         raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
-    return ChatRequest(
+    # a final assistant message is the answer's beginning (Anthropic's prefill)
+    prefill = bool(req.messages) and req.messages[-1].role == "assistant"
+    return ChatRequest(add_generation_prompt=not prefill, continue_final_message=prefill,
         messages=_messages(req), tools=_tools(req.tools), tool_choice=tool_choice,
         parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,

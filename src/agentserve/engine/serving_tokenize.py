@@ -15,6 +15,7 @@ from msgspec import Struct
 from agentserve.engine.protocol import (APIError, Message, Tool, check_prompt_ids, decode)
 from agentserve.engine.serving import EngineClient
 from agentserve.engine.serving_chat import chat_messages
+from agentserve.engine.tokenizer import continue_final
 
 
 class TokenizeRequest(Struct, kw_only=True, omit_defaults=True):
@@ -28,6 +29,7 @@ class TokenizeRequest(Struct, kw_only=True, omit_defaults=True):
     # writes its own BOS), as vLLM
     add_special_tokens: bool | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
 
@@ -47,9 +49,12 @@ def tokenize(engine: EngineClient, body: bytes) -> dict[str, Any]:
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
         tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
+        msgs = chat_messages(req.messages)
         try:
-            text = tok.apply_chat_template(chat_messages(req.messages), tools=tools,
-                                           add_generation_prompt=req.add_generation_prompt)
+            text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=(
+                req.add_generation_prompt and not req.continue_final_message))
+            if req.continue_final_message:
+                text = continue_final(text, msgs[-1]["content"] or "")
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
         ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))

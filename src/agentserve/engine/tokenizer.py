@@ -174,6 +174,19 @@ class Tokenizer:
             raise ValueError(f"chat template error: {e}") from e
 
 
+def continue_final(prompt: str, final: str) -> str:
+    """``prompt`` (a conversation rendered without a generation prompt) cut right after the
+    final message's text, so the model continues that message (vLLM's and HF's
+    ``continue_final_message``: an assistant message as a prefix of the answer).
+
+    Raises ValueError when the text is empty or the template did not render it verbatim."""
+    i = prompt.rfind(final) if final else -1
+    if i < 0:
+        raise ValueError("continue_final_message: the final message's text is empty or not "
+                         "in the rendered prompt")
+    return prompt[:i + len(final)]
+
+
 class IncrementalDetokenizer:
     """Token ids in, text deltas out; stops at (and hides) the first stop string."""
 

@@ -91,15 +91,39 @@ def _chat_input(req: dict[str, Any], tok: IncrementalTokenizer | None) -> RouteI
     tools = req.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise BadRequest("tools must be a list")
+    agp = _flag(req, "add_generation_prompt", True)
+    if _flag(req, "continue_final_message", False):
+        return _continued_input(messages, tools, agp, tok)
     if tok is None:
         return RouteInput([])
     try:
-        t = tok.chat(messages, tools=tools,
-                     add_generation_prompt=_flag(req, "add_generation_prompt", True))
+        t = tok.chat(messages, tools=tools, add_generation_prompt=agp)
     except ValueError as e:  # template rejected the conversation
         raise BadRequest(str(e)) from e
     except Exception as e:  # a template may raise anything on odd input
         raise BadRequest(f"chat template failed on these messages: {e}") from e
+    return RouteInput(t.ids, tokenized=t)
+
+
+def _continued_input(messages: list[Any], tools: Any, agp: bool,
+                     tok: IncrementalTokenizer | None) -> RouteInput:
+    """A chat continuing its final message (vLLM's continue_final_message): rendered and
+    cut as the engine does (`tokenizer.continue_final`), tokenized as text."""
+    from agentserve.engine.tokenizer import continue_final
+
+    if agp:
+        raise BadRequest("continue_final_message and add_generation_prompt cannot both be true")
+    if tok is None:
+        return RouteInput([])
+    final = messages[-1].get("content")
+    if isinstance(final, list):  # text parts, joined as the engine joins them
+        final = "\n".join(p.get("text") or "" for p in final if isinstance(p, dict))
+    try:
+        text = tok.tok.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
+        text = continue_final(text, final if isinstance(final, str) else "")
+    except Exception as e:  # a template may raise anything on odd input
+        raise BadRequest(f"chat template failed on these messages: {e}") from e
+    t = tok.text(text, add_special_tokens=False)
     return RouteInput(t.ids, tokenized=t)
 
 
@@ -123,7 +147,9 @@ def _converted_input(path: str, body: bytes, headers: Any,
         raise BadRequest(e.message) from None
     use_tools = bool(chat.tools) and chat.tool_choice != "none"
     route = _chat_input({"messages": chat_messages(chat.messages),
-                         "tools": msgspec.to_builtins(chat.tools) if use_tools else None}, tok)
+                         "tools": msgspec.to_builtins(chat.tools) if use_tools else None,
+                         "add_generation_prompt": chat.add_generation_prompt,
+                         "continue_final_message": chat.continue_final_message}, tok)
     route.model, route.max_tokens = req.model, chat.max_tokens or 256
     route.session = headers.get("x-session-id") or chat.user
     return route
