@@ -95,6 +95,7 @@ _PLAUSIBLE = {
     "stream_options": st.fixed_dictionaries({}, optional={
         "include_usage": st.booleans(), "continuous_usage_stats": st.booleans()}),
     "return_token_ids": st.booleans(), "add_special_tokens": st.booleans(),
+    "add_generation_prompt": st.booleans(), "continue_final_message": st.booleans(),
     "tools": st.sampled_from([[_TOOL], [], [_ATOOL]]),
     "tool_choice": st.sampled_from(["auto", "none", "required", {"type": "any"},
                                     {"type": "tool", "name": "f"}, {"type": "function",
