@@ -159,3 +159,24 @@ def test_a_final_assistant_message_is_a_prefill(client: anthropic.Anthropic,
                                            "add_generation_prompt": False})
     assert r.content[0].text == ref.choices[0].message.content
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == ref.usage.prompt_tokens
+
+
+def test_model_aliases_answer_a_harness_model_name() -> None:
+    """--served-model-name repeated: every name is served (an agent harness sends its own
+    model names, e.g. Claude Code's), /v1/models lists them, the first is reported."""
+    from tests.conftest import TEST_DEVICE
+
+    server = ServerThread(served_model_name=["tiny", "claude-sonnet-4-5"], kv_cache_tokens=4096,
+                          device=TEST_DEVICE).start()
+    try:
+        c = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        r = c.messages.create(model="claude-sonnet-4-5", max_tokens=2,
+                              messages=[{"role": "user", "content": "hi"}])
+        assert r.model == "tiny"
+        oai = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        assert [m.id for m in oai.models.list().data] == ["tiny", "claude-sonnet-4-5"]
+        with pytest.raises(anthropic.NotFoundError, match="`tiny`, `claude-sonnet-4-5`"):
+            c.messages.create(model="claude-opus-9", max_tokens=2,
+                              messages=[{"role": "user", "content": "hi"}])
+    finally:
+        server.close()

@@ -41,7 +41,7 @@ class EngineConfigError(ValueError):
 @dataclass(slots=True)
 class EngineArgs:
     model: str | None = None  # HF-format folder; None = the built-in tiny checkpoint
-    served_model_name: str | None = None
+    served_model_name: str | list[str] | None = None  # a list: the first, then aliases
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
@@ -201,10 +201,12 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     tokenizer = Tokenizer.from_dir(model_dir)
     core = EngineCore(scheduler, runner, tokenizer.eos_token_ids, max_len, events, publisher,
                       check_invariants=args.check_invariants)
-    name = args.served_model_name or (model_dir.name if args.model else "agentserve-tiny")
-    log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d", name, num_blocks,
-             args.block_size, max_len)
-    engine = AsyncEngine(core, tokenizer, name, model_dir, max_len, device)
+    names = args.served_model_name or [model_dir.name if args.model else "agentserve-tiny"]
+    names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
+    log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d",
+             "/".join(names), num_blocks, args.block_size, max_len)
+    engine = AsyncEngine(core, tokenizer, names[0], model_dir, max_len, device)
+    engine.model_names = names
     engine.role = args.role
     if remote is not None:
         log.info("KV transfer (%s) on %s:%d, role %s", remote.backend.name, args.kv_transfer_host,

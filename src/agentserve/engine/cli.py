@@ -15,7 +15,10 @@ model_app = typer.Typer(help="Model checkpoints.", no_args_is_help=True)
 
 def serve(
     model: Optional[str] = typer.Option(None, help="HF-format model folder (default: built-in tiny)."),
-    served_model_name: Optional[str] = typer.Option(None, help="Model id clients use."),
+    served_model_name: Optional[list[str]] = typer.Option(
+        None, help="Model id clients use; repeat it for aliases (the first is the one "
+        "reported, all are accepted: e.g. the model names an agent harness sends), as "
+        "vLLM's list."),
     host: str = typer.Option("127.0.0.1", help="Bind address."),
     port: int = typer.Option(8000, help="Port."),
     dtype: str = typer.Option("float32", help="float32 | bfloat16."),

@@ -66,6 +66,7 @@ class AsyncEngine:
         self.core = core
         self.tokenizer = tokenizer
         self.model_name = model_name
+        self.model_names = [model_name]  # every name it answers to, the reported one first
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.block_size = core.kv.block_size

@@ -50,10 +50,10 @@ def check_model(engine: EngineClient, model: str | None) -> None:
     """Accept the served name or the model folder path; anything else is a 404."""
     if model is None:
         return
-    names = {engine.model_name, str(getattr(engine, "model_dir", engine.model_name))}
-    if model not in names:
+    served = getattr(engine, "model_names", [engine.model_name])
+    if model not in {*served, str(getattr(engine, "model_dir", engine.model_name))}:
         raise APIError(404, f"The model `{model}` does not exist. This server serves "
-                       f"`{engine.model_name}`.", "model", "model_not_found")
+                       f"{', '.join(f'`{n}`' for n in served)}.", "model", "model_not_found")
 
 
 class _ModelOnly(msgspec.Struct):
@@ -120,10 +120,11 @@ def _answer(answer: Callable[[EngineClient, bytes], dict[str, Any]]) -> Handler:
 
 async def models(request: web.Request) -> web.Response:
     engine = _engine(request)
-    card = {"id": engine.model_name, "object": "model", "created": request.app[CREATED],
-            "owned_by": "agentserve", "root": str(getattr(engine, "model_dir", engine.model_name)),
-            "max_model_len": engine.max_model_len, "role": getattr(engine, "role", "both")}
-    return json_response({"object": "list", "data": [card]})
+    cards = [{"id": name, "object": "model", "created": request.app[CREATED],
+              "owned_by": "agentserve", "root": str(getattr(engine, "model_dir", engine.model_name)),
+              "max_model_len": engine.max_model_len, "role": getattr(engine, "role", "both")}
+             for name in getattr(engine, "model_names", [engine.model_name])]
+    return json_response({"object": "list", "data": cards})
 
 
 async def health(request: web.Request) -> web.Response:
