@@ -452,13 +452,20 @@ def test_api_key_required(served: ServerThread) -> None:
 
 # ---- disconnect ---------------------------------------------------------------------------
 
-async def test_disconnect_aborts_and_frees_blocks(served: ServerThread) -> None:
-    body = {"prompt": "tell me a long story " * 20, "max_tokens": 600, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "tell me a long story " * 20, "max_tokens": 600}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "a long story " * 20}],
+                      "max_tokens": 600}),
+    ("/v1/responses", {"input": "a long story " * 20, "max_output_tokens": 600}),
+])
+async def test_disconnect_aborts_and_frees_blocks(served: ServerThread, path: str,
+                                                  body: dict[str, Any]) -> None:
+    """A client that drops a stream (any of the three APIs) aborts its request."""
+    body = {**body, "stream": True, "ignore_eos": True, "temperature": 0}
     headers = {"Authorization": f"Bearer {API_KEY}"}
     before = served.engine.stats().generation_tokens
     async with aiohttp.ClientSession() as session:
-        resp = await session.post(served.url + "/v1/completions", json=body, headers=headers,
+        resp = await session.post(served.url + path, json=body, headers=headers,
                                   timeout=aiohttp.ClientTimeout(total=30))
         seen = 0
         async for line in resp.content:
