@@ -7,7 +7,10 @@ Three request shapes, each a *next turn* of a session whose previous turn the ro
 - `tokens`: the same prompt already decoded to a Python list (in-process callers);
 - `chat`: a ~200K-token chat conversation (previous messages + one new user message),
   timed from the parsed messages: chat template, incremental tokenization, hashing,
-  index lookup, scoring, pick.
+  index lookup, scoring, pick;
+- `chat-json`, `messages-json`, `responses-json`: the same conversation as the HTTP body
+  of /v1/chat/completions, Anthropic's /v1/messages (Claude Code) and /v1/responses
+  (Codex), timed from the body bytes (`parse_request`: JSON, conversion, the rest as chat).
 With 8 and 100 endpoints, the default policy (precise + speculative + affinity + sticky)
 and an index holding every session's previous prompt on one endpoint.
 
@@ -22,6 +25,7 @@ import random
 import statistics
 import time
 from array import array
+from functools import partial
 from pathlib import Path
 
 from agentserve.kv.hashing import BlockHasher
@@ -112,9 +116,24 @@ def conversation(rng: random.Random, chars: int) -> list[dict]:
     return msgs
 
 
-def bench_chat(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
+API_BODIES = {  # the conversation (a system message first) as each API's body
+    "chat-json": ("/v1/chat/completions", lambda msgs, s: {
+        "model": "m", "messages": msgs, "max_tokens": 300, "stream": True, "user": s}),
+    "messages-json": ("/v1/messages", lambda msgs, s: {
+        "model": "m", "system": msgs[0]["content"], "messages": msgs[1:], "max_tokens": 300,
+        "stream": True, "metadata": {"user_id": s}}),
+    "responses-json": ("/v1/responses", lambda msgs, s: {
+        "model": "m", "instructions": msgs[0]["content"], "input": msgs[1:],
+        "max_output_tokens": 300, "stream": True, "prompt_cache_key": s}),
+}
+
+
+def bench_chat(n_eps: int, tokens: int, turns: int, sessions: int, api: str = "chat") -> dict:
+    import msgspec
+
     from agentserve.engine.tiny import default_model_dir
     from agentserve.engine.tokenizer import Tokenizer
+    from agentserve.router.requests import parse_request
     from agentserve.router.tokenize import IncrementalTokenizer
 
     r, rng = make_router(n_eps), random.Random(1)
@@ -137,9 +156,17 @@ def bench_chat(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
         s = i % sessions
         convs[s] = convs[s] + [{"role": "user", "content": " ".join(
             rng.choice(["fix", "the", "bug", "in", "foo.py", "\n"]) for _ in range(300))}]
-        c0, t0 = time.thread_time(), time.perf_counter()
-        t = tok.chat(convs[s])
-        d = r.decide(RouteInput(t.ids, session=f"s{s}", tokenized=t, max_tokens=300))
+        if api == "chat":
+            c0, t0 = time.thread_time(), time.perf_counter()
+            t = tok.chat(convs[s])
+            d = r.decide(RouteInput(t.ids, session=f"s{s}", tokenized=t, max_tokens=300))
+        else:
+            path, make = API_BODIES[api]
+            body = msgspec.json.encode(make(convs[s], f"s{s}"))  # the client's work: not timed
+            c0, t0 = time.thread_time(), time.perf_counter()
+            route = parse_request(path, body, {}, tok)
+            d = r.decide(route)
+            t = route.tokenized
         lat.append(time.perf_counter() - t0)
         cpu.append(time.thread_time() - c0)
         assert d.url == f"http://e{s % n_eps}", d.url
@@ -168,12 +195,15 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=200)
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--endpoints", type=int, nargs="+", default=[8, 100])
+    ap.add_argument("--only", nargs="*", help="request shapes to run (default: all)")
     ap.add_argument("--out", default="bench-out/router_decision_latency.json")
     a = ap.parse_args()
     res = {"tokens": a.tokens, "growth": GROWTH, "results": []}
     for n in a.endpoints:
         for kind, fn in (("tokens-json", bench_tokens_json), ("tokens", bench_tokens),
-                         ("chat", bench_chat)):
+                         *((api, partial(bench_chat, api=api)) for api in ("chat", *API_BODIES))):
+            if a.only and kind not in a.only:
+                continue
             row = {"endpoints": n, "prompt": kind, **fn(n, a.tokens, a.turns, a.sessions)}
             print(json.dumps(row))
             res["results"].append(row)
