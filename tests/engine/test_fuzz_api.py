@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agentserve.engine.protocol import ChatRequest, CompletionRequest
-from agentserve.engine.serving_messages import MessagesRequest
-from agentserve.engine.serving_responses import ResponsesRequest
+from agentserve.engine.messages_protocol import MessagesRequest
+from agentserve.engine.responses_protocol import ResponsesRequest
 from tests.conftest import API_KEY, ServerThread, wait_idle
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.integers(-2**70, 2**70),

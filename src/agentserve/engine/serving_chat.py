@@ -21,8 +21,8 @@ from aiohttp import web
 from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_tool_grammar
 from agentserve.engine.logprobs import chat_logprobs, prompt_logprobs
 from agentserve.engine.metrics import ServerMetrics
-from agentserve.engine.protocol import (APIError, ChatRequest, Message, NamedToolChoice,
-                                        StreamOptions, check_chat, check_prompt_ids, decode,
+from agentserve.engine.protocol import (APIError, ChatRequest, NamedToolChoice, StreamOptions,
+                                        chat_messages, check_chat, check_prompt_ids, decode,
                                         stop_list)
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, collect,
@@ -32,24 +32,6 @@ from agentserve.engine.serving import (EngineClient, Generation, client_alive, c
                                        usage_mode, with_transfer)
 from agentserve.engine.tokenizer import Tokenizer, continue_final
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
-
-
-def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them (as vLLM prepares them)."""
-    out = []
-    for m in messages:
-        d: dict[str, Any] = msgspec.to_builtins(m)
-        d["role"] = "system" if m.role == "developer" else m.role
-        if isinstance(m.content, list):  # text parts are joined with newlines, as vLLM does
-            d["content"] = "\n".join(p.text or "" for p in m.content)
-        d.setdefault("content", "")
-        for call in d.get("tool_calls", []):
-            args = call["function"].get("arguments", "")
-            if isinstance(args, str):  # HF templates expect a dict; keep text that is not JSON
-                with contextlib.suppress(ValueError):
-                    call["function"]["arguments"] = msgspec.json.decode(args or "{}")
-        out.append(d)
-    return out
 
 
 def tool_grammar(tok: Tokenizer, tools: list[dict[str, Any]], req: ChatRequest) -> str | None:

@@ -26,6 +26,8 @@ import msgspec
 import yaml
 from aiohttp import web
 
+from agentserve.engine.messages_protocol import anthropic_error
+from agentserve.engine.protocol import APIError
 from agentserve.router.config import EndpointConfig, RouterConfig, load_config
 from agentserve.router.core import NoEndpoint, RouteInput, Router
 from agentserve.router.endpoints import Endpoint, cancel, check_health, poll_loop
@@ -77,9 +79,6 @@ async def anthropic_errors(request: web.Request, handler: Any) -> web.StreamResp
     except (msgspec.DecodeError, TypeError):
         return resp
     if isinstance(body, dict) and "type" not in body and isinstance(body.get("error"), dict):
-        from agentserve.engine.protocol import APIError
-        from agentserve.engine.serving_messages import anthropic_error
-
         e = body["error"]
         shaped = anthropic_error(APIError(resp.status, str(e.get("message")), e.get("param")))
         return web.json_response(shaped, status=resp.status, headers={

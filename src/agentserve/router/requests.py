@@ -20,10 +20,15 @@ from typing import Any
 
 import msgspec
 
-from agentserve.engine.protocol import MAX_N
+from agentserve.engine.messages_protocol import MessagesRequest
+from agentserve.engine.messages_protocol import to_chat as messages_to_chat
+from agentserve.engine.protocol import MAX_N, APIError, chat_messages, decode
+from agentserve.engine.responses_protocol import ResponsesRequest
+from agentserve.engine.responses_protocol import to_chat as responses_to_chat
 from agentserve.router.config import RouterConfig
 from agentserve.router.core import RouteInput
 from agentserve.router.rawprompt import RawParse, RawPromptCache
+from agentserve.engine.tokenizer import continue_final
 from agentserve.router.tokenize import IncrementalTokenizer, Tokenized
 
 logger = logging.getLogger(__name__)
@@ -109,8 +114,6 @@ def _continued_input(messages: list[Any], tools: Any, agp: bool,
                      tok: IncrementalTokenizer | None) -> RouteInput:
     """A chat continuing its final message (vLLM's continue_final_message): rendered and
     cut as the engine does (`tokenizer.continue_final`), tokenized as text."""
-    from agentserve.engine.tokenizer import continue_final
-
     if agp:
         raise BadRequest("continue_final_message and add_generation_prompt cannot both be true")
     if tok is None:
@@ -130,19 +133,11 @@ def _continued_input(messages: list[Any], tools: Any, agp: bool,
 def _converted_input(path: str, body: bytes, headers: Any,
                      tok: IncrementalTokenizer | None) -> RouteInput:
     """An Anthropic Messages or OpenAI Responses body, routed as the chat it stands for
-    (rendered as the engine renders it: ``to_chat`` of serving_messages / _responses)."""
-    from agentserve.engine.protocol import APIError, decode
-    from agentserve.engine.serving_chat import chat_messages
-
-    if path.startswith("/v1/messages"):
-        from agentserve.engine.serving_messages import MessagesRequest as Kind
-        from agentserve.engine.serving_messages import to_chat
-    else:
-        from agentserve.engine.serving_responses import ResponsesRequest as Kind  # type: ignore
-        from agentserve.engine.serving_responses import to_chat  # type: ignore
+    (rendered as the engine renders it: the same ``to_chat``)."""
+    messages = path.startswith("/v1/messages")
     try:
-        req = decode(body, Kind)
-        chat = to_chat(req)  # type: ignore[arg-type]
+        req = decode(body, MessagesRequest if messages else ResponsesRequest)
+        chat = (messages_to_chat if messages else responses_to_chat)(req)  # type: ignore[arg-type]
     except APIError as e:
         raise BadRequest(e.message) from None
     use_tools = bool(chat.tools) and chat.tool_choice != "none"
