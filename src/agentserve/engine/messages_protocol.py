@@ -163,7 +163,8 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
         raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
     # a final assistant message is the answer's beginning (Anthropic's prefill)
     prefill = bool(req.messages) and req.messages[-1].role == "assistant"
-    return ChatRequest(add_generation_prompt=not prefill, continue_final_message=prefill,
+    return ChatRequest(
+        add_generation_prompt=not prefill, continue_final_message=prefill,
         messages=to_messages(req), tools=to_tools(req.tools), tool_choice=tool_choice,
         parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
