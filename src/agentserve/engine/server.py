@@ -13,6 +13,7 @@ status; a bad request never disturbs others. With an API key, /v1/* needs
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -110,11 +111,12 @@ def _generation(create: Callable[..., Awaitable[web.StreamResponse]]) -> Handler
 
 
 def _answer(answer: Callable[[EngineClient, bytes], dict[str, Any]]) -> Handler:
-    """A route answered at once (tokenizing, counting): ``answer(engine, body)`` as JSON."""
+    """A route answered at once (tokenizing, counting): ``answer(engine, body)`` as JSON,
+    computed in a worker thread (a long conversation's tokens are not the event loop's)."""
     async def handler(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         check_model(_engine(request), _requested_model(body))
-        return json_response(answer(_engine(request), body))
+        return json_response(await asyncio.to_thread(answer, _engine(request), body))
     return handler
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from agentserve.engine.chat_prompt import chat_prompt_ids
 from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_tool_grammar
 from agentserve.engine.logprobs import chat_logprobs, prompt_logprobs
 from agentserve.engine.metrics import ServerMetrics
@@ -30,7 +31,7 @@ from agentserve.engine.serving import (EngineClient, Generation, client_alive, c
                                        resolve_max_tokens, response_format_grammar,
                                        sampling_params, session_of, stream_sse, sum_usage,
                                        usage_mode, with_transfer)
-from agentserve.engine.tokenizer import Tokenizer, continue_final
+from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
 
@@ -97,15 +98,8 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
     tok = engine.tokenizer
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = [msgspec.to_builtins(t) for t in req.tools or []] if use_tools else None
-    msgs = chat_messages(req.messages)
-    try:
-        prompt = tok.apply_chat_template(msgs, tools=tools,
-                                         add_generation_prompt=req.add_generation_prompt)
-        if req.continue_final_message:
-            prompt = continue_final(prompt, msgs[-1]["content"] or "")
-    except ValueError as e:
-        raise APIError(400, str(e), "messages") from None
-    ids = tok.encode(prompt)
+    ids = await chat_prompt_ids(engine, chat_messages(req.messages), tools,
+                                req.add_generation_prompt, req.continue_final_message)
     check_prompt_ids(ids, tok.vocab_size, "messages")
     requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     max_tokens = pd_max_tokens(req.kv_transfer_params,

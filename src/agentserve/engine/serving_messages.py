@@ -34,6 +34,7 @@ import msgspec
 from aiohttp import web
 
 from agentserve.engine.answer_stream import pieces
+from agentserve.engine.chat_prompt import chat_prompts
 from agentserve.engine.messages_protocol import (CountTokensRequest, MessagesRequest,
                                                  anthropic_error, to_chat, to_messages, to_tools)
 from agentserve.engine.metrics import ServerMetrics
@@ -50,14 +51,13 @@ __all__ = ["anthropic_error", "count_tokens", "create_message"]
 def count_tokens(engine: EngineClient, body: bytes) -> dict[str, Any]:
     """``/v1/messages/count_tokens``: the prompt's tokens, as /v1/messages would count them."""
     req = decode(body, CountTokensRequest)
-    tok = engine.tokenizer
     tools = to_tools(req.tools)
     try:
-        prompt = tok.apply_chat_template(
-            chat_messages(to_messages(req)), tools=[msgspec.to_builtins(t) for t in tools or []] or None)
+        ids = chat_prompts(engine).ids(chat_messages(to_messages(req)),
+                                       [msgspec.to_builtins(t) for t in tools or []] or None)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None
-    return {"input_tokens": len(tok.encode(prompt))}
+    return {"input_tokens": len(ids)}
 
 
 def _usage(g: Generation) -> dict[str, int]:

@@ -15,7 +15,7 @@ from msgspec import Struct
 from agentserve.engine.protocol import (APIError, Message, Tool, check_prompt_ids, decode)
 from agentserve.engine.serving import EngineClient
 from agentserve.engine.serving_chat import chat_messages
-from agentserve.engine.tokenizer import continue_final
+from agentserve.engine.chat_prompt import chat_prompts
 
 
 class TokenizeRequest(Struct, kw_only=True, omit_defaults=True):
@@ -49,15 +49,12 @@ def tokenize(engine: EngineClient, body: bytes) -> dict[str, Any]:
         if not req.messages:
             raise APIError(400, "messages must not be empty", "messages")
         tools = [msgspec.to_builtins(t) for t in req.tools] if req.tools else None
-        msgs = chat_messages(req.messages)
         try:
-            text = tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=(
-                req.add_generation_prompt and not req.continue_final_message))
-            if req.continue_final_message:
-                text = continue_final(text, msgs[-1]["content"] or "")
+            ids = chat_prompts(engine).ids(
+                chat_messages(req.messages), tools, req.add_generation_prompt,
+                req.continue_final_message, bool(req.add_special_tokens))
         except ValueError as e:
             raise APIError(400, str(e), "messages") from None
-        ids = tok.encode(text, add_special_tokens=bool(req.add_special_tokens))
     else:
         ids = tok.encode(req.prompt or "", add_special_tokens=req.add_special_tokens is not False)
     strs = [tok.token_bytes(t).decode("utf-8", errors="replace") for t in ids] \
