@@ -35,3 +35,14 @@ def test_turns_tokenize_incrementally_to_the_whole_encoding() -> None:
                                                              add_generation_prompt=False),
                                      "The answer is"))
     assert cp.ids(dicts, TOOLS, add_generation_prompt=False, continue_final_message=True) == want
+
+
+def test_completion_text_prompts_tokenize_incrementally_per_session() -> None:
+    tok = Tokenizer.from_dir(default_model_dir())
+    cp = ChatPrompts(tok)
+    text = "def f(x):\n    return x + 1\n" * 400 + "é😀"
+    for turn in range(4):
+        assert cp.text_ids(text, True, "s1") == tok.encode(text, True), turn
+        text += f"\n# turn {turn}: fix the bug\n" * 5
+    # (a different session with the same head still finds it)
+    assert cp.text_ids(text + "x", False, "s2") == tok.encode(text + "x", False)

@@ -1,5 +1,5 @@
-"""Chat prompts to token ids for one engine: the chat template rendered, then tokenized
-incrementally, off the event loop.
+"""Chat prompts (and completions text prompts) to token ids for one engine: the chat
+template rendered, then tokenized incrementally, off the event loop.
 
 An agent's next turn repeats every message before it, so only what it adds needs
 tokenizing: the router's `IncrementalTokenizer` (router/tokenize.py) does exactly that, and
@@ -48,6 +48,15 @@ class ChatPrompts:
                 return self.tok.encode(text, add_special_tokens=add_special_tokens)
             return self.inc.chat(msgs, tools=tools,
                                  add_generation_prompt=add_generation_prompt).ids.tolist()
+
+
+    def text_ids(self, text: str, add_special_tokens: bool = True,
+                 session: str | None = None) -> list[int]:
+        """A completions text prompt's ids, incremental against the session's last one (or
+        a prompt sharing its head), as ``encode(text, add_special_tokens)`` gives them."""
+        with self.lock:
+            return self.inc.text(text, add_special_tokens=add_special_tokens,
+                                 session=session).ids.tolist()
 
 
 _PROMPTS: weakref.WeakKeyDictionary[Any, ChatPrompts] = weakref.WeakKeyDictionary()

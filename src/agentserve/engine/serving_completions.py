@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
 
+from agentserve.engine.chat_prompt import chat_prompts
 from agentserve.engine.constrained import GrammarConstraint
 from agentserve.engine.logprobs import completion_logprobs, echoed, prompt_logprobs
 from agentserve.engine.metrics import ServerMetrics
@@ -29,11 +30,13 @@ def _is_ids(x: Any) -> bool:
     return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
 
-def completion_prompts(prompt: str | list[Any], tok: Tokenizer,
-                       add_special_tokens: bool = True) -> list[list[int]]:
+def completion_prompts(prompt: str | list[Any], tok: Tokenizer, add_special_tokens: bool = True,
+                       encode: Callable[[str, bool], list[int]] | None = None) -> list[list[int]]:
     """Text, token ids, or a list of either -> one token-id list per prompt. Text gets the
     tokenizer's special tokens (a BOS, where its post-processor adds one) unless told not
-    to, as vLLM and the router tokenize it; token ids are taken as sent."""
+    to, as vLLM and the router tokenize it; token ids are taken as sent. ``encode``:
+    how text becomes ids (default ``tok.encode``; the server's is incremental)."""
+    encode = encode or tok.encode
     if isinstance(prompt, str) or (_is_ids(prompt) and prompt):
         items: list[Any] = [prompt]
     elif prompt and all(isinstance(p, str) or (_is_ids(p) and p) for p in prompt):
@@ -43,7 +46,7 @@ def completion_prompts(prompt: str | list[Any], tok: Tokenizer,
                        "of those", "prompt")
     out = []
     for item in items:
-        ids = tok.encode(item, add_special_tokens) if isinstance(item, str) else item
+        ids = encode(item, add_special_tokens) if isinstance(item, str) else item
         check_prompt_ids(ids, tok.vocab_size)
         out.append(ids)
     return out
@@ -76,7 +79,10 @@ async def create_completion(request: web.Request, engine: EngineClient,
     cid, eid = request_ids(request, "cmpl")
     req = decode(body, CompletionRequest)
     check_completion(req)
-    prompts = completion_prompts(req.prompt, engine.tokenizer, req.add_special_tokens)
+    session = session_of(request, req.user)
+    prompts = await asyncio.to_thread(  # (a long text prompt's tokens: not the event loop's)
+        completion_prompts, req.prompt, engine.tokenizer, req.add_special_tokens,
+        lambda text, special: chat_prompts(engine).text_ids(text, special, session))
     if req.kv_transfer_params and len(prompts) > 1:
         raise APIError(400, "kv_transfer_params needs a single prompt", "kv_transfer_params")
     grammar = await asyncio.to_thread(response_format_grammar, req, engine.tokenizer)
@@ -94,7 +100,7 @@ async def create_completion(request: web.Request, engine: EngineClient,
                 params.constraint = GrammarConstraint(engine.tokenizer, grammar)
             gens.append(Generation(engine, metrics, f"{eid}-{i * n + j}", ids, params,
                                    stop_list(req.stop), client_alive(request), arrival,
-                                   session_of(request, req.user), req.kv_transfer_params,
+                                   session, req.kv_transfer_params,
                                    bool(req.return_token_ids)))
     base = {"id": cid, "object": "text_completion", "created": int(time.time()),
             "model": engine.model_name}
