@@ -16,7 +16,7 @@ import threading
 import weakref
 from typing import Any
 
-from agentserve.engine.protocol import APIError
+from agentserve.engine.protocol import APIError, check_prompt_ids
 from agentserve.engine.tokenizer import Tokenizer, continue_final
 from agentserve.router.tokenize import IncrementalTokenizer
 
@@ -75,9 +75,14 @@ def chat_prompts(engine: Any) -> ChatPrompts:
 async def chat_prompt_ids(engine: Any, msgs: list[dict[str, Any]],
                           tools: list[dict[str, Any]] | None, add_generation_prompt: bool = True,
                           continue_final_message: bool = False) -> list[int]:
-    """`ChatPrompts.ids` in a worker thread; a template's refusal is a 400 on messages."""
+    """`ChatPrompts.ids` in a worker thread, checked there (``check_prompt_ids``); a
+    template's refusal is a 400 on messages."""
+    def run() -> list[int]:
+        ids = chat_prompts(engine).ids(msgs, tools, add_generation_prompt, continue_final_message)
+        check_prompt_ids(ids, engine.tokenizer.vocab_size, "messages")
+        return ids
+
     try:
-        return await asyncio.to_thread(chat_prompts(engine).ids, msgs, tools,
-                                       add_generation_prompt, continue_final_message)
+        return await asyncio.to_thread(run)
     except ValueError as e:
         raise APIError(400, str(e), "messages") from None

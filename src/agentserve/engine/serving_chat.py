@@ -23,7 +23,7 @@ from agentserve.engine.constrained import GrammarConstraint, GrammarError, compi
 from agentserve.engine.logprobs import chat_logprobs, prompt_logprobs
 from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, NamedToolChoice, StreamOptions,
-                                        chat_messages, check_chat, check_prompt_ids, decode,
+                                        chat_messages, check_chat, decode,
                                         stop_list)
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, collect,
@@ -100,7 +100,6 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
     tools = [msgspec.to_builtins(t) for t in req.tools or []] if use_tools else None
     ids = await chat_prompt_ids(engine, chat_messages(req.messages), tools,
                                 req.add_generation_prompt, req.continue_final_message)
-    check_prompt_ids(ids, tok.vocab_size, "messages")
     requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     max_tokens = pd_max_tokens(req.kv_transfer_params,
                                resolve_max_tokens(len(ids), requested, None, engine.max_model_len))

@@ -199,8 +199,16 @@ class IncrementalDetokenizer:
         self.num_tokens = 0
         self._skip = set(tokenizer.skip_ids) if skip_special_tokens else set()
         self._skip |= skip_ids or set()
-        context = [i for i in (prompt_ids or []) if i not in self._skip][-_CONTEXT_TOKENS:]
-        self.ids: list[int] = list(context)
+        # the prompt's last few tokens that are shown, found from its end (a 240K-token
+        # prompt filtered whole cost ~8 ms on the event loop per request)
+        context: list[int] = []
+        for i in reversed(prompt_ids or ()):
+            if len(context) == _CONTEXT_TOKENS:
+                break
+            if i not in self._skip:
+                context.append(i)
+        context.reverse()
+        self.ids: list[int] = context
         self.prefix_offset = 0
         self.read_offset = len(context)
         self.pending = ""  # decoded text held back because it may start a stop string
