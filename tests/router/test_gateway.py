@@ -341,3 +341,18 @@ async def test_internal_error_is_a_json_500_and_the_router_keeps_serving(stack):
     gw.router.picker.pick = pick
     async with s.post("/v1/completions", json=prompt()) as r:
         assert r.status == 200
+
+
+async def test_tokenize_pass_through_refuses_what_no_engine_could_answer(stack):
+    """/tokenize (and /detokenize, count_tokens) go to an engine serving the body's model;
+    a model no endpoint serves is a 404 and a body that is not a JSON object a 400, from
+    the router itself."""
+    engines, urls, make = stack
+    gw, s = await make()
+    async with s.post("/tokenize", json={"model": "nope", "prompt": "a"}) as r:
+        assert r.status == 404 and "nope" in (await r.json())["error"]["message"]
+    async with s.post("/tokenize", data=b"[1, 2") as r:
+        assert r.status == 400
+    async with s.post("/v1/messages/count_tokens", data=b"[" * 100_000) as r:
+        assert r.status == 400  # (nested too deeply)
+    assert not any(e.calls for e in engines)

@@ -280,11 +280,14 @@ class Gateway:
             model = msgspec.json.decode(body).get("model") if body else None
         except web.HTTPRequestEntityTooLarge:
             return self._count(error(413, f"body larger than {self.opts.max_body_mb} MB"))
-        except (msgspec.DecodeError, AttributeError):
+        except (msgspec.DecodeError, AttributeError, RecursionError):
             return self._count(error(400, "request body is not a JSON object"))
-        eps = sorted((ep for ep in self.router.endpoints.values()
-                      if ep.available() and (not isinstance(model, str) or ep.serves(model))),
-                     key=lambda ep: ep.inflight)
+        serving = [ep for ep in self.router.endpoints.values()
+                   if not isinstance(model, str) or ep.serves(model)]
+        if not serving:
+            return self._count(error(404, f"model {model!r} is not served by any endpoint",
+                                     param="model", code="model_not_found"))
+        eps = sorted((ep for ep in serving if ep.available()), key=lambda ep: ep.inflight)
         if not eps:
             return self._count(error(503, "no available endpoint serves this model",
                                      "service_unavailable"))

@@ -25,10 +25,10 @@ from agentserve.engine.messages_protocol import to_chat as messages_to_chat
 from agentserve.engine.protocol import MAX_N, APIError, chat_messages, decode
 from agentserve.engine.responses_protocol import ResponsesRequest
 from agentserve.engine.responses_protocol import to_chat as responses_to_chat
+from agentserve.engine.tokenizer import continue_final
 from agentserve.router.config import RouterConfig
 from agentserve.router.core import RouteInput
 from agentserve.router.rawprompt import RawParse, RawPromptCache
-from agentserve.engine.tokenizer import continue_final
 from agentserve.router.tokenize import IncrementalTokenizer, Tokenized
 
 logger = logging.getLogger(__name__)
