@@ -93,7 +93,8 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
                      req: ChatRequest, eid: str, arrival: float) -> ChatRun:
     """Check ``req``, render its prompt (chat template, tools), compile its grammar and set
     up one generation per sample (not started: iterating one runs it). Shared by
-    /v1/chat/completions and /v1/messages, which differ only in their answers' shapes."""
+    /v1/chat/completions, /v1/messages and /v1/responses, which differ only in their
+    answers' shapes."""
     check_chat(req)
     tok = engine.tokenizer
     use_tools = bool(req.tools) and req.tool_choice != "none"
