@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import random
 
-from agentserve.engine.chat_prompt import ChatPrompts
-from agentserve.engine.protocol import FunctionCall, Message, MessageToolCall, chat_messages
+from agentserve.engine.chat_prompt import ChatPrompts, chat_messages
+from agentserve.engine.protocol import FunctionCall, Message, MessageToolCall
 from agentserve.engine.tiny import default_model_dir
 from agentserve.engine.tokenizer import Tokenizer, continue_final
 

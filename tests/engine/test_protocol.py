@@ -11,7 +11,7 @@ from agentserve.engine.protocol import (APIError, ChatRequest, CompletionRequest
                                         check_chat, check_completion, check_length, decode)
 from agentserve.engine.serving import resolve_max_tokens, sampling_params
 from agentserve.engine.serving_completions import completion_prompts
-from agentserve.engine.serving_chat import chat_messages
+from agentserve.engine.chat_prompt import chat_messages
 
 
 def bad(fn, *args) -> APIError:

@@ -1,5 +1,6 @@
-"""Chat prompts (and completions text prompts) to token ids for one engine: the chat
-template rendered, then tokenized incrementally, off the event loop.
+"""Chat prompts (and completions text prompts) to token ids for one engine: messages as the
+template expects them (`chat_messages`), the chat template rendered, then tokenized
+incrementally, off the event loop.
 
 An agent's next turn repeats every message before it, so only what it adds needs
 tokenizing: the router's `IncrementalTokenizer` (router/tokenize.py) does exactly that, and
@@ -12,17 +13,38 @@ turn. Now a turn costs the tokenization of its new messages, in a worker thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import weakref
 from typing import Any
 
-from agentserve.engine.protocol import APIError, check_prompt_ids
+import msgspec
+
+from agentserve.engine.protocol import APIError, Message, check_prompt_ids
 from agentserve.engine.tokenizer import Tokenizer, continue_final
 from agentserve.router.tokenize import IncrementalTokenizer
 
 # conversations remembered per engine (each entry holds its ids and text: ~6 MB at 800K
 # tokens); one per session the engine serves at once is what helps
 PROMPT_CACHE_ENTRIES = 128
+
+
+def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them (as vLLM prepares them)."""
+    out = []
+    for m in messages:
+        d: dict[str, Any] = msgspec.to_builtins(m)
+        d["role"] = "system" if m.role == "developer" else m.role
+        if isinstance(m.content, list):  # text parts are joined with newlines, as vLLM does
+            d["content"] = "\n".join(p.text or "" for p in m.content)
+        d.setdefault("content", "")
+        for call in d.get("tool_calls", []):
+            args = call["function"].get("arguments", "")
+            if isinstance(args, str):  # HF templates expect a dict; keep text that is not JSON
+                with contextlib.suppress(ValueError):
+                    call["function"]["arguments"] = msgspec.json.decode(args or "{}")
+        out.append(d)
+    return out
 
 
 class ChatPrompts:

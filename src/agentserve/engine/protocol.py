@@ -8,7 +8,6 @@ OpenAI error object `{"error": {"message", "type", "param", "code"}}`.
 
 from __future__ import annotations
 
-import contextlib
 import re
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -383,21 +382,3 @@ def check_length(num_prompt: int, max_tokens: int | None, max_model_len: int) ->
                        f"or max_tokens (at most {room} here).", "max_tokens",
                        "context_length_exceeded")
     return max_tokens
-
-
-def chat_messages(messages: list[Message]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them (as vLLM prepares them)."""
-    out = []
-    for m in messages:
-        d: dict[str, Any] = msgspec.to_builtins(m)
-        d["role"] = "system" if m.role == "developer" else m.role
-        if isinstance(m.content, list):  # text parts are joined with newlines, as vLLM does
-            d["content"] = "\n".join(p.text or "" for p in m.content)
-        d.setdefault("content", "")
-        for call in d.get("tool_calls", []):
-            args = call["function"].get("arguments", "")
-            if isinstance(args, str):  # HF templates expect a dict; keep text that is not JSON
-                with contextlib.suppress(ValueError):
-                    call["function"]["arguments"] = msgspec.json.decode(args or "{}")
-        out.append(d)
-    return out

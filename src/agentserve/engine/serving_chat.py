@@ -18,13 +18,12 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from agentserve.engine.chat_prompt import chat_prompt_ids
+from agentserve.engine.chat_prompt import chat_messages, chat_prompt_ids
 from agentserve.engine.constrained import GrammarConstraint, GrammarError, compile_tool_grammar
 from agentserve.engine.logprobs import chat_logprobs, prompt_logprobs
 from agentserve.engine.metrics import ServerMetrics
 from agentserve.engine.protocol import (APIError, ChatRequest, NamedToolChoice, StreamOptions,
-                                        chat_messages, check_chat, decode,
-                                        stop_list)
+                                        check_chat, decode, stop_list)
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.serving import (EngineClient, Generation, client_alive, collect,
                                        json_response, merge, pd_max_tokens, release_unread_pins,
@@ -50,7 +49,6 @@ def tool_grammar(tok: Tokenizer, tools: list[dict[str, Any]], req: ChatRequest) 
 class ChatRun:
     """A chat request under way: its prompt's ids and one generation per sample."""
 
-    req: ChatRequest
     ids: list[int]
     gens: list[Generation]
     use_tools: bool  # tool calls are parsed out of the answers
@@ -122,7 +120,7 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
                                stop_list(req.stop), client_alive(request), arrival,
                                session_of(request, req.user), req.kv_transfer_params,
                                bool(req.return_token_ids)))
-    return ChatRun(req, ids, gens, use_tools)
+    return ChatRun(ids, gens, use_tools)
 
 
 def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:

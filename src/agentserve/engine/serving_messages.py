@@ -34,11 +34,11 @@ import msgspec
 from aiohttp import web
 
 from agentserve.engine.answer_stream import pieces
-from agentserve.engine.chat_prompt import chat_prompts
+from agentserve.engine.chat_prompt import chat_messages, chat_prompts
 from agentserve.engine.messages_protocol import (CountTokensRequest, MessagesRequest,
                                                  anthropic_error, to_chat, to_messages, to_tools)
 from agentserve.engine.metrics import ServerMetrics
-from agentserve.engine.protocol import APIError, chat_messages, decode
+from agentserve.engine.protocol import APIError, decode
 from agentserve.engine.request_id import request_ids
 from agentserve.engine.serving import (EngineClient, Generation, collect, json_response,
                                        release_unread_pins, stream_named, with_transfer)

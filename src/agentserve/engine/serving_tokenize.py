@@ -14,8 +14,7 @@ from msgspec import Struct
 
 from agentserve.engine.protocol import (APIError, Message, Tool, check_prompt_ids, decode)
 from agentserve.engine.serving import EngineClient
-from agentserve.engine.serving_chat import chat_messages
-from agentserve.engine.chat_prompt import chat_prompts
+from agentserve.engine.chat_prompt import chat_messages, chat_prompts
 
 
 class TokenizeRequest(Struct, kw_only=True, omit_defaults=True):

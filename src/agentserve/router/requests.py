@@ -22,7 +22,8 @@ import msgspec
 
 from agentserve.engine.messages_protocol import MessagesRequest
 from agentserve.engine.messages_protocol import to_chat as messages_to_chat
-from agentserve.engine.protocol import MAX_N, APIError, chat_messages, decode
+from agentserve.engine.chat_prompt import chat_messages
+from agentserve.engine.protocol import MAX_N, APIError, decode
 from agentserve.engine.responses_protocol import ResponsesRequest
 from agentserve.engine.responses_protocol import to_chat as responses_to_chat
 from agentserve.engine.tokenizer import continue_final
