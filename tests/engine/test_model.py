@@ -17,13 +17,6 @@ from tests.engine.reference import DenseLlama
 ATOL = 2e-4
 
 
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    d = make_tiny(tmp_path_factory.mktemp("tiny"), "tiny", seed=0)
-    model, cfg = load_model(d, torch.float32, "cpu")
-    return model, cfg, DenseLlama(d)
-
-
 class Seq:
     """A sequence's tokens and block table, as the runner would keep them."""
 
@@ -189,11 +182,12 @@ def test_rope_long_positions():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_lower_right_causal_bias_reaches_every_layer(dtype):
     """Off the CPU a chunk after a cached prefix carries a lower-right ``CausalBias``, which
-    every layer reuses. Converting it to the model dtype (as bool masks are) once gave the
+    every layer reuses (run here on CPU tensors). Converting it to the model dtype (as bool masks are) once gave the
     second layer a CausalBias without its lengths: every bf16 prefix hit failed on CUDA."""
     from torch.nn.attention.bias import causal_lower_right
 
     from agentserve.engine.attention import PrefillMeta, _prefill_attention
+    from agentserve.engine.paged_prefix import Workspace
 
     g = torch.Generator().manual_seed(0)
     start, n, heads, kv_heads, dim, bs = 20, 12, 4, 2, 16, 8
@@ -204,10 +198,14 @@ def test_lower_right_causal_bias_reaches_every_layer(dtype):
     blocks = torch.arange(4)
     bias = PrefillMeta(0, n, start, kv_len, blocks, causal_lower_right(n, kv_len))
     q_pos = torch.arange(start, kv_len)
-    explicit = PrefillMeta(0, n, start, kv_len, blocks, torch.arange(kv_len)[None, :] <= q_pos[:, None])
+    mask = torch.arange(kv_len)[None, :] <= q_pos[:, None]
+    k_all, v_all = (c.view(-1, kv_heads, dim)[:kv_len].transpose(0, 1)[None] for c in (kc, vc))
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k_all, v_all, attn_mask=mask, scale=0.25, enable_gqa=True
+    )[0].transpose(0, 1)
+    ws = Workspace(max_elems=10**5)
     for _layer in range(2):
-        got = _prefill_attention(q, k, v, kc, vc, bias, 0.25)
-        want = _prefill_attention(q, k, v, kc, vc, explicit, 0.25)
+        got = _prefill_attention(q, k, v, kc, vc, bias, 0.25, ws)
         torch.testing.assert_close(got, want, atol=2e-2 if dtype == torch.bfloat16 else 1e-5, rtol=0)
 
 
