@@ -5,20 +5,21 @@ Runs the engine core in-process (tiny model, no HTTP) with the threads one engin
 linear step-time model `perf.PerfModel` uses for a measured profile:
 
     step = step_overhead_s + per_seq_s x seqs + tok_s x tokens
-           + attn_cold_s x sum(new^2 / 2)               (chunks at prefix 0: causal kernel)
-           + attn_prefill_s x sum(new x (prefix + new))  (over a cached prefix: masked kernel)
-           + attn_decode_s x (decode context + gathered prefill context)
+           + attn_cold_s x sum(new^2 / 2)     (each chunk over its own tokens: causal kernel)
+           + attn_prefill_s x sum(new x prefix)  (over a cached prefix: read in place, unmasked)
+           + attn_decode_s x (decode context + cached prefill context)  (K/V streamed once)
 
 - decode steps at batches 1, 8, 32 (context `--prompt`) -> intercept and slope per request;
 - decode steps at batch 8, contexts 256 and 2048 -> `attn_decode_s` (per context token read);
 - cold chunks of 16, `--chunk` / 4 and `--chunk` tokens -> `tok_s` and `attn_cold_s`
   (`fit_cold`), a chunk at prefix `--chunk` -> `attn_prefill_s` (`fit_cached`). The two
-  attention terms are apart because the engine runs two kernels: a cold chunk takes SDPA's
-  plain causal path (the lower triangle of its scores), a chunk over a cached prefix an
-  explicit mask (the whole rectangle of its queries by its context). One causal term fitted
-  on the second put a 554-token cold chunk at 27 ms against 33 ms measured and made the
-  per-token cost too small (24-35 us against 44-49 us); fitted apart, the two come out
-  at about the same cost per computed score (3.3-4.0e-8 s; this machine, idle cluster);
+  attention terms are apart because the engine runs two kernels: every chunk takes SDPA's
+  plain causal path over its own tokens (the lower triangle of its scores), and a chunk over
+  a cached prefix adds an unmasked pass over the prefix, read in place (the rectangle of its
+  queries by the prefix; engine/paged_prefix.py). Before that kernel the cached pass was a
+  masked one over a gathered copy, and one causal term fitted on it put a 554-token cold
+  chunk at 27 ms against 33 ms measured; fitted apart, the two came out at about the same
+  cost per computed score (3.3-4.0e-8 s; this machine, idle cluster);
 - `per_seq_s` = decode slope - tok_s - attn_decode_s x context.
 The older roofline keys (`flops`, `mem_bw`, `step_overhead_s`, `per_request_s`) are kept.
 
@@ -70,6 +71,7 @@ import torch
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.request import SamplingParams
 from agentserve.engine.sequence import Sequence
+from agentserve.sim.perf import CACHED_PREFILL_KERNEL
 from agentserve.sim.specs import model_spec
 
 
@@ -125,12 +127,15 @@ def fit_cold(base: int, a: tuple[int, float], b: tuple[int, float]) -> tuple[flo
     return max((d1 - attn * y1) / x1, 0.0), attn
 
 
-def fit_cached(step: float, chunk: int, fixed: float, tok: float, attn_d: float) -> float:
+def fit_cached(step: float, chunk: int, fixed: float, tok: float, attn_c: float,
+               attn_d: float) -> float:
     """`attn_prefill_s` from one step that computes a `chunk`-token chunk over a cached
-    `chunk`-token prefix: step = fixed + tok x chunk + attn_prefill x chunk x 2 chunk (an
-    explicit mask: the engine's kernel computes the whole rectangle of the chunk's queries
-    by its context) + attn_decode x 2 chunk (the context gathered from the block table)."""
-    return max((step - fixed - tok * chunk - attn_d * 2 * chunk) / (2 * chunk * chunk), 0.0)
+    `chunk`-token prefix: step = fixed + tok x chunk + attn_cold x chunk^2 / 2 (the chunk over
+    itself, causal) + attn_prefill x chunk x chunk (its queries by the prefix, which the
+    engine reads in place, unmasked: engine/paged_prefix.py) + attn_decode x chunk (the
+    prefix's K and V streamed once, as a decode reads its context)."""
+    return max((step - fixed - tok * chunk - attn_c * chunk * chunk / 2 - attn_d * chunk)
+               / (chunk * chunk), 0.0)
 
 
 def calibrate(model: str = "tiny", prompt: int = 1024, chunk: int = 2048, steps: int = 30,
@@ -160,7 +165,7 @@ def calibrate(model: str = "tiny", prompt: int = 1024, chunk: int = 2048, steps:
     attn_d = max((hi - lo) / (8 * (2048 - 256)), 0.0)
     tok, attn_c = fit_cold(16, (small, t_small - t_16), (chunk, t_p0 - t_16))
     per_seq = max(slope - tok - attn_d * prompt, 0.0)
-    attn_p = fit_cached(t_p1, chunk, intercept + per_seq, tok, attn_d)
+    attn_p = fit_cached(t_p1, chunk, intercept + per_seq, tok, attn_c, attn_d)
     prefill_tok_s = 2 * chunk / (t_p0 + t_p1)
     w_bytes = m.total_params() * m.weight_bytes
     return {
@@ -175,6 +180,7 @@ def calibrate(model: str = "tiny", prompt: int = 1024, chunk: int = 2048, steps:
         # linear step model (perf.PerfModel uses these when present)
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
         "attn_prefill_s": attn_p, "attn_cold_s": attn_c, "attn_decode_s": attn_d,
+        "cached_prefill": CACHED_PREFILL_KERNEL,
         # roofline view, kept for the other paths
         "flops": prefill_tok_s * 2 * m.total_params(),
         "mem_bw": (w_bytes + prompt * m.kv_bytes_per_token()) / dec[1],
@@ -327,7 +333,7 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     t_p1 = max(ttft[2 * chunk] - ttft[chunk], t_p0)  # one whole step: chunk at prefix `chunk`
     tok, attn_c = fit_cold(16, (small, ttft[small] - ttft[16]), (chunk, t_p0))
     per_seq = max(slope - tok - attn_d * prompt, 0.0)
-    attn_p = fit_cached(t_p1, chunk, intercept + per_seq, tok, attn_d)
+    attn_p = fit_cached(t_p1, chunk, intercept + per_seq, tok, attn_c, attn_d)
     one_step = intercept + per_seq + tok * 16 + attn_c * 16 * 16 / 2
 
     m = model_spec("tiny")
@@ -343,6 +349,7 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         "decode_step_b8_s": {"256": lo, "2048": hi},
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
         "attn_prefill_s": attn_p, "attn_cold_s": attn_c, "attn_decode_s": attn_d,
+        "cached_prefill": CACHED_PREFILL_KERNEL,
         "request_overhead_s": max(ttft[16] - one_step, 0.0),
         "cached_prompt_ttft_s": {str(len(long)): statistics.median(cached)},
         "request_overhead_per_token_s": max((statistics.median(cached) - ttft[16])

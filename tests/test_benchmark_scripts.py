@@ -57,7 +57,7 @@ def test_prefill_fits_recover_the_model_they_invert() -> None:
 
     got = cal.fit_cold(16, (512, cold(512) - cold(16)), (2048, cold(2048) - cold(16)))
     assert got == pytest.approx((tok, attn_c))
-    step = fixed + tok * 2048 + attn_p * 2048 * 4096 + attn_d * 4096
-    assert cal.fit_cached(step, 2048, fixed, tok, attn_d) == pytest.approx(attn_p)
+    step = fixed + tok * 2048 + attn_c * 2048 * 2048 / 2 + attn_p * 2048 * 2048 + attn_d * 2048
+    assert cal.fit_cached(step, 2048, fixed, tok, attn_c, attn_d) == pytest.approx(attn_p)
     # noise that makes the attention term negative leaves a linear fit, not a negative cost
     assert cal.fit_cold(16, (512, 1.0), (2048, 1.0)) == (pytest.approx(1.0 / 2032), 0.0)

@@ -14,7 +14,8 @@ from agentserve.workload.record import RequestRecord
 from agentserve.workload.schema import Session, TraceRequest
 
 PROFILE = {"tok_s": 1e-4, "step_overhead_s": 5e-3, "per_seq_s": 5e-4, "attn_prefill_s": 1e-7,
-           "attn_cold_s": 5e-8, "attn_decode_s": 1e-6, "request_overhead_s": 0.0}
+           "attn_cold_s": 5e-8, "attn_decode_s": 1e-6, "request_overhead_s": 0.0,
+           "cached_prefill": "in_place"}
 
 
 def _sessions(n: int, turns: int = 3, blocks: int = 8) -> list[Session]:
@@ -63,13 +64,14 @@ def test_measured_decode_steps_are_interpolated_in_batch_size(tmp_path, monkeypa
     assert with_chunk == pytest.approx(7e-3 + 5e-4 + 100 * 1e-4 + 5e-8 * 100 * 100 / 2)
 
 
-def test_prefill_over_a_cached_prefix_gathers_its_context(tmp_path, monkeypatch) -> None:
+def test_prefill_over_a_cached_prefix_adds_its_scores_and_one_read(tmp_path, monkeypatch) -> None:
     _hw(tmp_path, monkeypatch)
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
     cold = perf.measured_step([(100, 0)], decode_ctx=0.0, decode_n=0)
     warm = perf.measured_step([(100, 900)], decode_ctx=0.0, decode_n=0)
-    # the masked kernel's rectangle and the gathered context, less the cold chunk's triangle
-    assert warm - cold == pytest.approx(1e-7 * 100 * 1000 + 1e-6 * 1000 - 5e-8 * 100 * 100 / 2)
+    # the chunk's queries by the prefix and one read of the prefix (in place, nothing
+    # gathered); the chunk's own triangle as before
+    assert warm - cold == pytest.approx(1e-7 * 100 * 900 + 1e-6 * 900)
 
 
 def test_engine_reuses_whole_blocks_of_its_own_size(tmp_path, monkeypatch) -> None:
@@ -154,22 +156,26 @@ def test_requests_over_a_head_being_computed_wait_for_it(tmp_path, monkeypatch) 
 
 
 def test_cold_and_cached_chunks_cost_their_own_attention(tmp_path, monkeypatch) -> None:
-    """A cold chunk runs the engine's causal kernel (the lower triangle, `attn_cold_s`); a chunk
-    over a cached prefix runs a mask over its whole context (`attn_prefill_s` x the rectangle)
-    and gathers that context (`attn_decode_s` per token)."""
+    """Every chunk runs the engine's causal kernel over itself (the lower triangle,
+    `attn_cold_s`); a chunk over a cached prefix adds the unmasked pass over the prefix, read
+    in place (`attn_prefill_s` x its queries by the prefix, `attn_decode_s` per prefix token
+    read; nothing gathered)."""
     _hw(tmp_path, monkeypatch, step_overhead_s=0.0, per_seq_s=0.0, tok_s=0.0, attn_prefill_s=1e-8,
         attn_cold_s=1e-7, attn_decode_s=1e-6)
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
     assert perf.measured_step([(100, 0)], 0.0, 0) == pytest.approx(1e-7 * 100 * 100 / 2)
-    assert perf.measured_step([(100, 1_000)], 0.0, 0) == pytest.approx(1e-8 * 100 * 1_100 + 1e-6 * 1_100)
+    assert perf.measured_step([(100, 1_000)], 0.0, 0) == pytest.approx(
+        1e-7 * 100 * 100 / 2 + 1e-8 * 100 * 1_000 + 1e-6 * 1_000)
 
 
-def test_profile_without_cold_attention_is_refused(tmp_path, monkeypatch) -> None:
+def test_profile_of_an_older_prefill_kernel_is_refused(tmp_path, monkeypatch) -> None:
+    """A profile fitted when a cached prefill ran masked over a gathered copy states its
+    `attn_prefill_s` per score of that kernel: refused, not misread."""
     import json
 
     f = tmp_path / "old.json"
-    f.write_text(json.dumps({k: v for k, v in PROFILE.items() if k != "attn_cold_s"}))
+    f.write_text(json.dumps({k: v for k, v in PROFILE.items() if k != "cached_prefill"}))
     monkeypatch.setenv("AGENTSERVE_SIM_CPU_PROFILE", str(f))
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
-    with pytest.raises(ValueError, match="attn_cold_s"):
+    with pytest.raises(ValueError, match="sim_calibrate_cpu"):
         perf.measured_step([(100, 0)], 0.0, 0)

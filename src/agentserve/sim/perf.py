@@ -30,6 +30,10 @@ from dataclasses import dataclass, field
 from agentserve.sim.memory import Topology
 from agentserve.sim.specs import HardwareSpec, ModelSpec
 
+# What a calibrated cpu-local profile's `attn_prefill_s` measures: the engine's prefill over a
+# cached prefix reads the prefix in place, unmasked (engine/paged_prefix.py). A profile
+# fitted to an earlier kernel (masked, over a gathered copy) is refused, not misread.
+CACHED_PREFILL_KERNEL = "in_place"
 
 @dataclass(frozen=True, slots=True)
 class Efficiency:
@@ -309,27 +313,29 @@ class PerfModel:
         calibration context `decode_ref_ctx`) interpolated in batch size, plus
         `attn_decode_s` x the context read beyond the calibration's; without measured points,
         the line `step_overhead_s + (per_seq_s + tok_s) x decode_n + attn_decode_s x decode_ctx`.
-        Each prefill chunk adds `per_seq_s + tok_s x new` and its attention, which runs one of
-        two kernels in the engine (engine/attention.py): a chunk at prefix 0 the plain causal
-        one, `attn_cold_s x new^2 / 2`; a chunk over a cached prefix an explicit mask over its
-        whole context, `attn_prefill_s x new x (prefix + new)`, plus `attn_decode_s x (prefix
-        + new)` as it gathers that context from the block table, as a decode does.
+        Each prefill chunk adds `per_seq_s + tok_s x new` and its attention as the engine runs
+        it on CPU (engine/attention.py, paged_prefix.py): over its own tokens the plain causal
+        kernel, `attn_cold_s x new^2 / 2`; over a cached prefix an unmasked kernel that reads
+        the prefix's blocks in place: its scores, `attn_prefill_s x new x prefix`, and its
+        reads of the prefix's K and V, `attn_decode_s x prefix` as a decode's (measured: a
+        32-token chunk over 2,048 cached tokens costs ~1.3 ms of reads beside ~2.1 ms of
+        scores, one thread, tiny model).
         `prefill` = (new, prefix) chunks; `decode_ctx` = the context tokens the decode attention
         of the `decode_n` decoding requests reads (our engine pads the batch to its longest
         context: `decode_n` x longest, see agg.py)."""
         m = self.hw.measured
         if decode_n + len(prefill) == 0:
             return 0.0
-        if "attn_cold_s" not in m:
-            raise ValueError("the cpu-local profile predates the split of cold and cached "
-                             "prefill attention (no attn_cold_s): rerun "
-                             "benchmarks/sim_calibrate_cpu.py")
+        if m.get("cached_prefill") != CACHED_PREFILL_KERNEL:
+            raise ValueError("the cpu-local profile was fitted to an older engine kernel for "
+                             "prefill over a cached prefix (cached_prefill is not "
+                             f"{CACHED_PREFILL_KERNEL!r}): rerun benchmarks/sim_calibrate_cpu.py")
         new = sum(n for n, _ in prefill)
-        cold = sum(n * n / 2 for n, p in prefill if not p)
-        cached = sum(n * (p + n) for n, p in prefill if p)
-        gathered = sum(p + n for n, p in prefill if p)
+        cold = sum(n * n / 2 for n, _ in prefill)
+        cached = sum(n * p for n, p in prefill)
+        read = sum(p for _, p in prefill)
         step = (m["per_seq_s"] * len(prefill) + m["tok_s"] * new + m["attn_cold_s"] * cold
-                + m["attn_prefill_s"] * cached + m["attn_decode_s"] * gathered)
+                + m["attn_prefill_s"] * cached + m["attn_decode_s"] * read)
         curve = self._decode_curve
         if decode_n and curve:
             ref = m.get("decode_ref_ctx", m.get("prompt", 0))
