@@ -38,9 +38,10 @@ from agentserve.engine.paged_prefix import (
 )
 
 # On CPU a decode group of one context of at least this many tokens reads its blocks in
-# place (paged_prefix.py) rather than gathering them: 8-14% faster at 1-16K tokens (tiny
-# model, 2-core Xeon). Groups of several stay gathered: one batched SDPA call over a copy
-# beat per-sequence calls in place at every size up to 8 x 16K (by 11-30%).
+# place (paged_prefix.py) rather than gathering them: 8-14% faster at 4-16K tokens (tiny
+# model, 2-core Xeon). Groups of several stay gathered: at batch 8 one batched SDPA call over
+# a copy beat per-sequence calls in place by 11-32% at every context up to 16K (at batch 32
+# and 8-16K the calls in place won by 5-14%; one rule kept for simplicity).
 LONG_DECODE_TOKENS = 4096
 
 
