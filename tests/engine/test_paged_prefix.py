@@ -139,3 +139,37 @@ def test_long_decodes_attend_in_place_beside_short_ones(tiny, monkeypatch, kind)
     out = _step(model, kv, chunks, bs)
     want = torch.stack([ref.logits(s.tokens[:s.done])[-1] for s in seqs])
     torch.testing.assert_close(out, want, atol=ATOL, rtol=1e-4)
+
+
+def test_metrics_count_the_context_read_in_place_and_gathered():
+    """A turn over a cached 2,400-token context (pool fresh: its blocks run consecutively)
+    reads the prefix's whole blocks in place; its decodes, in groups, gather. /metrics says so."""
+    from agentserve.engine.engine import AsyncEngine
+    from agentserve.engine.metrics import ServerMetrics
+    from agentserve.engine.request import SamplingParams
+    from agentserve.engine.sequence import Sequence
+
+    eng = AsyncEngine.from_args(kv_cache_tokens=8192)
+    core = eng.core
+    prompt = _tokens(2400, 7)
+
+    def serve(rid: str, toks: list[int]) -> None:
+        seq = Sequence(rid, toks, SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        core.seqs[rid] = seq
+        core.scheduler.add(seq)
+        for _ in range(100):
+            if seq.num_output_tokens >= 3:
+                break
+            core.step([])
+        core.scheduler.finish(seq, seq.status)
+
+    serve("a", prompt)  # chunks of 2,048 + 352: the second reads the first in place
+    first = eng.stats()
+    assert first.attn_read_in_place_tokens == 2048 and first.attn_read_gathered_tokens > 0
+    serve("b", prompt + _tokens(40, 8))  # the turn: 2,400 cached tokens, 150 whole blocks
+    s = eng.stats()
+    assert s.attn_read_in_place_tokens - first.attn_read_in_place_tokens == 2400
+    body = ServerMetrics(eng).render()[0].decode()
+    assert f"agentserve:attn_read_in_place_tokens_total{{model_name=\"{eng.model_name}\"}} " \
+           f"{float(s.attn_read_in_place_tokens)}" in body
+    assert "agentserve:attn_read_gathered_tokens_total" in body

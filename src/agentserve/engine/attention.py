@@ -122,6 +122,10 @@ class BatchMeta:
     # [P] rows whose hidden states `forward_hidden` returns after the N above: chunk by
     # chunk, each chunk's `prompt_rows` in order (empty unless a request asked for them)
     prompt_idx: torch.Tensor | None = None
+    # cached context tokens the step's attention reads (per layer): in place from the pool,
+    # or gathered into a copy first (decode groups, short runs of blocks, GPU prefill)
+    read_in_place: int = 0
+    read_gathered: int = 0
 
     @property
     def keep_idx(self) -> torch.Tensor:
@@ -231,10 +235,15 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
     # one host->device copy for all 1-D index arrays
     flat = torch.from_numpy(np.concatenate([*ids, *pos, *slots, logits_rows, *prompt_rows]))
     flat = flat.to(device, non_blocking=True)
+    layouts = [x.layout for x in (*groups, *prefills) if x.layout is not None]
+    in_place = sum(lay.n_tokens - lay.n_rest for lay in layouts)
+    read = (sum(c.start_pos + 1 for c in (chunks[i] for i in dec))
+            + sum(p.start_pos for p in prefills))
     return BatchMeta(
         input_ids=flat[:T], positions=flat[T:2 * T], slot_mapping=flat[2 * T:3 * T],
         logits_idx=flat[3 * T:3 * T + N], decodes=groups, prefills=prefills,
         prompt_idx=flat[3 * T + N:] if prompt_rows else None,
+        read_in_place=in_place, read_gathered=read - in_place,
     )
 
 

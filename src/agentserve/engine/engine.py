@@ -40,6 +40,8 @@ class EngineStats:
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
     prefix_joined_tokens: int = 0  # not computed: another request in flight computed them
+    attn_read_in_place_tokens: int = 0  # cached context attention read in place (per step)
+    attn_read_gathered_tokens: int = 0  # ... and gathered into a copy first
     tiers: dict | None = None  # offload-tier counters (kv.tiers.TierStats fields); None: off
     transfer: dict | None = None  # P/D transfer counters (engine.transfer.TransferStats); None: off
 
@@ -171,7 +173,10 @@ class AsyncEngine:
             prefix_queries_tokens=sch.stats.prefix_queries_tokens,
             prefix_hits_tokens=sch.stats.prefix_hits_tokens, num_preemptions=sch.stats.num_preemptions,
             prompt_tokens=self.core.prompt_tokens, generation_tokens=self.core.generation_tokens,
-            prefix_joined_tokens=sch.stats.prefix_joined_tokens, tiers=self._tier_stats(),
+            prefix_joined_tokens=sch.stats.prefix_joined_tokens,
+            attn_read_in_place_tokens=self.core.runner.read_in_place_tokens,
+            attn_read_gathered_tokens=self.core.runner.read_gathered_tokens,
+            tiers=self._tier_stats(),
             transfer=self.core.remote.snapshot() if self.core.remote is not None else None)
 
     def _tier_stats(self) -> dict | None:

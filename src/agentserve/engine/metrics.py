@@ -40,6 +40,12 @@ COUNTERS = [
     ("prefix_joined_tokens", "agentserve:prefix_joined_tokens",
      "Prompt tokens not computed: the request waited for another request in flight computing "
      "the same prefix, then hit it in the prefix cache."),
+    ("attn_read_in_place_tokens", "agentserve:attn_read_in_place_tokens",
+     "Cached context tokens attention read in place from the KV pool (runs of consecutive "
+     "blocks; counted once a step, not per layer)."),
+    ("attn_read_gathered_tokens", "agentserve:attn_read_gathered_tokens",
+     "Cached context tokens attention gathered into a copy first (decode groups, short runs "
+     "of blocks, a partly filled last block; once a step)."),
 ]
 GAUGES = [
     ("num_running", "vllm:num_requests_running", "Number of requests in model execution batches."),

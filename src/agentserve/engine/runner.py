@@ -35,6 +35,10 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = device
+        # cached context tokens attention read in place / gathered, summed over steps (once a
+        # step, not per layer): how fragmented the pool's block tables run (paged_prefix.py)
+        self.read_in_place_tokens = 0
+        self.read_gathered_tokens = 0
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> list[int | Exception]:
@@ -57,6 +61,8 @@ class ModelRunner:
             if s.completes_prompt:
                 need.append(seq)
         meta = prepare_batch(chunks, self.block_size, self.device)
+        self.read_in_place_tokens += meta.read_in_place
+        self.read_gathered_tokens += meta.read_gathered
         kernels = sdpa_kernel(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else nullcontext()
         with kernels:
             if scored:
