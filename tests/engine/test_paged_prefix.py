@@ -102,6 +102,9 @@ def test_workspace_reuses_its_buffer_and_caps_what_it_keeps():
     assert a.data_ptr() == b.data_ptr()
     big = ws.get("k", (20, 20), like)  # over the cap: a fresh tensor, nothing kept
     assert big.shape == (20, 20) and ws.get("k", (4, 5), like).data_ptr() == a.data_ptr()
+    grown = ws.get("k", (21,), like)  # grows by half again (30), so 22-30 reuse it
+    assert ws.get("k", (30,), like).data_ptr() == grown.data_ptr() != a.data_ptr()
+    assert ws.get("k", (99,), like).numel() == 99  # never past the cap when growing
 
 
 @pytest.mark.parametrize("kind", ["sequential", "reversed", "shuffled", "runs"])

@@ -51,8 +51,13 @@ class Workspace:
         if n > self.max_elems:
             return torch.empty(shape, dtype=like.dtype, device=like.device)
         buf = self._bufs.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(max(n, 1), dtype=like.dtype, device=like.device)
+        if buf is None or buf.dtype != like.dtype or buf.device != like.device:
+            buf = None
+        if buf is None or buf.numel() < n:
+            # grow by half again at least: a decode's context grows a block at a time, and
+            # growing to the exact size would reallocate every time it crossed a block
+            size = n if buf is None else min(self.max_elems, max(n, buf.numel() * 3 // 2))
+            buf = torch.empty(max(size, 1), dtype=like.dtype, device=like.device)
             self._bufs[name] = buf
         return buf[:n].view(shape)
 
