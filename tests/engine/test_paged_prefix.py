@@ -96,7 +96,7 @@ def test_merge_is_attention_over_the_union():
 
 
 def test_workspace_reuses_its_buffer_and_caps_what_it_keeps():
-    ws, like = Workspace(max_elems=100), torch.zeros(1)
+    ws, like = Workspace(max_elems=100, min_bytes=0), torch.zeros(1)
     a = ws.get("k", (4, 5), like)
     b = ws.get("k", (2, 3), like)
     assert a.data_ptr() == b.data_ptr()
@@ -105,6 +105,8 @@ def test_workspace_reuses_its_buffer_and_caps_what_it_keeps():
     grown = ws.get("k", (21,), like)  # grows by half again (30), so 22-30 reuse it
     assert ws.get("k", (30,), like).data_ptr() == grown.data_ptr() != a.data_ptr()
     assert ws.get("k", (99,), like).numel() == 99  # never past the cap when growing
+    small = Workspace(max_elems=100, min_bytes=64)  # under 16 float32: not worth a buffer
+    assert small.get("k", (15,), like) is None and small.get("k", (16,), like) is not None
 
 
 @pytest.mark.parametrize("kind", ["sequential", "reversed", "shuffled", "runs"])

@@ -260,8 +260,13 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, ws: Workspace, name: str)
     index_select into a reused buffer: ~3x faster than cache[blocks], and a fresh tensor of
     this size costs more in page faults than the copy."""
     flat = blocks.flatten()
-    out = ws.get(name, (len(flat), *cache.shape[1:]), cache)
-    torch.index_select(cache, 0, flat, out=out)
+    # small (most decode groups): the allocator reuses that memory, a plain select is cheaper
+    out = (None if len(flat) * cache.stride(0) * cache.element_size() < ws.min_bytes
+           else ws.get(name, (len(flat), *cache.shape[1:]), cache))
+    if out is None:
+        out = cache.index_select(0, flat)
+    else:
+        torch.index_select(cache, 0, flat, out=out)
     return out.view(*blocks.shape[:-1], -1, *cache.shape[2:])
 
 
