@@ -6,7 +6,7 @@ fall into runs of consecutive block ids, and a run is a strided view of the pool
 ([run_blocks * block_size, Hkv, D]) that SDPA reads in place. Each run is one flash-attention
 call that also returns its log-sum-exp; the calls merge exactly (`merge`), as flash-decoding
 merges its splits. Blocks in short runs, and the prefix's partly filled last block, are
-gathered into one reused workspace and attended in one more call.
+gathered (into a reused workspace when 4 MB or more) and attended in one more call.
 
 Why: the gather it replaces copies the whole context once per layer and step (K and V: 100K
 tokens of the tiny model are 2 x 51 MB per layer), and a step that starts past a cached prefix
