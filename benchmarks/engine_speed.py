@@ -34,8 +34,8 @@ def _sync(device: str) -> None:
 TEMPERATURE = 0.0  # --temperature: 0 greedy; > 0 draws every token (the sampler's other path)
 
 
-def _add(core, rid: str, n: int, rng: random.Random) -> Sequence:
-    seq = Sequence(rid, [rng.randrange(16, 4000) for _ in range(n)],
+def _add(core, rid: str, n: int, rng: random.Random, head: list[int] | None = None) -> Sequence:
+    seq = Sequence(rid, (head or []) + [rng.randrange(16, 4000) for _ in range(n)],
                    SamplingParams(max_tokens=100_000, temperature=TEMPERATURE, ignore_eos=True))
     if TEMPERATURE > 0:
         seq.generator = make_generator(None, core.runner.device)
@@ -65,8 +65,12 @@ def contexts(batch: int, ctx: int, mix: bool) -> list[int]:
 
 
 def decode_tok_s(core, device: str, batch: int, ctx: int, steps: int, rng: random.Random,
-                 mix: bool = False) -> float:
-    seqs = [_add(core, f"d{batch}-{i}", n, rng) for i, n in enumerate(contexts(batch, ctx, mix))]
+                 mix: bool = False, shared: int = 0) -> float:
+    """With `shared`, every prompt starts with the same `shared` tokens (a burst of sub-agents
+    under their common prompt; the prefix cache hands them its blocks) before its `ctx` own."""
+    head = [rng.randrange(16, 4000) for _ in range(shared)]
+    seqs = [_add(core, f"d{batch}-{i}", n, rng, head)
+            for i, n in enumerate(contexts(batch, ctx, mix))]
     while any(s.num_output_tokens == 0 for s in seqs):
         core.step([])
     _sync(device)
@@ -91,6 +95,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--ctx-mix", action="store_true",
                     help="decode contexts spread from ctx/10 to 2 x ctx instead of all ctx")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="decode prompts start with one N-token head (sub-agents of a burst)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: every token drawn (agents' default is 1.0)")
     ap.add_argument("--out", default="bench-out/engine_speed.json")
@@ -109,9 +115,9 @@ def main() -> None:
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "prefill_tokens": args.prompt,
               "prefill_tok_s": prefill_tok_s(core, args.device, args.prompt, rng),
-              "ctx_mix": args.ctx_mix,
+              "ctx_mix": args.ctx_mix, "shared_prefix": args.shared_prefix,
               "decode_tok_s": {b: decode_tok_s(core, args.device, int(b), args.ctx, args.steps, rng,
-                                               args.ctx_mix)
+                                               args.ctx_mix, args.shared_prefix)
                                for b in args.batches.split(",")}}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -120,7 +126,9 @@ def main() -> None:
     t.add_column("tok/s", justify="right")
     t.add_row(f"prefill {args.prompt} tokens", f"{result['prefill_tok_s']:.0f}")
     for b, v in result["decode_tok_s"].items():
-        t.add_row(f"decode batch {b} (ctx {args.ctx}{' mixed' if args.ctx_mix else ''})", f"{v:.0f}")
+        shared = f" after {args.shared_prefix} shared" if args.shared_prefix else ""
+        t.add_row(f"decode batch {b} (ctx {args.ctx}{' mixed' if args.ctx_mix else ''}{shared})",
+                  f"{v:.0f}")
     Console().print(t)
 
 

@@ -88,7 +88,7 @@ def test_merge_is_attention_over_the_union():
     g = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, 2, 5, 8, generator=g) for _ in range(3))
     k2, v2 = (torch.randn(1, 2, 40, 8, generator=g) for _ in range(2))
-    o, lse = merge(attend_chunk(q, k, v, 0.3), *paged_prefix._flash(q, k2, v2, 0.0, False, scale=0.3))
+    o, lse = merge(attend_chunk(q, k, v, 0.3), *paged_prefix.flash(q, k2, v2, 0.0, False, scale=0.3))
     mask = torch.cat([torch.ones(5, 40, dtype=torch.bool), torch.ones(5, 5).tril().bool()], 1)
     want = F.scaled_dot_product_attention(q, torch.cat([k2, k], 2), torch.cat([v2, v], 2),
                                           attn_mask=mask, scale=0.3)

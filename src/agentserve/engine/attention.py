@@ -8,7 +8,9 @@ index tensor once; each layer then reuses them:
   mask to the group's longest context); `decode_groups` splits a batch whose contexts differ
   widely (long main agents beside short sub-agents), so a short context is not padded to the
   longest one in the step; on CPU a long context alone in its group reads its blocks in place
-  (`paged_prefix`);
+  (`paged_prefix`); on CPU decodes whose tables start with the same blocks (a burst of
+  sub-agents under their prompt) first read that shared prefix once, all their queries in one
+  call, and their groups then cover only the rest, merged by log-sum-exp (cascade attention);
 - each prefill chunk gets its own SDPA call when it starts at position 0 (plain causal). A
   chunk after cached tokens attends, on CPU, to the cached prefix in place and then to itself
   causally, merged by log-sum-exp (`paged_prefix`: no copy of the prefix, no mask); on GPUs to
@@ -27,12 +29,13 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from agentserve.engine.checkpoint import ModelConfig
-from agentserve.engine.decode_groups import decode_groups
+from agentserve.engine.decode_groups import decode_groups, shared_prefixes
 from agentserve.engine.paged_prefix import (
     PrefixLayout,
     Workspace,
     attend_chunk,
     attend_prefix,
+    flash,
     merge,
     prefix_layout,
 )
@@ -119,6 +122,9 @@ class BatchMeta:
     logits_idx: torch.Tensor  # [N] rows whose logits are returned, in chunk order
     decodes: list[DecodeGroup]  # the decode rows, group by group, one SDPA call each
     prefills: list[PrefillMeta]
+    # CPU: prefixes several decodes share, each read once for all of them (cascade); the
+    # groups of those decodes then read only what follows it
+    shared: list[SharedPrefix] = field(default_factory=list)
     # [P] rows whose hidden states `forward_hidden` returns after the N above: chunk by
     # chunk, each chunk's `prompt_rows` in order (empty unless a request asked for them)
     prompt_idx: torch.Tensor | None = None
@@ -126,6 +132,8 @@ class BatchMeta:
     # or gathered into a copy first (decode groups, short runs of blocks, GPU prefill)
     read_in_place: int = 0
     read_gathered: int = 0
+    # ... and not read at all: a shared prefix's tokens once per decode beyond the first
+    read_shared: int = 0
 
     @property
     def keep_idx(self) -> torch.Tensor:
@@ -143,7 +151,9 @@ class BatchMeta:
 @dataclass(slots=True)
 class DecodeGroup:
     """Decode rows [start, start + n) of the step, attended in one call, or one long decode
-    (n == 1) attended over its blocks in place (`layout`; table and mask None)."""
+    (n == 1) attended over its blocks in place (`layout`; table and mask None). With
+    `shared`, its rows' context starts with `BatchMeta.shared[shared]`, and the table,
+    mask or layout cover only what follows it."""
 
     start: int
     n: int
@@ -151,6 +161,17 @@ class DecodeGroup:
     mask: torch.Tensor | None  # [n, 1, 1, max_blocks * block_size] bool, True = attend
     # (the mask turns into an additive mask of the model dtype on first use, then is reused)
     layout: PrefixLayout | None = None
+    shared: int | None = None
+
+
+@dataclass(slots=True)
+class SharedPrefix:
+    """Decode rows [start, start + n) all begin with these blocks (`layout`: every token
+    of them, read in place where they run consecutively)."""
+
+    start: int
+    n: int
+    layout: PrefixLayout
 
 
 def _slots(block_ids: list[int], start: int, n: int, block_size: int) -> np.ndarray:
@@ -187,6 +208,19 @@ def _prefill_meta(c: SeqChunk, q_start: int, block_size: int, device: torch.devi
     return PrefillMeta(q_start, n, start, kv_len, blocks, causal_lower_right(n, kv_len))
 
 
+def _decode_plan(dec: list[SeqChunk], block_size: int, device: torch.device
+                 ) -> list[tuple[list[int], int]]:
+    """The step's decodes as [(indices into `dec`, blocks they share)]: on CPU, clusters
+    that share a prefix (`shared_prefixes`), then the rest sharing nothing (0)."""
+    if not dec:
+        return []
+    plan = (shared_prefixes([c.block_ids for c in dec], [c.start_pos + 1 for c in dec], block_size)
+            if device.type == "cpu" else [])
+    clustered = {i for members, _ in plan for i in members}
+    rest = [i for i in range(len(dec)) if i not in clustered]
+    return plan + ([(rest, 0)] if rest else [])
+
+
 def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.device) -> BatchMeta:
     """Lay out one step's tokens (decodes first) and build all index tensors."""
     device = torch.device(device)
@@ -198,22 +232,34 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
     ids, pos, slots = [], [], []
     groups: list[DecodeGroup] = []
     row = 0
-    for g in decode_groups([chunks[i].start_pos + 1 for i in dec]) if dec else []:
-        d_chunks = [chunks[dec[j]] for j in g]
-        ids.append(np.fromiter((c.token_ids[0] for c in d_chunks), np.int64, len(g)))
-        pos.append(np.fromiter((c.start_pos for c in d_chunks), np.int64, len(g)))
-        c = d_chunks[0]
-        if len(g) == 1 and device.type == "cpu" and c.start_pos + 1 >= LONG_DECODE_TOKENS:
-            slots.append(_slots(c.block_ids, c.start_pos, 1, block_size))
-            layout = prefix_layout(c.block_ids, c.start_pos + 1, block_size, device)
-            groups.append(DecodeGroup(row, 1, None, None, layout))
-        else:
-            d_slots, table, mask = _decode_meta(d_chunks, block_size, device)
-            slots.append(d_slots)
-            groups.append(DecodeGroup(row, len(g), table, mask))
-        for j in g:
-            row_of_last[dec[j]] = row
-            row += 1
+    shared: list[SharedPrefix] = []
+    for members, n_shared in _decode_plan([chunks[i] for i in dec], block_size, device):
+        first, sh = row, None
+        d_all = orig = [chunks[dec[j]] for j in members]
+        if n_shared:  # the groups below see only what follows the shared blocks
+            sh, cut = len(shared), n_shared * block_size
+            d_all = [SeqChunk(c.token_ids, c.start_pos - cut, c.block_ids[n_shared:],
+                              c.need_logits) for c in d_all]
+        for g in decode_groups([c.start_pos + 1 for c in d_all]):
+            d_chunks = [d_all[j] for j in g]
+            ids.append(np.fromiter((c.token_ids[0] for c in d_chunks), np.int64, len(g)))
+            pos.append(np.fromiter((orig[j].start_pos for j in g), np.int64, len(g)))
+            c = d_chunks[0]
+            if len(g) == 1 and device.type == "cpu" and c.start_pos + 1 >= LONG_DECODE_TOKENS:
+                slots.append(_slots(c.block_ids, c.start_pos, 1, block_size))
+                layout = prefix_layout(c.block_ids, c.start_pos + 1, block_size, device)
+                groups.append(DecodeGroup(row, 1, None, None, layout, sh))
+            else:
+                d_slots, table, mask = _decode_meta(d_chunks, block_size, device)
+                slots.append(d_slots)
+                groups.append(DecodeGroup(row, len(g), table, mask, shared=sh))
+            for j in g:
+                row_of_last[dec[members[j]]] = row
+                row += 1
+        if n_shared:
+            blocks = chunks[dec[members[0]]].block_ids[:n_shared]
+            shared.append(SharedPrefix(first, len(members), prefix_layout(
+                blocks, n_shared * block_size, block_size, device)))
     prefills, q_start = [], row
     for i in pre:
         c = chunks[i]
@@ -235,15 +281,16 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
     # one host->device copy for all 1-D index arrays
     flat = torch.from_numpy(np.concatenate([*ids, *pos, *slots, logits_rows, *prompt_rows]))
     flat = flat.to(device, non_blocking=True)
-    layouts = [x.layout for x in (*groups, *prefills) if x.layout is not None]
+    layouts = [x.layout for x in (*groups, *prefills, *shared) if x.layout is not None]
     in_place = sum(lay.n_tokens - lay.n_rest for lay in layouts)
+    saved = sum((s.n - 1) * s.layout.n_tokens for s in shared)
     read = (sum(c.start_pos + 1 for c in (chunks[i] for i in dec))
             + sum(p.start_pos for p in prefills))
     return BatchMeta(
         input_ids=flat[:T], positions=flat[T:2 * T], slot_mapping=flat[2 * T:3 * T],
-        logits_idx=flat[3 * T:3 * T + N], decodes=groups, prefills=prefills,
+        logits_idx=flat[3 * T:3 * T + N], decodes=groups, prefills=prefills, shared=shared,
         prompt_idx=flat[3 * T + N:] if prompt_rows else None,
-        read_in_place=in_place, read_gathered=read - in_place,
+        read_in_place=in_place, read_gathered=read - in_place - saved, read_shared=saved,
     )
 
 
@@ -271,11 +318,14 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, ws: Workspace, name: str)
 
 
 def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: DecodeGroup,
-                      scale: float, ws: Workspace) -> torch.Tensor:
-    """One group. q: [B, H, D]; kc, vc: [num_blocks, block_size, Hkv, D] -> [B, H, D]."""
+                      scale: float, ws: Workspace,
+                      shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """One group. q: [B, H, D]; kc, vc: [num_blocks, block_size, Hkv, D] -> [B, H, D].
+    `shared`: these rows' attention over their shared prefix (output float32 [1, H, B, D],
+    lse [1, H, B]), merged with the group's over the rest of its context."""
     B, H, D = q.shape
     if g.layout is not None:  # one long decode: over its blocks in place
-        o, _ = attend_prefix(q.view(1, H, 1, D), kc, vc, g.layout, scale, ws)
+        o, lse = attend_prefix(q.view(1, H, 1, D), kc, vc, g.layout, scale, ws, shared)
         return o.to(q.dtype).view(1, H, D)
     assert g.block_table is not None and g.mask is not None
     Hkv = kc.shape[2]
@@ -284,8 +334,13 @@ def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: De
     k = _gather(kc, g.block_table, ws, "k").transpose(1, 2)  # [B, Hkv, K, D]
     v = _gather(vc, g.block_table, ws, "v").transpose(1, 2)
     g.mask = _additive(g.mask, q.dtype)  # once per step, then reused by every layer
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
-    return o.reshape(B, H, D)
+    if shared is None:
+        o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
+        return o.reshape(B, H, D)
+    # the same kernel, with the log-sum-exp the merge needs ([B, Hkv, G] -> [1, H, B])
+    o, lse = flash(qg, k, v, 0.0, False, attn_mask=g.mask, scale=scale)
+    o, _ = merge(shared, o.reshape(B, H, D).transpose(0, 1)[None], lse.reshape(B, H).T[None])
+    return o.to(q.dtype)[0].transpose(0, 1)
 
 
 def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor,
@@ -327,8 +382,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCac
     Hkv, D = kc.shape[2], kc.shape[3]
     kc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
     vc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
-    outs = [_decode_attention(q[g.start:g.start + g.n], kc, vc, g, scale, kv.ws)
-            for g in meta.decodes]
+    # a shared prefix first: all its rows' queries over it in one pass ([1, H, n, D])
+    shared = [attend_prefix(q[s.start:s.start + s.n].transpose(0, 1)[None], kc, vc, s.layout,
+                            scale, kv.ws) for s in meta.shared]
+    outs = []
+    for g in meta.decodes:
+        acc = None
+        if g.shared is not None:  # this group's rows of its shared prefix's result
+            a = g.start - meta.shared[g.shared].start
+            acc = tuple(x[:, :, a:a + g.n] for x in shared[g.shared])
+        outs.append(_decode_attention(q[g.start:g.start + g.n], kc, vc, g, scale, kv.ws, acc))
     for p in meta.prefills:
         s, e = p.q_start, p.q_start + p.q_len
         outs.append(_prefill_attention(q[s:e], k[s:e], v[s:e], kc, vc, p, scale, kv.ws))

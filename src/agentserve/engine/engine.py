@@ -42,6 +42,7 @@ class EngineStats:
     prefix_joined_tokens: int = 0  # not computed: another request in flight computed them
     attn_read_in_place_tokens: int = 0  # cached context attention read in place (per step)
     attn_read_gathered_tokens: int = 0  # ... and gathered into a copy first
+    attn_read_shared_tokens: int = 0  # ... and not read again: a prefix decodes share
     tiers: dict | None = None  # offload-tier counters (kv.tiers.TierStats fields); None: off
     transfer: dict | None = None  # P/D transfer counters (engine.transfer.TransferStats); None: off
 
@@ -176,6 +177,7 @@ class AsyncEngine:
             prefix_joined_tokens=sch.stats.prefix_joined_tokens,
             attn_read_in_place_tokens=self.core.runner.read_in_place_tokens,
             attn_read_gathered_tokens=self.core.runner.read_gathered_tokens,
+            attn_read_shared_tokens=self.core.runner.read_shared_tokens,
             tiers=self._tier_stats(),
             transfer=self.core.remote.snapshot() if self.core.remote is not None else None)
 

@@ -46,6 +46,9 @@ COUNTERS = [
     ("attn_read_gathered_tokens", "agentserve:attn_read_gathered_tokens",
      "Cached context tokens attention gathered into a copy first (decode groups, short runs "
      "of blocks, a partly filled last block; once a step)."),
+    ("attn_read_shared_tokens", "agentserve:attn_read_shared_tokens",
+     "Cached context tokens attention did not read again: decodes that share a prefix read it "
+     "once for all of them (counted once per decode beyond the first; once a step)."),
 ]
 GAUGES = [
     ("num_running", "vllm:num_requests_running", "Number of requests in model execution batches."),

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 __all__ = ["MAX_RUN_TOKENS", "MIN_RUN_TOKENS", "Workspace", "PrefixLayout", "prefix_layout", "attend_prefix",
-           "attend_chunk", "merge"]
+           "attend_chunk", "flash", "merge"]
 
 # A run shorter than this many tokens is gathered instead: an SDPA call costs ~20-30 us on
 # top of its reads, about what copying 16-32 blocks of K and V costs. A longer run is split
@@ -34,7 +34,8 @@ __all__ = ["MAX_RUN_TOKENS", "MIN_RUN_TOKENS", "Workspace", "PrefixLayout", "pre
 MIN_RUN_TOKENS = 1024
 MAX_RUN_TOKENS = 2048
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# SDPA's CPU flash kernel, called directly for its log-sum-exp: -> (output, lse)
+flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class Workspace:
@@ -153,10 +154,10 @@ def attend_prefix(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, layout: P
     for a, b in layout.runs:
         k = kc[a:b].view(-1, hkv, d).transpose(0, 1)[None]  # a view: nothing is copied
         v = vc[a:b].view(-1, hkv, d).transpose(0, 1)[None]
-        acc = merge(acc, *_flash(q, k, v, 0.0, False, scale=scale))
+        acc = merge(acc, *flash(q, k, v, 0.0, False, scale=scale))
     if layout.n_rest:
         k, v = _rest_kv(kc, layout, ws, "k"), _rest_kv(vc, layout, ws, "v")
-        acc = merge(acc, *_flash(q, k, v, 0.0, False, scale=scale))
+        acc = merge(acc, *flash(q, k, v, 0.0, False, scale=scale))
     assert acc is not None, "an empty prefix has nothing to attend to"
     return acc
 
@@ -165,4 +166,4 @@ def attend_chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk over its own tokens, causal (square, so top-left is right).
     q: [1, H, L, D]; k, v: [1, Hkv, L, D] -> (output [1, H, L, D], lse [1, H, L])."""
-    return _flash(q, k, v, 0.0, True, scale=scale)
+    return flash(q, k, v, 0.0, True, scale=scale)

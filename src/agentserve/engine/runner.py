@@ -39,6 +39,7 @@ class ModelRunner:
         # step, not per layer): how fragmented the pool's block tables run (paged_prefix.py)
         self.read_in_place_tokens = 0
         self.read_gathered_tokens = 0
+        self.read_shared_tokens = 0  # not read: a shared prefix's, per decode beyond the first
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, kv: KVCacheManager) -> list[int | Exception]:
@@ -63,6 +64,7 @@ class ModelRunner:
         meta = prepare_batch(chunks, self.block_size, self.device)
         self.read_in_place_tokens += meta.read_in_place
         self.read_gathered_tokens += meta.read_gathered
+        self.read_shared_tokens += meta.read_shared
         kernels = sdpa_kernel(CUDA_SDPA_BACKENDS) if self.device.type == "cuda" else nullcontext()
         with kernels:
             if scored:
