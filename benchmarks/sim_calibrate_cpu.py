@@ -68,6 +68,7 @@ from pathlib import Path
 
 import torch
 
+from agentserve.engine.decode_groups import MIN_SHARED_TOKENS
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.request import SamplingParams
 from agentserve.engine.sequence import Sequence
@@ -270,12 +271,14 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     # load signals, a 32-stream wave came out 16:16 in only 1-2 of 12 draws; so each half of
     # a wave shares one of two prompt heads (all but the last 32 tokens), which the router's
     # prefix scorer keeps on one engine each. The decode step measured is the same: each
-    # stream still reads its whole context.
+    # stream still reads its whole context, since a head stays one engine block short of
+    # what the engine's decodes read once for all who share it (MIN_SHARED_TOKENS).
     heads_by_len: dict[int, list[list[int]]] = {}
 
     def heads(p: int) -> list[list[int]]:
         if p not in heads_by_len:
-            heads_by_len[p] = [[rng.randrange(16, 4000) for _ in range(p - 32)] for _ in range(2)]
+            n = min(p - 32, MIN_SHARED_TOKENS - 16)
+            heads_by_len[p] = [[rng.randrange(16, 4000) for _ in range(n)] for _ in range(2)]
         return heads_by_len[p]
 
     wave(2, 256, 4)  # warm up both engines and the router

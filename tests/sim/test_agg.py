@@ -114,6 +114,36 @@ def test_decode_attention_reads_each_group_padded_to_its_longest_context(tmp_pat
     assert steps == [pytest.approx(keys * 1e-6)]
 
 
+@pytest.mark.parametrize(("head", "engine_block", "keys"), [
+    (2_000, 16, 2_000 + 2 * 500),  # 2,000 shared tokens read once, then 500 each
+    (2_000, 1_536, 1_536 + 2 * 964),  # in whole engine blocks: 1,536 of them
+    (2_000, 2_048, 2 * 2_500),  # not one whole engine block shared
+    (800, 16, 2 * 1_300),  # too short to read once (MIN_SHARED_TOKENS)
+])
+def test_decodes_sharing_a_prefix_read_it_once(tmp_path, monkeypatch, head, engine_block, keys
+                                                ) -> None:
+    """Two decodes whose inputs start with the same block hashes (a sub-agent burst) read that
+    prefix once, as the engine's cascade attention does (engine/decode_groups.py), in whole
+    engine blocks and only from MIN_SHARED_TOKENS up."""
+    _hw(tmp_path, monkeypatch, step_overhead_s=0.0, per_seq_s=0.0, tok_s=0.0, attn_prefill_s=0.0,
+        attn_cold_s=0.0, attn_decode_s=1e-6)
+    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    rank = Rank(0, 2_000, 0, 4)
+    inst = AggInstance(Clock(), perf, rank, budget=256, max_seqs=8, engine_block=engine_block)
+    for i in range(2):
+        n_in = head + 500
+        hashes = list(range(head // 4)) + [10_000 * (i + 1) + j for j in range(125)]
+        req = SimRequest(rec=RequestRecord(request_id=f"r{i}", session_id=f"s{i}", turn=0),
+                         hashes=hashes[: n_in // 4], n_in=n_in, n_out=10, on_done=lambda r: None)
+        req.computed, req.rank = n_in, rank
+        req.blocks = rank.pool.allocate(n_in // 4 + 1)
+        rank.running.append(req)
+    steps: list[float] = []
+    monkeypatch.setattr(inst, "_run", lambda dt, done: steps.append(dt))
+    inst._step()
+    assert steps == [pytest.approx(keys * 1e-6)]
+
+
 def test_aggregated_closed_loop(tmp_path, monkeypatch) -> None:
     _hw(tmp_path, monkeypatch, request_overhead_s=0.01)
     cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=4, duration=60.0,

@@ -18,7 +18,7 @@ profile is calibrated (cpu-local), else prefill_step + decode_step of the roofli
 
 from __future__ import annotations
 
-from agentserve.engine.decode_groups import padded_keys
+from agentserve.engine.decode_groups import read_keys
 from agentserve.engine.inflight import MIN_JOIN_BLOCKS
 from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
@@ -166,9 +166,11 @@ class AggInstance(Instance):
         dec = [q for q, n in plan if q.computed >= q.n_in]
         # Our engine's decode attention runs one SDPA per group of similar contexts, each over
         # a block table padded to the group's longest (engine/decode_groups.py): it reads
-        # sum(group size x its longest), not the sum of contexts; calibration decodes equal
-        # contexts (one group), where the two agree.
-        ctx = float(padded_keys([q.n_in + q.out_done for q in dec]))
+        # sum(group size x its longest), not the sum of contexts; decodes that share a prefix
+        # (same block hashes: a sub-agent burst) read it once first, in whole engine blocks.
+        # Calibration decodes equal contexts sharing nothing (one group), where all agree.
+        ctx = float(read_keys([q.hashes for q in dec], [q.n_in + q.out_done for q in dec], bs,
+                              shared_floor=self.engine_block))
         if self.perf.linear:
             dt = self.perf.measured_step(pre, ctx, len(dec))
         else:
