@@ -74,6 +74,18 @@ def _engine_block(url: str) -> int:
     return int(m.group(1))
 
 
+def _attn_reads(urls: list[str]) -> dict[str, float]:
+    """The engines' `agentserve:attn_read_*_tokens` counters, summed: context tokens their
+    attention read in place, gathered, or did not read again (a prefix decodes share)."""
+    out: dict[str, float] = {}
+    for url in urls:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+            for m in re.finditer(r"^agentserve:attn_read_(\w+)_tokens_total\{[^}]*\} (\S+)$",
+                                 r.read().decode(), re.M):
+                out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 def mean_profile(a: dict, b: dict) -> dict:
     """Field-by-field mean of two calibration profiles (numbers averaged, dicts recursed)."""
     out = {}
@@ -150,6 +162,8 @@ def main() -> None:
         prof_path.parent.mkdir(parents=True, exist_ok=True)
         prof_path.write_text(json.dumps(profile, indent=2))
         os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
+        engine_urls = [e[0].url for e in cluster.engines]
+        reads_before = _attn_reads(engine_urls)
         t0 = time.time()
         stages = run_bench(BenchConfig(url=url, trace_sessions=sessions, mode="concurrency",
                                        concurrency=conc, stage_duration=args.stage,
@@ -157,6 +171,8 @@ def main() -> None:
                                        out=str(work / "bench"), progress=False, plots=False,
                                        seed=args.seed))
         bench_wall = time.time() - t0
+        reads = _attn_reads(engine_urls)
+        bench_reads = {k: v - reads_before.get(k, 0.0) for k, v in reads.items()}
         engine_block = _engine_block(cluster.engines[0][0].url)
     finally:
         cluster.stop()
@@ -207,6 +223,7 @@ def main() -> None:
     result = {"args": vars(args), "profile": profile, "engine_block_tokens": engine_block,
               "loadavg_before": load_before,
               "loadavg_after": load_after, "bench_wall_s": bench_wall, "rows": rows,
+              "bench_attn_read_tokens": bench_reads,
               "target": "output tok/s and TTFT p50 within +-20%"}
     Path(args.out).write_text(json.dumps(result, indent=2, default=float))
 

@@ -42,8 +42,20 @@ def test_sim_calibrate_in_process_runs(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_engine_speed_runs(tmp_path: Path) -> None:
     res = _run("engine_speed.py", "--prompt", "256", "--batches", "1,2", "--ctx", "64",
-               "--steps", "3", "--temperature", "1.0", out=tmp_path / "speed.json")
+               "--steps", "3", "--temperature", "1.0", "--shared-prefix", "32",
+               out=tmp_path / "speed.json")
     assert res["prefill_tok_s"] > 0 and set(res["decode_tok_s"]) == {"1", "2"}
+
+
+@pytest.mark.slow
+def test_subagent_burst_runs_and_reads_the_shared_prompt_once(tmp_path: Path) -> None:
+    """Through a real server: 3 streams after one 1,100-token head (68 whole blocks, over
+    MIN_SHARED_TOKENS) decode together, and the engine counts the head's tokens it did not
+    read again."""
+    res = _run("subagent_burst.py", "--head", "1100", "--own", "40", "--streams", "3",
+               "--max-tokens", "24", out=tmp_path / "burst.json")
+    assert res["gap_ms_p50"] > 0 and res["together_tok_s"] > 0
+    assert res["attn_read_shared_tokens"] > 0 and res["attn_read_shared_tokens"] % 1088 == 0
 
 
 def test_prefill_fits_recover_the_model_they_invert() -> None:
