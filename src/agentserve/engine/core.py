@@ -18,6 +18,7 @@ from agentserve.engine.request import RequestOutput, RequestStatus
 from agentserve.engine.runner import ModelRunner
 from agentserve.engine.scheduler import Scheduler
 from agentserve.engine.sequence import Sequence
+from agentserve.engine.steptrace import StepTrace
 from agentserve.kv.events import KVEventQueue
 from agentserve.kv.zmq_events import KVEventPublisher
 
@@ -58,6 +59,7 @@ class EngineCore:
         self.dead: BaseException | None = None  # why the core thread ended, if it did
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self.trace = StepTrace.from_env()  # opt-in per-step timings (steptrace.py)
 
     # ---- thread-safe entry points -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -86,6 +88,8 @@ class EngineCore:
             self.remote.close()
         if self.publisher is not None:
             self.publisher.close()
+        if self.trace is not None:
+            self.trace.close()
 
     # ---- the loop ----------------------------------------------------------------
     def _loop(self, on_outputs: Callable[[list[RequestOutput]], None]) -> None:
@@ -165,6 +169,7 @@ class EngineCore:
     def step(self, failed: list[RequestOutput]) -> list[RequestOutput]:
         """Schedule and run one batch; returns its outputs. Requests that could not be
         scheduled end with an error in ``failed`` (delivered even if the batch then fails)."""
+        t_sched = time.perf_counter()
         sched = self.scheduler.schedule()
         failed.extend(self._fail_one(seq, msg) for seq, msg in sched.failed)
         if sched.empty:  # only restores, stores or pulls in flight: wait for one
@@ -181,6 +186,7 @@ class EngineCore:
             return []
         t0 = time.perf_counter()
         tokens = self.runner.execute(sched, self.kv)
+        t_exec = time.perf_counter()
         if self.tiers is not None:
             prefill = sum(s.num_tokens for s in sched.scheduled if s.num_tokens > 1)
             if prefill >= self.kv.block_size:  # decode-only steps say little about prefill
@@ -222,6 +228,12 @@ class EngineCore:
         self._publish_events()
         if self.check_invariants:
             self.kv.pool.check_invariants()
+        if self.trace is not None:
+            t1 = time.perf_counter()
+            self.trace.record(t_sched, t0 - t_sched, t_exec - t0, t1 - t_exec,
+                              [s.seq.num_computed_tokens for s in sched.scheduled if s.num_tokens == 1],
+                              [(s.num_tokens, s.seq.num_computed_tokens - s.num_tokens)
+                               for s in sched.scheduled if s.num_tokens > 1])
         return outputs
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:

@@ -18,6 +18,8 @@ profile is calibrated (cpu-local), else prefill_step + decode_step of the roofli
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from agentserve.engine.decode_groups import read_keys
 from agentserve.engine.inflight import MIN_JOIN_BLOCKS
 from agentserve.kv.manager import cdiv
@@ -40,6 +42,9 @@ class AggInstance(Instance):
         self.min_join = cdiv(MIN_JOIN_BLOCKS * self.engine_block, bs)  # in pool blocks
         self._owner: dict[int, SimRequest] = {}  # block hash -> running request computing it
         self._keys: dict[int, list[int]] = {}  # id(request) -> the hashes it registered
+        # steps as the engine's step trace records them, when a list (engine/steptrace.py)
+        self.trace: list[dict] | None = None
+        self.on_first: Callable[[SimRequest], None] | None = None  # a request's first token
         self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
         self._join_base: dict[int, int] = {}  # id(parked request) -> its hit when it first parked
 
@@ -176,6 +181,9 @@ class AggInstance(Instance):
         else:
             dt = (self.perf.prefill_step([pre]) if pre else 0.0) + (
                 self.perf.decode_step([[q.n_in + q.out_done for q in dec]], 0) if dec else 0.0)
+        if self.trace is not None:
+            self.trace.append({"t": self.clock.now, "dt": dt, "pre": pre,
+                               "dec": [q.n_in + q.out_done for q in dec]})
         self._run(dt, lambda: self._done(plan))
 
     def _done(self, plan: list[tuple[SimRequest, int]]) -> None:
@@ -196,6 +204,8 @@ class AggInstance(Instance):
             rec.chunk_tokens.append(1)
             if rec.ttft is None:
                 rec.ttft = now - rec.start
+                if self.on_first is not None:
+                    self.on_first(req)
             if req.out_done >= req.n_out:
                 r.running.remove(req)
                 r.inflight_tokens -= req.n_in + req.n_out

@@ -23,6 +23,7 @@ from agentserve.sim.cost import pool_cost
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import PerfModel
+from agentserve.sim.policy_router import PolicyRouter
 from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.specs import GiB, hardware_spec, model_spec
 from agentserve.workload.prompts import scaled_length
@@ -91,6 +92,10 @@ class Simulation:
         self.pperf = self.dperf = PerfModel(m, hw, topo)
         self.aggs = [AggInstance(self.clock, self.pperf, r, cfg.chunk, cfg.max_seqs,
                                  cfg.engine_block_tokens) for r in self.p_ranks]
+        # our router's own policy, as `agentserve up` runs it (sim/policy_router.py)
+        self.policy = PolicyRouter(self.p_ranks, cfg.seed)
+        for a in self.aggs:
+            a.on_first = lambda q: self.policy.first_byte(q, self.clock.now)
 
     def _owner(self, ranks: list[Rank], instances: list, r: Rank):
         return instances[ranks.index(r) // len(instances[0].ranks)]
@@ -168,7 +173,7 @@ class Simulation:
         self._client(queue, si, sid)
 
     def _route_agg(self, req: SimRequest) -> None:
-        r = self.router.pick(self.p_ranks, req, decode=False)
+        r = self.policy.route(req, self.clock.now)
         req.rank = r
         r.inflight_tokens += req.n_in + req.n_out
         r.waiting.append(req)
@@ -176,6 +181,8 @@ class Simulation:
 
     def _finished(self, req: SimRequest, queue: list, si: int, sid: str) -> None:
         self.records.append(req.rec)
+        if self.aggs:
+            self.policy.finish(req, self.clock.now)
         if not self.cfg.aggregated and req.rec.ttft is not None:
             s = req.rec.start
             self.phases.append((req.rec.end, req.t_route - s, req.t_admit - req.t_route,
