@@ -20,7 +20,6 @@ import random
 import re
 import tempfile
 import threading
-import time
 import urllib.request
 from pathlib import Path
 
@@ -29,24 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from agentserve.procs import start_engine
-
-
-def post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.load(r)
-
-
-def stream(url: str, prompt: list[int], max_tokens: int, arrivals: list[float]) -> None:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0}
-    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        for line in r:
-            if line.startswith(b"data: {"):
-                arrivals.append(time.monotonic())
+from long_prompt_stall import post, stream  # benchmarks/: the same completions client
 
 
 def shared_tokens(url: str) -> float:

@@ -97,21 +97,30 @@ def test_decode_attention_reads_each_group_padded_to_its_longest_context(tmp_pat
     """The engine's decode SDPA runs per group of similar contexts, over a block table padded
     to the group's longest: 2,500 beside 3,000 share a call (2 x 3,000 keys read); 100 beside
     3,000 get their own (3,100), as engine/decode_groups.py groups them."""
+    step = _decode_step(tmp_path, monkeypatch, 16, [([], short), ([], 3_000)])
+    assert step == pytest.approx(keys * 1e-6)
+
+
+def _decode_step(tmp_path, monkeypatch, block_size: int, decodes: list[tuple[list[int], int]],
+                 engine_block: int | None = None) -> float:
+    """One step of an aggregated engine whose running requests (hashes, input tokens) all
+    decode, priced at 1 us per key their attention reads and nothing else."""
     _hw(tmp_path, monkeypatch, step_overhead_s=0.0, per_seq_s=0.0, tok_s=0.0, attn_prefill_s=0.0,
         attn_cold_s=0.0, attn_decode_s=1e-6)
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
-    rank = Rank(0, 1_000, 0, 16)
-    inst = AggInstance(Clock(), perf, rank, budget=256, max_seqs=8)
-    for i, n_in in enumerate((short, 3_000)):
-        req = SimRequest(rec=RequestRecord(request_id=f"r{i}", session_id=f"s{i}", turn=0), hashes=[],
-                         n_in=n_in, n_out=10, on_done=lambda r: None)
+    rank = Rank(0, 2_000, 0, block_size)
+    inst = AggInstance(Clock(), perf, rank, budget=256, max_seqs=8, engine_block=engine_block)
+    for i, (hashes, n_in) in enumerate(decodes):
+        req = SimRequest(rec=RequestRecord(request_id=f"r{i}", session_id=f"s{i}", turn=0),
+                         hashes=hashes, n_in=n_in, n_out=10, on_done=lambda r: None)
         req.computed, req.rank = n_in, rank
-        req.blocks = rank.pool.allocate(n_in // 16 + 1)
+        req.blocks = rank.pool.allocate(n_in // block_size + 1)
         rank.running.append(req)
     steps: list[float] = []
     monkeypatch.setattr(inst, "_run", lambda dt, done: steps.append(dt))
     inst._step()
-    assert steps == [pytest.approx(keys * 1e-6)]
+    assert len(steps) == 1
+    return steps[0]
 
 
 @pytest.mark.parametrize(("head", "engine_block", "keys"), [
@@ -125,23 +134,10 @@ def test_decodes_sharing_a_prefix_read_it_once(tmp_path, monkeypatch, head, engi
     """Two decodes whose inputs start with the same block hashes (a sub-agent burst) read that
     prefix once, as the engine's cascade attention does (engine/decode_groups.py), in whole
     engine blocks and only from MIN_SHARED_TOKENS up."""
-    _hw(tmp_path, monkeypatch, step_overhead_s=0.0, per_seq_s=0.0, tok_s=0.0, attn_prefill_s=0.0,
-        attn_cold_s=0.0, attn_decode_s=1e-6)
-    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
-    rank = Rank(0, 2_000, 0, 4)
-    inst = AggInstance(Clock(), perf, rank, budget=256, max_seqs=8, engine_block=engine_block)
-    for i in range(2):
-        n_in = head + 500
-        hashes = list(range(head // 4)) + [10_000 * (i + 1) + j for j in range(125)]
-        req = SimRequest(rec=RequestRecord(request_id=f"r{i}", session_id=f"s{i}", turn=0),
-                         hashes=hashes[: n_in // 4], n_in=n_in, n_out=10, on_done=lambda r: None)
-        req.computed, req.rank = n_in, rank
-        req.blocks = rank.pool.allocate(n_in // 4 + 1)
-        rank.running.append(req)
-    steps: list[float] = []
-    monkeypatch.setattr(inst, "_run", lambda dt, done: steps.append(dt))
-    inst._step()
-    assert steps == [pytest.approx(keys * 1e-6)]
+    n_in = head + 500
+    decodes = [((list(range(head // 4)) + [10_000 * (i + 1) + j for j in range(125)])[: n_in // 4],
+                n_in) for i in range(2)]
+    assert _decode_step(tmp_path, monkeypatch, 4, decodes, engine_block) == pytest.approx(keys * 1e-6)
 
 
 def test_aggregated_closed_loop(tmp_path, monkeypatch) -> None:
