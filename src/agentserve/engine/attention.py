@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from agentserve.engine.checkpoint import ModelConfig
-from agentserve.engine.decode_groups import decode_groups, shared_prefixes
+from agentserve.engine.decode_groups import decode_groups, decode_plan
 from agentserve.engine.paged_prefix import (
     PrefixLayout,
     Workspace,
@@ -208,19 +208,6 @@ def _prefill_meta(c: SeqChunk, q_start: int, block_size: int, device: torch.devi
     return PrefillMeta(q_start, n, start, kv_len, blocks, causal_lower_right(n, kv_len))
 
 
-def _decode_plan(dec: list[SeqChunk], block_size: int, device: torch.device
-                 ) -> list[tuple[list[int], int]]:
-    """The step's decodes as [(indices into `dec`, blocks they share)]: on CPU, clusters
-    that share a prefix (`shared_prefixes`), then the rest sharing nothing (0)."""
-    if not dec:
-        return []
-    plan = (shared_prefixes([c.block_ids for c in dec], [c.start_pos + 1 for c in dec], block_size)
-            if device.type == "cpu" else [])
-    clustered = {i for members, _ in plan for i in members}
-    rest = [i for i in range(len(dec)) if i not in clustered]
-    return plan + ([(rest, 0)] if rest else [])
-
-
 def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.device) -> BatchMeta:
     """Lay out one step's tokens (decodes first) and build all index tensors."""
     device = torch.device(device)
@@ -233,7 +220,9 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, device: str | torch.d
     groups: list[DecodeGroup] = []
     row = 0
     shared: list[SharedPrefix] = []
-    for members, n_shared in _decode_plan([chunks[i] for i in dec], block_size, device):
+    plan = decode_plan([chunks[i].block_ids for i in dec], [chunks[i].start_pos + 1 for i in dec],
+                       block_size, cascade=device.type == "cpu")
+    for members, n_shared in plan:
         first, sh = row, None
         d_all = orig = [chunks[dec[j]] for j in members]
         if n_shared:  # the groups below see only what follows the shared blocks

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 __all__ = ["DECODE_PAD_MIN_KEYS", "DECODE_PAD_SHARE", "MIN_SHARED_TOKENS", "decode_groups",
-           "padded_keys", "shared_prefixes", "read_keys"]
+           "padded_keys", "shared_prefixes", "decode_plan", "read_keys"]
 
 # A decode group takes the next (shorter) context while the keys it pads stay within this
 # share of what it reads, or under DECODE_PAD_MIN_KEYS in all: a second call has a fixed cost
@@ -105,18 +105,30 @@ def shared_prefixes(tables: Sequence[Sequence[Hashable]], ctx: Sequence[int], bl
     return out
 
 
+def decode_plan(tables: Sequence[Sequence[Hashable]], ctx: Sequence[int], block_size: int,
+                cascade: bool = True, min_tokens: int | None = None
+                ) -> list[tuple[list[int], int]]:
+    """A step's decodes as [(indices, blocks they share)]: with `cascade`, the clusters of
+    `shared_prefixes`, then the rest, sharing nothing (0 blocks)."""
+    plan = shared_prefixes(tables, ctx, block_size, min_tokens) if cascade else []
+    clustered = {i for members, _ in plan for i in members}
+    rest = [i for i in range(len(ctx)) if i not in clustered]
+    return plan + ([(rest, 0)] if rest else [])
+
+
 def read_keys(tables: Sequence[Sequence[Hashable]], ctx: Sequence[int], block_size: int,
               min_tokens: int | None = None, shared_floor: int = 1) -> int:
     """Keys the engine's decode attention reads for decodes (`tables`, `ctx`): each shared
     prefix once, then each cluster's remainders and the unshared decodes grouped
     (`padded_keys`). `shared_floor` rounds a shared prefix down to a multiple of that many
-    tokens (the simulator's trace blocks are finer than the engine's)."""
+    tokens (the simulator's trace blocks are finer than the engine's); one that falls under
+    `min_tokens` is read by each decode."""
     min_tokens = MIN_SHARED_TOKENS if min_tokens is None else min_tokens
-    keys, rest = 0, set(range(len(ctx)))
-    for members, n in shared_prefixes(tables, ctx, block_size, min_tokens):
+    keys, alone = 0, []
+    for members, n in decode_plan(tables, ctx, block_size, min_tokens=min_tokens):
         shared = n * block_size // shared_floor * shared_floor
-        if shared < min_tokens:
+        if shared < min_tokens:  # (or n == 0: the decodes that share nothing)
+            alone += members
             continue
         keys += shared + padded_keys([ctx[i] - shared for i in members])
-        rest.difference_update(members)
-    return keys + padded_keys([ctx[i] for i in sorted(rest)])
+    return keys + padded_keys([ctx[i] for i in sorted(alone)])
