@@ -32,3 +32,14 @@ def test_steps_are_traced_only_when_asked(tmp_path, monkeypatch):
     assert [(r["pre"], r["dec"]) for r in recs] == [([[64, 0]], []), ([[36, 64]], []),
                                                     ([], [101]), ([], [102])]
     assert all(r["exec_s"] > 0 and r["sched_s"] >= 0 and r["post_s"] >= 0 for r in recs)
+
+
+def test_a_trace_that_cannot_be_written_turns_itself_off(tmp_path, caplog):
+    from agentserve.engine.steptrace import StepTrace
+
+    tr = StepTrace(str(tmp_path / "steps"))
+    tr._f.close()  # as if the disk had gone away under it
+    tr.record(0.0, 0.0, 0.001, 0.0, [5], [])  # no exception reaches the step
+    assert tr._f is None and "step trace" in caplog.text
+    tr.record(0.0, 0.0, 0.001, 0.0, [6], [])  # and later steps skip it
+    tr.close()

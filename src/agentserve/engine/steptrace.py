@@ -12,10 +12,13 @@ batches. Lines are buffered and flushed every `FLUSH_EVERY` steps and when the c
 from __future__ import annotations
 
 import json
+import logging
 import os
 from typing import IO
 
 __all__ = ["ENV", "StepTrace"]
+
+log = logging.getLogger(__name__)
 
 ENV = "AGENTSERVE_STEP_TRACE"
 FLUSH_EVERY = 64
@@ -37,16 +40,25 @@ class StepTrace:
 
     def record(self, t: float, sched_s: float, exec_s: float, post_s: float, dec: list[int],
                pre: list[tuple[int, int]]) -> None:
+        """One step. A trace that cannot be written (disk full, closed at shutdown) turns
+        itself off with one logged error: a diagnostic must never fail a step."""
         if self._f is None:
             return
-        self._f.write(json.dumps({"t": round(t, 6), "sched_s": round(sched_s, 6),
-                                  "exec_s": round(exec_s, 6), "post_s": round(post_s, 6),
-                                  "dec": dec, "pre": pre}, separators=(",", ":")) + "\n")
-        self._n += 1
-        if self._n % FLUSH_EVERY == 0:
-            self._f.flush()
+        try:
+            self._f.write(json.dumps({"t": round(t, 6), "sched_s": round(sched_s, 6),
+                                      "exec_s": round(exec_s, 6), "post_s": round(post_s, 6),
+                                      "dec": dec, "pre": pre}, separators=(",", ":")) + "\n")
+            self._n += 1
+            if self._n % FLUSH_EVERY == 0:
+                self._f.flush()
+        except (OSError, ValueError) as exc:
+            log.error("step trace %s stopped: %r", self.path, exc)
+            self._f = None
 
     def close(self) -> None:
-        if self._f is not None:
-            self._f.close()
-            self._f = None
+        f, self._f = self._f, None
+        if f is not None:
+            try:
+                f.close()
+            except OSError as exc:  # the last lines could not be flushed
+                log.error("step trace %s: %r", self.path, exc)

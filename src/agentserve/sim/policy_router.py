@@ -63,12 +63,10 @@ class PolicyRouter:
     def _held(self, i: int, hashes: list[int], n: int, now: float) -> tuple[int, int]:
         """(GPU, CPU-continuation) leading blocks rank i holds or was just sent."""
         g, c = self.ranks[i].prefix_blocks(hashes, n)
-        spec = self.spec[i]
-        if spec:
-            while g < n and spec.get(hashes[g], -1.0) >= now:
-                g += 1
-            c = 0 if g else c
-        return g, c
+        spec, g0 = self.spec[i], g
+        while spec and g < n and spec.get(hashes[g], -1.0) >= now:
+            g += 1
+        return g, (0 if g > g0 else c)  # CPU blocks continue only what the GPU holds
 
     def route(self, req: SimRequest, now: float) -> Rank:
         """Pick a rank for `req` and book it there (call `first_byte` and `finish`)."""
