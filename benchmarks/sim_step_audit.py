@@ -31,6 +31,7 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+from sim_vs_bench import _engine_block  # benchmarks/: the engines' KV block size
 
 KINDS = ("dec 1", "dec 2", "dec 3-4", "dec 5-8", "dec 9+", "prefill + dec", "prefill")
 
@@ -134,6 +135,7 @@ def main() -> None:
                                      max_output=a.max_output, out=str(work / "bench"),
                                      progress=False, plots=False, seed=a.seed))[0]
         cpu1, wall = cpu_snapshot(procs), time.monotonic() - t0
+        engine_block = _engine_block(cluster.engines[0][0].url)
     finally:
         cluster.stop()
         os.environ.pop("AGENTSERVE_STEP_TRACE", None)
@@ -159,7 +161,8 @@ def main() -> None:
     # the simulator, same corpus and knobs, its aggregated engines' steps recorded
     cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=a.concurrency,
                     duration=a.stage, mtp=False, cpu_offload_gib=0, chunk=a.chunk, max_seqs=128,
-                    block_size=a.token_scale, token_scale=a.token_scale, engine_block_tokens=16,
+                    block_size=a.token_scale, token_scale=a.token_scale,
+                    engine_block_tokens=engine_block,
                     kv_tokens=a.kv_tokens, max_output=a.max_output, seed=a.seed,
                     join_midway=False, workload=str(trace))
     sim = Simulation(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50)))

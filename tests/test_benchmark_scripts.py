@@ -73,3 +73,14 @@ def test_prefill_fits_recover_the_model_they_invert() -> None:
     assert cal.fit_cached(step, 2048, fixed, tok, attn_c, attn_d) == pytest.approx(attn_p)
     # noise that makes the attention term negative leaves a linear fit, not a negative cost
     assert cal.fit_cold(16, (512, 1.0), (2048, 1.0)) == (pytest.approx(1.0 / 2032), 0.0)
+
+
+@pytest.mark.slow
+def test_sim_step_audit_runs(tmp_path: Path) -> None:
+    """A 6 s stage through `up --topology 2` with the engines' step trace on, then the
+    simulator on the same corpus: both sides report steps, and the bench's are priced."""
+    res = _run("sim_step_audit.py", "--concurrency", "2", "--stage", "6", "--sessions", "8",
+               "--port", "18590", "--cpu-profile", str(ROOT / "benchmarks/results/sim_cpu_profile.json"),
+               out=tmp_path / "audit.json")
+    assert res["bench"]["steps"] > 0 and res["sim"]["steps"] > 0
+    assert all("model_ms" in row for row in res["bench"]["by_kind"].values())
