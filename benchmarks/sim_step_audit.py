@@ -31,7 +31,13 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
-from sim_vs_bench import _engine_block  # benchmarks/: the engines' KV block size
+from sim_vs_bench import (  # benchmarks/: the same corpus, cluster and simulator set-up
+    _engine_block,
+    add_workload_args,
+    corpus,
+    sim_config,
+    start_cluster,
+)
 
 KINDS = ("dec 1", "dec 2", "dec 3-4", "dec 5-8", "dec 9+", "prefill + dec", "prefill")
 
@@ -86,15 +92,8 @@ def cpu_snapshot(procs: dict[str, int]) -> dict[str, dict[str, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--concurrency", type=int, default=8)
-    ap.add_argument("--stage", type=float, default=45.0)
-    ap.add_argument("--sessions", type=int, default=96)
-    ap.add_argument("--profile", default="sweep")
-    ap.add_argument("--token-scale", type=int, default=2)
-    ap.add_argument("--max-output", type=int, default=128)
-    ap.add_argument("--kv-tokens", type=int, default=65_536)
-    ap.add_argument("--chunk", type=int, default=2048)
+    add_workload_args(ap)
     ap.add_argument("--port", type=int, default=18_520)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cpu-profile", default="benchmarks/results/sim_cpu_profile.json")
     ap.add_argument("--out", default="bench-out/sim_step_audit.json")
     a = ap.parse_args()
@@ -104,26 +103,18 @@ def main() -> None:
     os.environ["AGENTSERVE_SIM_CPU_PROFILE"] = str(Path(a.cpu_profile).resolve())
 
     from agentserve.engine.decode_groups import padded_keys
-    from agentserve.launch import Cluster, parse_topology
     from agentserve.sim.memory import Topology
     from agentserve.sim.perf import PerfModel
-    from agentserve.sim.run import SimConfig, Simulation
+    from agentserve.sim.run import Simulation
     from agentserve.sim.specs import cpu_local, model_spec
     from agentserve.workload.replay import BenchConfig, run_bench
-    from agentserve.workload.synth import synthesize
-    from agentserve.workload.traces import load_sessions, write_sessions
 
     work = Path(tempfile.mkdtemp(prefix="sim_step_audit_"))
-    trace = work / f"{a.profile}.jsonl"
-    write_sessions(synthesize(a.profile, a.sessions, a.seed), trace)
-    sessions = load_sessions(trace).sessions
+    trace, sessions = corpus(a, work)
 
     # the bench, engines tracing their steps
     os.environ["AGENTSERVE_STEP_TRACE"] = str(work / "steps")
-    cluster = Cluster(work / "run", port=a.port,
-                      engine_args=["--kv-cache-tokens", str(a.kv_tokens),
-                                   "--max-num-batched-tokens", str(a.chunk)])
-    cluster.start(parse_topology("2"))
+    cluster = start_cluster(a, work / "run")
     procs = {s.name: p.pid for s, p in cluster.engines}
     assert cluster.router is not None
     procs["router"] = cluster.router.pid
@@ -154,18 +145,12 @@ def main() -> None:
 
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
 
-    def model(s: dict) -> float:
+    def model(s: dict) -> float:  # the trace has no block tables: no shared prefixes priced
         return perf.measured_step([tuple(p) for p in s["pre"]], float(padded_keys(s["dec"])),
                                   len(s["dec"]))
 
     # the simulator, same corpus and knobs, its aggregated engines' steps recorded
-    cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=a.concurrency,
-                    duration=a.stage, mtp=False, cpu_offload_gib=0, chunk=a.chunk, max_seqs=128,
-                    block_size=a.token_scale, token_scale=a.token_scale,
-                    engine_block_tokens=engine_block,
-                    kv_tokens=a.kv_tokens, max_output=a.max_output, seed=a.seed,
-                    join_midway=False, workload=str(trace))
-    sim = Simulation(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50)))
+    sim = Simulation(sim_config(a, a.concurrency, trace, engine_block), itertools.chain.from_iterable(itertools.repeat(sessions, 50)))
     for agg in sim.aggs:
         agg.trace = []
     summary = sim.run()

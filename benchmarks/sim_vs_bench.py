@@ -100,9 +100,8 @@ def mean_profile(a: dict, b: dict) -> dict:
     return out
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--concurrency", default="4,8")
+def add_workload_args(ap: argparse.ArgumentParser) -> None:
+    """The corpus, bench and engine knobs this check and `sim_step_audit.py` share."""
     ap.add_argument("--stage", type=float, default=45.0)
     ap.add_argument("--sessions", type=int, default=96)
     ap.add_argument("--profile", default="sweep")
@@ -110,8 +109,47 @@ def main() -> None:
     ap.add_argument("--max-output", type=int, default=128)
     ap.add_argument("--kv-tokens", type=int, default=65_536)
     ap.add_argument("--chunk", type=int, default=2048)
-    ap.add_argument("--port", type=int, default=18_480)
     ap.add_argument("--seed", type=int, default=0)
+
+
+def corpus(args: argparse.Namespace, work: Path) -> tuple[Path, list]:
+    """The synthesized corpus, written to a file in `work` (both sides replay that file)."""
+    from agentserve.workload.synth import synthesize
+    from agentserve.workload.traces import load_sessions, write_sessions
+
+    trace = work / f"{args.profile}.jsonl"
+    write_sessions(synthesize(args.profile, args.sessions, args.seed), trace)
+    return trace, load_sessions(trace).sessions
+
+
+def start_cluster(args: argparse.Namespace, run_dir: Path):
+    """`agentserve up --topology 2` with this check's KV size and chunk budget."""
+    from agentserve.launch import Cluster, parse_topology
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    c = Cluster(run_dir, port=args.port, engine_args=["--kv-cache-tokens", str(args.kv_tokens),
+                                                      "--max-num-batched-tokens", str(args.chunk)])
+    c.start(parse_topology("2"))
+    return c
+
+
+def sim_config(args: argparse.Namespace, concurrency: int, trace: Path, engine_block: int):
+    """The simulator's side: 2 aggregated engines, the same corpus file, knobs and block size."""
+    from agentserve.sim.run import SimConfig
+
+    return SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=concurrency,
+                     duration=args.stage, mtp=False, cpu_offload_gib=0, chunk=args.chunk,
+                     max_seqs=128, block_size=args.token_scale, token_scale=args.token_scale,
+                     engine_block_tokens=engine_block, kv_tokens=args.kv_tokens,
+                     max_output=args.max_output, seed=args.seed, join_midway=False,
+                     workload=str(trace))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--concurrency", default="4,8")
+    add_workload_args(ap)
+    ap.add_argument("--port", type=int, default=18_480)
     ap.add_argument("--reuse-profile", action="store_true", help="skip calibration if a profile exists")
     ap.add_argument("--calibration", choices=["server", "core"], default="server",
                     help="fit the cpu-local profile from client timings through the running "
@@ -121,29 +159,15 @@ def main() -> None:
     conc = [int(x) for x in args.concurrency.split(",")]
     work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_"))
 
-    from agentserve.workload.synth import synthesize
-    from agentserve.workload.traces import load_sessions, write_sessions
-
-    trace = work / f"{args.profile}.jsonl"
-    write_sessions(synthesize(args.profile, args.sessions, args.seed), trace)
-    sessions = load_sessions(trace).sessions
+    trace, sessions = corpus(args, work)
 
     # the cluster (calibrated, then benchmarked)
-    from agentserve.launch import Cluster, parse_topology
     from agentserve.workload.replay import BenchConfig, run_bench
 
     prof_path = Path("benchmarks/results/sim_cpu_profile.json")
     load_before = os.getloadavg()
-    def new_cluster(name: str) -> Cluster:
-        (work / name).mkdir(parents=True, exist_ok=True)
-        c = Cluster(work / name, port=args.port,
-                    engine_args=["--kv-cache-tokens", str(args.kv_tokens),
-                                 "--max-num-batched-tokens", str(args.chunk)])
-        c.start(parse_topology("2"))
-        return c
-
     url = f"http://127.0.0.1:{args.port}"
-    cluster = new_cluster("run")
+    cluster = start_cluster(args, work / "run")
     try:
         # 1-2. calibrate right before the real run, on the same processes
         if args.reuse_profile and prof_path.is_file():
@@ -181,7 +205,7 @@ def main() -> None:
     # the run's router state (recent requests per engine) would split the calibration's
     # waves unevenly between the engines.
     if args.calibration == "server" and not args.reuse_profile:
-        cluster = new_cluster("calibrate_after")
+        cluster = start_cluster(args, work / "calibrate_after")
         try:
             profile_after = _calibrator().calibrate_server(url, chunk=args.chunk)
         finally:
@@ -193,16 +217,11 @@ def main() -> None:
     load_after = os.getloadavg()
 
     # 4. the simulator, same workload and knobs
-    from agentserve.sim.run import SimConfig, simulate
+    from agentserve.sim.run import simulate
 
     rows = []
     for c, real in zip(conc, stages):
-        cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=c,
-                        duration=args.stage, mtp=False, cpu_offload_gib=0, chunk=args.chunk,
-                        max_seqs=128, block_size=args.token_scale, token_scale=args.token_scale,
-                        engine_block_tokens=engine_block,
-                        kv_tokens=args.kv_tokens, max_output=args.max_output, seed=args.seed,
-                        join_midway=False, workload=str(trace))
+        cfg = sim_config(args, c, trace, engine_block)
         t = time.time()
         sim = simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50)))
         row = {"concurrency": c, "sim_wall_s": time.time() - t}

@@ -17,10 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import re
 import tempfile
 import threading
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -29,13 +27,12 @@ from rich.table import Table
 
 from agentserve.procs import start_engine
 from long_prompt_stall import post, stream  # benchmarks/: the same completions client
+from sim_vs_bench import _attn_reads  # benchmarks/: the engines' attention read counters
 
 
 def shared_tokens(url: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
-        m = re.search(r"^agentserve:attn_read_shared_tokens_total\{[^}]*\} (\S+)$",
-                      r.read().decode(), re.M)
-    return float(m.group(1)) if m else 0.0  # an engine without the counter reads nothing shared
+    """The engine's `agentserve:attn_read_shared_tokens` (0 for an engine without it)."""
+    return _attn_reads([url]).get("shared", 0.0)
 
 
 def main() -> None:
