@@ -20,7 +20,6 @@ last prompt token is always computed: `min(run, (prompt_len - 1) // block_size) 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +29,7 @@ from agentserve.router.approx import ApproxTracker
 from agentserve.router.config import EndpointConfig, RouterConfig
 from agentserve.router.endpoints import Endpoint
 from agentserve.router.index import Match, PrefixIndex
-from agentserve.router.liveness import SessionLiveness
+from agentserve.router.ledger import MAX_OUTPUT_CHARGE, Ledger
 from agentserve.router.picker import build_picker
 from agentserve.router.prefix import HashCache
 from agentserve.router.scorers import (Candidate, ModelFilter, RoleFilter, build_scorers,
@@ -38,8 +37,6 @@ from agentserve.router.scorers import (Candidate, ModelFilter, RoleFilter, build
 from agentserve.router.tokenize import Tokenized
 
 HasherId = tuple[str, int, "str | None"]
-_MAX_OUTPUT_CHARGE = 4096
-_MIN_LEARN_TOKENS = 512  # smaller prefills: time to first byte is mostly overhead
 
 
 class NoEndpoint(Exception):
@@ -97,10 +94,9 @@ class Router:
         self.endpoints: dict[str, Endpoint] = {}
         self.approx: dict[str, ApproxTracker] = {}
         self.caches: dict[HasherId, HashCache] = {}
-        self.sessions: OrderedDict[str, str] = OrderedDict()
-        self.liveness = SessionLiveness(self.opts.session_active_s,
-                                        self.opts.session_pause_quantile,
-                                        self.opts.session_entries)
+        self.ledger = Ledger(self.endpoints, self.opts)  # booked load, session placement
+        self.sessions = self.ledger.sessions  # session -> url of its latest turn
+        self.liveness = self.ledger.liveness
         # session -> its latest prompt length, for Candidate.active_tokens (only kept
         # when a scorer uses it: the sum costs one lookup per active session)
         self.session_tokens: dict[str, int] = {}
@@ -130,8 +126,7 @@ class Router:
         self.endpoints.pop(url, None)
         self.approx.pop(url, None)
         self.index.drop_endpoint(url)
-        for s in [s for s, u in self.sessions.items() if u == url]:
-            del self.sessions[s]
+        self.ledger.forget(url)
 
     def hasher_id(self, ep: Endpoint) -> HasherId:
         return (ep.cfg.hash_algo, ep.block_size or self.opts.block_size, ep.cfg.hash_seed)
@@ -281,7 +276,7 @@ class Router:
         i, reason = self.picker.pick(cands, scores)
         c = cands[i]
         ep = self.endpoints[c.url]
-        out = min(req.max_tokens, _MAX_OUTPUT_CHARGE) * req.samples if charge_output else 1
+        out = min(req.max_tokens, MAX_OUTPUT_CHARGE) * req.samples if charge_output else 1
         d = Decision(url=c.url, rank=c.rank, reason=reason, prompt_len=len(req.token_ids),
                      predicted_cached=c.predicted_cached, charged_tokens=c.uncached_tokens + out,
                      uncached=c.uncached_tokens, seconds=0.0,
@@ -293,25 +288,8 @@ class Router:
 
     def _book(self, ep: Endpoint, d: Decision, c: Candidate, req: RouteInput,
               now: float) -> None:
-        d.sent_at, d.ahead = now, ep.pending_prefill
-        ep.inflight += 1
-        ep.count_request(now, self.opts.recent_requests_s)
-        ep.inflight_tokens += d.charged_tokens
-        ep.pending_prefill += d.uncached
-        if req.session is not None:
-            d.session = req.session
-            self.liveness.start(req.session, now)
-            prev = self.sessions.get(req.session)
-            if prev is not None and prev != ep.url and prev in self.endpoints:
-                self.endpoints[prev].active.pop(req.session, None)  # the session moved
-            ep.active[req.session] = now
-            ep.active.move_to_end(req.session)
-            self.sessions[req.session] = ep.url
-            self.sessions.move_to_end(req.session)
-            if len(self.sessions) > self.opts.session_entries:
-                s, u = self.sessions.popitem(last=False)
-                if u in self.endpoints:
-                    self.endpoints[u].active.pop(s, None)
+        d.sent_at, d.session = now, req.session
+        d.ahead = self.ledger.book(ep, d.uncached, d.charged_tokens, req.session, now)
         tracker = self.approx.get(ep.url)
         if tracker is not None:
             tracker.touch(d.keys)
@@ -323,12 +301,7 @@ class Router:
         """The endpoint started answering: its prefill of this request is done."""
         if not d.started:
             d.started = True
-            ep = self.endpoints.get(d.url)
-            if ep is not None:
-                ep.pending_prefill = max(0, ep.pending_prefill - d.uncached)
-                work = d.ahead + d.uncached
-                if work >= _MIN_LEARN_TOKENS and d.sent_at:
-                    ep.learn_prefill(work, time.monotonic() - d.sent_at)
+            self.ledger.first_byte(d.url, d.uncached, d.ahead, d.sent_at or None, time.monotonic())
 
     def finish(self, d: Decision) -> None:
         """The request ended (success or not): release what `decide` booked (once)."""
@@ -336,17 +309,7 @@ class Router:
             return
         d.finished = True
         self.first_byte(d)
-        ep = self.endpoints.get(d.url)
-        if ep is not None:
-            ep.inflight = max(0, ep.inflight - 1)
-            ep.inflight_tokens = max(0, ep.inflight_tokens - d.charged_tokens)
-        s = d.session
-        if s is not None:
-            now = time.monotonic()
-            self.liveness.end(s, now)
-            if ep is not None and self.sessions.get(s) == d.url:
-                ep.active[s] = now  # the pause starts now, not when the turn was sent
-                ep.active.move_to_end(s)
+        self.ledger.finish(d.url, d.charged_tokens, d.session, time.monotonic())
 
     def stats(self) -> dict[str, Any]:
         return {"index_blocks": len(self.index), "endpoints": len(self.endpoints),

@@ -6,9 +6,9 @@ session request rates, queue, in-flight load and KV use, and the sticky picker (
 session's prefix holder unless saturated; place new sessions where sessions and requests
 are fewest; rebalance by request rate). The small-scale check (`benchmarks/sim_vs_bench.py`)
 replays a trace through that router, so the simulator's aggregated engines route with the
-same scorer and picker objects, fed by the same bookkeeping (`Endpoint`'s recent-request
-count, live sessions and learned prefill speed; `SessionLiveness`), kept on the simulated
-clock. The prefix index is each rank's pool (blocks stored) plus speculative entries for
+same scorer and picker objects, fed by the same bookkeeping (`router.ledger.Ledger`:
+in-flight load, recent requests, live sessions, learned prefill speed), kept on the
+simulated clock. The prefix index is each rank's pool (blocks stored) plus speculative entries for
 blocks routed there in the last `speculative_ttl_s`, as the router's precise index holds.
 
 The P/D pools keep `cluster.Router` (the reference deployment's llm-d-like presets).
@@ -20,20 +20,17 @@ from dataclasses import dataclass
 
 from agentserve.router.config import PRESETS, EndpointConfig, Options
 from agentserve.router.endpoints import Endpoint
-from agentserve.router.liveness import SessionLiveness
+from agentserve.router.ledger import MAX_OUTPUT_CHARGE, Ledger
 from agentserve.router.picker import build_picker
 from agentserve.router.scorers import Candidate, build_scorers, weighted_scores
 from agentserve.sim.cluster import CPU_TIER_WEIGHT, Rank, SimRequest
 
 __all__ = ["PolicyRouter"]
 
-_MIN_LEARN_TOKENS = 512  # as router/core.py: smaller prefills' first byte is mostly overhead
-_MAX_OUTPUT_CHARGE = 4096  # as router/core.py
-
 
 @dataclass(slots=True)
 class _Booked:
-    ep: int
+    url: str
     uncached: int
     charged: int
     ahead: int
@@ -52,12 +49,11 @@ class PolicyRouter:
         self.scorers = build_scorers(preset["scorers"])
         self.picker = build_picker({**preset["picker"], "seed": seed})
         self.rates = bool(getattr(self.picker, "uses_rates", False) or preset["scorers"].get("rate"))
-        self.liveness = SessionLiveness(self.opts.session_active_s,
-                                        self.opts.session_pause_quantile, self.opts.session_entries)
         # simulated endpoints: the URL only names them (the picker reports it)
         self.eps = [Endpoint(EndpointConfig(url=f"http://rank-{r.idx}")) for r in ranks]
+        self.ledger = Ledger({ep.url: ep for ep in self.eps}, self.opts)
+        self.liveness = self.ledger.liveness
         self.spec: list[dict[int, float]] = [{} for _ in ranks]  # hash -> speculative until
-        self.sessions: dict[str, int] = {}  # session -> endpoint of its latest turn
         self._booked: dict[int, _Booked] = {}  # id(request) -> what routing it booked
 
     def _held(self, i: int, hashes: list[int], n: int, now: float) -> tuple[int, int]:
@@ -75,7 +71,7 @@ class PolicyRouter:
         session = req.rec.session_id or None
         mine = self.liveness.rate(session, now) if self.rates and session else 0.0
         window, busy, tau = self.liveness.limit_s(), self.liveness.busy, self.opts.recent_requests_s
-        home = self.sessions.get(session) if session and self.opts.session_affinity else None
+        home = self.ledger.sessions.get(session) if session and self.opts.session_affinity else None
         cands = []
         for i, (r, ep) in enumerate(zip(self.ranks, self.eps)):
             g, c = self._held(i, req.hashes, n, now)
@@ -85,7 +81,7 @@ class PolicyRouter:
                 len(r.waiting), len(r.running), r.pool.usage, ep.inflight, ep.inflight_tokens,
                 ep.pending_prefill,
                 (ep.pending_prefill + uncached) / (ep.prefill_tok_s or self.opts.prefill_tok_per_s),
-                home == i, "both", True,
+                home == ep.url, "both", True,
                 ep.active_sessions(now, window, busy) if ep.active else 0, 0,
                 ep.recent_requests(now, tau))
             if self.rates:
@@ -99,20 +95,9 @@ class PolicyRouter:
 
     def _book(self, i: int, req: SimRequest, c: Candidate, session: str | None, now: float) -> None:
         ep = self.eps[i]
-        charged = c.uncached_tokens + min(req.n_out, _MAX_OUTPUT_CHARGE)
-        self._booked[id(req)] = _Booked(i, c.uncached_tokens, charged, ep.pending_prefill, now, session)
-        ep.inflight += 1
-        ep.count_request(now, self.opts.recent_requests_s)
-        ep.inflight_tokens += charged
-        ep.pending_prefill += c.uncached_tokens
-        if session is not None:
-            self.liveness.start(session, now)
-            prev = self.sessions.get(session)
-            if prev is not None and prev != i:
-                self.eps[prev].active.pop(session, None)  # the session moved
-            ep.active[session] = now
-            ep.active.move_to_end(session)
-            self.sessions[session] = i
+        charged = c.uncached_tokens + min(req.n_out, MAX_OUTPUT_CHARGE)
+        ahead = self.ledger.book(ep, c.uncached_tokens, charged, session, now)
+        self._booked[id(req)] = _Booked(ep.url, c.uncached_tokens, charged, ahead, now, session)
         if self.opts.speculative_ttl_s > 0:
             until = now + self.opts.speculative_ttl_s
             spec = self.spec[i]
@@ -127,23 +112,11 @@ class PolicyRouter:
         if b is None or b.started:
             return
         b.started = True
-        ep = self.eps[b.ep]
-        ep.pending_prefill = max(0, ep.pending_prefill - b.uncached)
-        work = b.ahead + b.uncached
-        if work >= _MIN_LEARN_TOKENS and now > b.sent_at:
-            ep.learn_prefill(work, now - b.sent_at)
+        self.ledger.first_byte(b.url, b.uncached, b.ahead, b.sent_at, now)
 
     def finish(self, req: SimRequest, now: float) -> None:
         """`req` ended (success or not): release what `route` booked."""
         self.first_byte(req, now)
         b = self._booked.pop(id(req), None)
-        if b is None:
-            return
-        ep = self.eps[b.ep]
-        ep.inflight = max(0, ep.inflight - 1)
-        ep.inflight_tokens = max(0, ep.inflight_tokens - b.charged)
-        if b.session is not None:
-            self.liveness.end(b.session, now)
-            if self.sessions.get(b.session) == b.ep:
-                ep.active[b.session] = now  # the pause starts now, not when the turn was sent
-                ep.active.move_to_end(b.session)
+        if b is not None:
+            self.ledger.finish(b.url, b.charged, b.session, now)
