@@ -54,7 +54,8 @@ def point(args: tuple) -> dict:
                            **(over[0] if over else {})))
     return {"concurrency": c, "output_tok_s": s["output_tok_s"], "input_tok_s": s["input_tok_s"],
             "itl_p50_ms": s["itl_ms"]["p50"], "ttft_p50_s": s["ttft_s"]["p50"],
-            "ttft_p90_s": s["ttft_s"]["p90"], "cost_in": s["cost_per_m_input"],
+            "ttft_p90_s": s["ttft_s"]["p90"], "ttft_mean_s": s["ttft_s"]["mean"],
+            "itl_token_mean_ms": s["itl_token_ms"]["mean"], "cost_in": s["cost_per_m_input"],
             "cost_out": s["cost_per_m_output"], "decode_busy_frac": s["decode_busy_frac"],
             "prefill_busy_frac": s["prefill_busy_frac"], "prefill_gpu_hit_rate": s["prefill_gpu_hit_rate"],
             "mean_input": s["input_tokens"] / max(1, s["requests_ok"]),
@@ -92,18 +93,24 @@ def main() -> None:
     ap.add_argument("--warmup", type=float, default=None, help="simulated s before the stage (None: the default)")
     ap.add_argument("--out", default="benchmarks/results/sim_calibration.json")
     ap.add_argument("--trends", action="store_true", help="run TRENDS at c64/c128 instead")
+    ap.add_argument("--replay-run", type=int, default=None,
+                    help="turns per replayed run (default: the simulator's REPLAY_RUN); a larger "
+                    "value starts fewer cold conversations: how the TTFT tail moves ITL and output")
     a = ap.parse_args()
     if a.trends:
         return trends(a)
     seeds = range(a.seed, a.seed + a.seeds)
     with Pool(2) as pool:
-        runs = pool.map(point, [(c, a.duration, sd, a.warmup) for c in (128, 64, 16) for sd in seeds])
+        over = {} if a.replay_run is None else {"replay_run": a.replay_run}
+        runs = pool.map(point, [(c, a.duration, sd, a.warmup, over) for c in (128, 64, 16) for sd in seeds])
     rows = [_mean([r for r in runs if r["concurrency"] == c]) for c in (16, 64, 128)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"duration": a.duration, "warmup": a.warmup, "seeds": list(seeds), "rows": rows,
+    Path(a.out).write_text(json.dumps({"duration": a.duration, "warmup": a.warmup, "seeds": list(seeds),
+                                      "replay_run": a.replay_run, "rows": rows,
                                       "reference": REFERENCE},
                                       indent=2))
-    t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds")
+    rr = "" if a.replay_run is None else f", runs of {a.replay_run} turns"
+    t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds{rr}")
     keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out",
             "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user")
     for col in ("c",) + keys:

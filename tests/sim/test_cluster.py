@@ -97,6 +97,7 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     (["sim", "--topology", "3X1D"], "expected xPyD"),
     (["sim", "--concurrency", "-4"], "--concurrency must be >= 1"),
     (["sim", "--duration", "0"], "--duration must be >= 1"),
+    (["sim", "--replay-run", "0"], "--replay-run must be >= 1"),
     (["sim", "--workload", "/nonexistent/trace.jsonl"], "no such trace file"),
     (["plan", "--gpus", "0"], "--gpus must be >= 1"),
     (["plan", "--widths", "a"], "comma-separated integers"),
@@ -166,6 +167,11 @@ def test_runs_replay_draws_requests_uniformly_in_fresh_namespaces() -> None:
     # not active for trace replays or when join_midway is off
     assert not sim_run.Simulation(_cfg(join_midway=True, workload="x.jsonl"), [long_s])._runs_replay
     assert not sim_run.Simulation(_cfg(), [long_s])._runs_replay
+    # --replay-run sets the run length (how often a client starts a cold conversation)
+    sim3 = sim_run.Simulation(_cfg(join_midway=True, workload="sweep-full", concurrency=1,
+                                   replay_run=3), [long_s])
+    lens = [len(sim3.runs.next()[2]) for _ in range(200)]
+    assert max(lens) == 3 and min(lens) >= 1
 
 
 def test_sweep_outputs_scaled_to_reference_mean() -> None:

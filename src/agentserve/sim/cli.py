@@ -36,20 +36,24 @@ def register(app: typer.Typer) -> None:
         duration: float = typer.Option(600.0, help="stage length, simulated seconds"),
         warmup: float = typer.Option(None, help="simulated seconds before the stage (default: "
                                      "120 for xPyD on a synthesized workload, else 0)"),
+        replay_run: int = typer.Option(None, help="synthesized xPyD stages: turns a client replays "
+                                       "before it starts a fresh (cold) conversation (default: 8, "
+                                       "fitted to the reference's CPU-tier writes)"),
         seed: int = typer.Option(0),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
         check_flags(prefill_width=(prefill_width, 1), decode_width=(decode_width, 1),
                      concurrency=(concurrency, 1), cpu_offload_gib=(cpu_offload_gib, 0),
-                     duration=(duration, 1), warmup=(warmup, 0))
+                     duration=(duration, 1), warmup=(warmup, 0), replay_run=(replay_run, 1))
         try:
             p, d = parse_topology(topology)
             cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
                             decode_width=decode_width, concurrency=concurrency, mtp=mtp,
                             cpu_offload_gib=cpu_offload_gib, cpu_store_on=cpu_store_on,
                             workload=workload, duration=duration,
-                            warmup=warmup, seed=seed, aggregated=d if p == 0 else 0)
+                            warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
+                            replay_run=replay_run)
             s = simulate(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))

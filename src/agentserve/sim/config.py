@@ -48,6 +48,10 @@ class SimConfig:
     # stage's inputs are the corpus's pooled distribution whatever its length. A trace file:
     # every session is joined at a uniformly random request. False: sessions from their start.
     join_midway: bool = True
+    # Turns per replayed run (None: `workload.REPLAY_RUN`, fitted to the reference's CPU-tier
+    # write volume). Each run is a fresh conversation whose first request is computed cold,
+    # so this sets how often, and so how many, cold prefills the stage carries.
+    replay_run: int | None = None
     # Aggregated engines ("both" role, `agentserve up --topology N`): when > 0 the deployment is
     # `aggregated` one-rank engines that prefill and decode in the same step (agg.py); the
     # prefill/decode fields are then unused, `chunk` is the engine's max_num_batched_tokens.

@@ -56,7 +56,8 @@ class Simulation:
         self.overhead_per_token = ov if ov is not None else float(
             (hw.measured or {}).get("request_overhead_per_token_s", 0.0))
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
-        self.runs = RunSampler(self.sessions, cfg.concurrency, self.rng)
+        self.runs = RunSampler(self.sessions, cfg.concurrency, self.rng,
+                               REPLAY_RUN if cfg.replay_run is None else cfg.replay_run)
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES
         self.seen: dict[int, set[int]] = {}

@@ -85,7 +85,7 @@ def flatten(s: Session) -> list[tuple[int, str, TraceRequest]]:
 
 
 class RunSampler:
-    """Runs of REPLAY_RUN consecutive requests of a session, each starting at a request
+    """Runs of `run` (REPLAY_RUN) consecutive requests of a session, each starting at a request
     drawn uniformly from a pool's requests (session drawn in proportion to its request
     count, then a uniform turn), so a stage's inputs are the corpus's pooled request mix.
     Each run gets its own hash namespace (a fresh conversation of that shape), so its first
@@ -93,8 +93,11 @@ class RunSampler:
     is renewed every `4 x pool` runs."""
 
     def __init__(self, sessions: Iterator[tuple[int, Session]], concurrency: int,
-                 rng: np.random.Generator) -> None:
+                 rng: np.random.Generator, run: int = REPLAY_RUN) -> None:
+        if run < 1:
+            raise ValueError(f"a replayed run needs at least one turn, got {run}")
         self.sessions = sessions
+        self.run = run
         self.concurrency = concurrency
         self.rng = rng
         self._pool: list = []
@@ -118,4 +121,4 @@ class RunSampler:
         flat, sid = self._pool[int(self.rng.choice(len(self._pool), p=self._pool_p))]
         j = int(self.rng.integers(len(flat)))
         self._run_ids += 1
-        return self._run_ids, sid, flat[j:j + REPLAY_RUN]
+        return self._run_ids, sid, flat[j:j + self.run]
