@@ -22,6 +22,7 @@ run benchmarks/pd_transfer.py --out bench-out/pd_transfer.json
 run benchmarks/pd_itl.py --out bench-out/pd_itl.json
 run benchmarks/pd_ttft.py --out bench-out/pd_ttft.json
 run benchmarks/engine_speed.py --out bench-out/engine_speed.json
+run benchmarks/serve_overhead.py --out bench-out/serve_overhead.json
 run benchmarks/long_prompt_stall.py --out bench-out/long_prompt_stall.json
 run benchmarks/sim_speed.py --out bench-out/sim_speed.json
 run benchmarks/sim_calibration.py --duration 600 --out bench-out/sim_calibration.json

@@ -48,6 +48,17 @@ def test_engine_speed_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_serve_overhead_runs(tmp_path: Path) -> None:
+    """In-process, through a real server, and beside a competing load: three tok/s figures."""
+    res = _run("serve_overhead.py", "--batches", "2", "--ctx", "64", "--reps", "1",
+               out=tmp_path / "overhead.json")
+    for key in ("in_process_tok_s", "served_tok_s"):
+        assert res[key]["2"] > 0
+    assert res["competing_tok_s"]["thread"]["2"] > 0 and res["competing_tok_s"]["process"]["2"] > 0
+    assert res["served_cpu"]["2"]["server_threads_cores"]
+
+
+@pytest.mark.slow
 def test_subagent_burst_runs_and_reads_the_shared_prompt_once(tmp_path: Path) -> None:
     """Through a real server: 3 streams after one 1,100-token head (68 whole blocks, over
     MIN_SHARED_TOKENS) decode together, and the engine counts the head's tokens it did not
