@@ -8,8 +8,9 @@ are fewest; rebalance by request rate). The small-scale check (`benchmarks/sim_v
 replays a trace through that router, so the simulator's aggregated engines route with the
 same scorer and picker objects, fed by the same bookkeeping (`router.ledger.Ledger`:
 in-flight load, recent requests, live sessions, learned prefill speed), kept on the
-simulated clock. The prefix index is each rank's pool (blocks stored) plus speculative entries for
-blocks routed there in the last `speculative_ttl_s`, as the router's precise index holds.
+simulated clock. The prefix index is each rank's pool (blocks stored) plus speculative
+entries for blocks routed there in the last `speculative_ttl_s`, as the router's precise
+index holds.
 
 The P/D pools keep `cluster.Router` (the reference deployment's llm-d-like presets).
 """
