@@ -128,6 +128,9 @@ def test_stop_sequence(client: anthropic.Anthropic, served: ServerThread) -> Non
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
       "tools": [{"type": "web_search_20250305", "name": "web_search"}]}, 400,
      "invalid_request_error", "server tools"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}],
+      "tools": [{"name": "read_file", "description": "no schema"}]}, 400,
+     "invalid_request_error", "input_schema"),
     ({"model": "claude-9", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
      404, "not_found_error", "claude-9"),
 ])

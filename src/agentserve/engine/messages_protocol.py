@@ -141,6 +141,9 @@ def to_tools(tools: list[AnthropicTool] | None) -> list[Tool] | None:
         if t.type not in (None, "custom"):
             raise APIError(400, f"tools[{i}]: server tools ({t.type!r}) are not supported; "
                            "send client tools with an input_schema", f"tools[{i}]")
+        if not isinstance(t.input_schema, dict):  # Anthropic requires it on client tools
+            raise APIError(400, f"tools[{i}].input_schema: a JSON Schema object is required "
+                           f"(tool {t.name!r})", f"tools[{i}].input_schema")
         out.append(Tool(function=FunctionDef(name=t.name, description=t.description,
                                              parameters=t.input_schema)))
     return out or None
