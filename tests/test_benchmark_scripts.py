@@ -95,3 +95,19 @@ def test_sim_step_audit_runs(tmp_path: Path) -> None:
                out=tmp_path / "audit.json")
     assert res["bench"]["steps"] > 0 and res["sim"]["steps"] > 0
     assert all("model_ms" in row for row in res["bench"]["by_kind"].values())
+
+
+def test_pause_signal_orders_bound_each_other() -> None:
+    """kvtier_pause_signal.py's offline replay on the bundled Weka mini trace: the oracle
+    (Belady) brings back the fewest blocks; a hint with no error is the oracle itself; a
+    noisy one lands between the oracle and a hint that knows nothing useful."""
+    import kvtier_pause_signal as ps
+
+    sessions, _ = ps.load_turns(str(ps.DEFAULT_TRACE), 8, 0.25, 120.0)
+    mean_ctx = sum(sum(len(t.blocks) for t in s) / len(s) for s in sessions) / len(sessions)
+    cap = int(4 * mean_ctx / 3)  # 4 sessions at once, live KV 3x the cache
+    got = {p: ps.replay(sessions, 4, cap, p, 0.5, 0.0016)["missed_blocks"]
+           for p in ("lru", "belady", "hint:0", "hint:0.5", "hint:8")}
+    assert got["hint:0"] == got["belady"] < got["lru"]
+    assert got["belady"] <= got["hint:0.5"] <= got["hint:8"] and got["belady"] < got["hint:8"]
+
