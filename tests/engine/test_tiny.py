@@ -134,3 +134,50 @@ def test_make_tiny_cli_errors_are_one_line(tmp_path, args, message):
     args = [str(tmp_path / "m") if a == "OUT" else a for a in args]
     res = CliRunner().invoke(app, ["model", "make-tiny", *args])
     assert res.exit_code == 2 and message in res.output, res.output
+
+
+def _with_dtype(src, dst, **fields):
+    """A copy of checkpoint `src` whose config.json has `fields` set (None: removed)."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    for k, v in fields.items():
+        if v is None:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_dtype_auto_is_the_checkpoints(tiny_dir, tmp_path):
+    """`--dtype auto` (the default, as vLLM's) takes the checkpoint's `torch_dtype`: the tiny
+    model stays float32, a bfloat16 checkpoint loads in bfloat16 (KV cache too), a float16
+    one runs in bfloat16 on CPU; an explicit --dtype wins; a dtype we cannot run is an error."""
+    from agentserve.engine.builder import EngineArgs, EngineConfigError, build_engine, resolve_dtype
+
+    assert EngineArgs().dtype == "auto"
+    assert resolve_dtype("auto", tiny_dir, "cpu") == "float32"
+    bf16 = _with_dtype(tiny_dir, tmp_path / "bf16", torch_dtype="bfloat16")
+    assert resolve_dtype("auto", bf16, "cpu") == "bfloat16"
+    assert resolve_dtype("float32", bf16, "cpu") == "float32"
+    newer = _with_dtype(tiny_dir, tmp_path / "newer", torch_dtype=None, dtype="bfloat16")
+    assert resolve_dtype("auto", newer, "cpu") == "bfloat16"
+    none = _with_dtype(tiny_dir, tmp_path / "none", torch_dtype=None)
+    assert resolve_dtype("auto", none, "cpu") == "float32"
+    fp16 = _with_dtype(tiny_dir, tmp_path / "fp16", torch_dtype="float16")
+    assert resolve_dtype("auto", fp16, "cpu") == "bfloat16"
+    assert resolve_dtype("auto", fp16, "cuda") == "float16"
+    fp8 = _with_dtype(tiny_dir, tmp_path / "fp8", torch_dtype="float8_e4m3fn")
+    with pytest.raises(EngineConfigError, match="float8_e4m3fn"):
+        resolve_dtype("auto", fp8, "cpu")
+    broken = _with_dtype(tiny_dir, tmp_path / "broken")
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        resolve_dtype("auto", broken, "cpu")
+    with pytest.raises(EngineConfigError, match="--dtype must be auto or one of"):
+        build_engine(EngineArgs(model=str(tiny_dir), dtype="fp32"))
+    eng = build_engine(EngineArgs(model=str(bf16), kv_cache_tokens=4096))
+    assert eng.core.runner.kv_cache.k.dtype == torch.bfloat16
+    assert next(eng.core.runner.model.parameters()).dtype == torch.bfloat16

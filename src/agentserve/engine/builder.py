@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from agentserve.engine.checkpoint import load_model
+from agentserve.engine.checkpoint import CheckpointError, load_model
 from agentserve.engine.core import EngineCore
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.model import KVCache
@@ -42,7 +43,7 @@ class EngineConfigError(ValueError):
 class EngineArgs:
     model: str | None = None  # HF-format folder; None = the built-in tiny checkpoint
     served_model_name: str | list[str] | None = None  # a list: the first, then aliases
-    dtype: str = "float32"
+    dtype: str = "auto"  # auto: the checkpoint's own (config.json `torch_dtype`), as vLLM
     device: str = "cpu"
     block_size: int = 16
     kv_cache_tokens: int | None = None
@@ -110,13 +111,39 @@ def _tier_config(args: EngineArgs) -> TierConfig | None:
                       session_ttl=args.kv_session_ttl, restore_mode=args.kv_restore_mode)
 
 
+def resolve_dtype(name: str, model_dir: Path, device: str) -> str:
+    """`--dtype` as a concrete name. `auto` is the checkpoint's dtype (`torch_dtype`, or
+    `dtype` in newer configs; float32 when it says none); a float16 checkpoint runs in
+    bfloat16 on CPU, as vLLM does there (CPU float16 kernels are slow or missing)."""
+    if name != "auto":
+        if name not in DTYPES:
+            raise EngineConfigError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+        return name
+    path = model_dir / "config.json"
+    if not path.is_file():  # as the checkpoint loader says it
+        raise CheckpointError(f"no config.json in {model_dir}")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: {e}") from e
+    got = cfg.get("torch_dtype") or cfg.get("dtype") or "float32"
+    if got not in DTYPES:
+        raise EngineConfigError(f"--dtype auto: the checkpoint's dtype {got!r} is not one of "
+                                f"{sorted(DTYPES)}; pass --dtype explicitly")
+    if got == "float16" and not device.startswith("cuda"):
+        log.warning("the checkpoint is float16; running it in bfloat16 on %s (pass --dtype "
+                    "float16 to force float16)", device)
+        return "bfloat16"
+    return got
+
+
 def _build_tiers(args: EngineArgs, kv_cache: KVCache, pool: BlockPool, cfg: object,
-                 model_dir: Path) -> TierConnector | None:
+                 model_dir: Path, dtype_name: str) -> TierConnector | None:
     tcfg = _tier_config(args)
     if tcfg is None:
         return None
     # Disk blocks are only valid for this model, dtype, block layout and hash chain.
-    ident = f"{model_dir.resolve()}|{cfg}|{args.dtype}|{args.block_size}|{args.hash_algo}|{args.hash_seed}"
+    ident = f"{model_dir.resolve()}|{cfg}|{dtype_name}|{args.block_size}|{args.hash_algo}|{args.hash_seed}"
     try:
         return make_connector(tcfg, kv_cache.k, kv_cache.v, pool,
                               hashlib.sha256(ident.encode()).digest())
@@ -159,8 +186,8 @@ def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
 
 def build_engine(args: EngineArgs) -> AsyncEngine:
     """Load the model and wire pool, hasher, scheduler, runner and event publisher."""
-    if args.dtype not in DTYPES:
-        raise EngineConfigError(f"--dtype must be one of {sorted(DTYPES)}, got {args.dtype!r}")
+    if args.dtype != "auto" and args.dtype not in DTYPES:
+        raise EngineConfigError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
     if args.block_size <= 0:
         raise EngineConfigError(f"--block-size must be positive, got {args.block_size}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -173,7 +200,8 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
         model_dir = Path(args.model)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    dtype = DTYPES[args.dtype]
+    dtype_name = resolve_dtype(args.dtype, model_dir, args.device)
+    dtype = DTYPES[dtype_name]
     model, cfg = load_model(model_dir, dtype=dtype, device=str(device))
     num_blocks = _num_blocks(args, KVCache.bytes_per_token(cfg, dtype))
     kv_cache = KVCache.allocate(cfg, num_blocks, args.block_size, dtype, device)
@@ -188,7 +216,7 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
                      events=events)
     hasher = BlockHasher(algo=args.hash_algo, block_size=args.block_size, seed=args.hash_seed)
     kv = KVCacheManager(pool, hasher, enable_caching=args.enable_prefix_caching)
-    tiers = _build_tiers(args, kv_cache, pool, cfg, model_dir)
+    tiers = _build_tiers(args, kv_cache, pool, cfg, model_dir, dtype_name)
     remote = _build_remote(args, kv_cache, pool)
     _check_scheduler_args(args)
     scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, tiers, remote,
@@ -203,8 +231,8 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
                       check_invariants=args.check_invariants)
     names = args.served_model_name or [model_dir.name if args.model else "agentserve-tiny"]
     names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
-    log.info("engine ready: model=%s blocks=%d x %d tokens, max_model_len=%d",
-             "/".join(names), num_blocks, args.block_size, max_len)
+    log.info("engine ready: model=%s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
+             "/".join(names), dtype_name, num_blocks, args.block_size, max_len)
     engine = AsyncEngine(core, tokenizer, names[0], model_dir, max_len, device)
     engine.model_names = names
     engine.role = args.role
