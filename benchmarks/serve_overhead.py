@@ -5,7 +5,8 @@ Three measurements on the tiny model (CPU), decode at batches --batches over --c
 1. ``in_process``: decode tok/s of the engine core stepped directly (engine_speed.py's loop).
 2. ``served``: a real `agentserve serve` and that many streamed completions at once (aiohttp);
    tok/s counted from the client's chunk times while every stream is running (the middle 60% of
-   the chunks). Also the CPU each server thread and the client used meanwhile (/proc).
+   the chunks). Also the CPU each server thread and the client used meanwhile (/proc; the
+   last round's).
 3. ``competing``: (1) again while a pure-Python load with a --duty duty cycle (short bursts, as
    the event loop's SSE work) runs beside it, once as a thread of the same process (it takes
    the GIL) and once as another process (it does not). vLLM runs its engine core in its own

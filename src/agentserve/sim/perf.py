@@ -322,8 +322,9 @@ class PerfModel:
         thread, tiny model: a 32-token chunk over 2,048 cached tokens costs 3.7 ms more than
         the same chunk cold; the score term alone gives 2.1 ms, with the read 3.5 ms).
         `prefill` = (new, prefix) chunks; `decode_ctx` = the context tokens the decode attention
-        of the `decode_n` decoding requests reads (our engine pads the batch to its longest
-        context: `decode_n` x longest, see agg.py)."""
+        of the `decode_n` decoding requests reads (as our engine reads it: groups of similar
+        contexts padded to their longest, a prefix decodes share read once; agg.py counts it
+        with `decode_groups.read_keys`)."""
         m = self.hw.measured
         if decode_n + len(prefill) == 0:
             return 0.0
