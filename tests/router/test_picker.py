@@ -195,3 +195,21 @@ def test_rebalance_guards_overshoot_queue_and_slack():
         StickyPicker(rebalance_slack=-1)
     with pytest.raises(ValueError, match="rebalance_budget"):
         StickyPicker(rebalance_budget=1.5)
+
+
+def test_active_scorer_counts_requests_not_tokens():
+    """llm-d's active-request scorer: (most - mine) / most over request counts; a 900K-token
+    request weighs what a 10-token one does, and no requests anywhere scores all alike."""
+    from agentserve.router.scorers import SCORERS
+    a = SCORERS["active"]()
+    s = a.score([Candidate("a", inflight=0, inflight_tokens=900_000),
+                 Candidate("b", inflight=2, inflight_tokens=10), Candidate("c", inflight=4)])
+    assert s == pytest.approx([1.0, 0.5, 0.0])
+    assert a.score([Candidate("a"), Candidate("b")]) == [1.0, 1.0]
+
+
+def test_gpu_prefix_scorer_gives_the_cpu_tier_no_credit():
+    from agentserve.router.scorers import SCORERS
+    c = Candidate("a", matched_blocks=2, weighted_blocks=3.6, total_blocks=4)
+    assert SCORERS["gpu_prefix"]().score([c, Candidate("b")]) == pytest.approx([0.5, 0.0])
+    assert SCORERS["prefix"]().score([c]) == pytest.approx([0.9])

@@ -119,6 +119,39 @@ def test_decode_preempts_newest_when_blocks_run_out() -> None:
     assert (s["decode_recomputed_tokens"] > 0) == (s["decode_preemptions"] > 0)
 
 
+def test_decode_rank_runs_at_most_its_token_budget() -> None:
+    """The reference's decode ranks take max_num_batched_tokens = max_num_seqs = 32 per node
+    of the instance; a verify step takes 1 + 3 drafts of each request's tokens, so a rank
+    given 8 runs 2 requests at once and the others wait their turn (none is lost)."""
+    sim = sim_run.Simulation(_cfg(decode_width=1, mtp=True, decode_tokens_per_node=8,
+                                  concurrency=6), [_session(i, turns=2) for i in range(6)])
+    inst, seen = sim.decodes[0], []
+    step = inst._step
+
+    def spy() -> None:
+        step()
+        seen.append(len(inst.ranks[0].running))
+    inst._step = spy
+    s = sim.run()
+    assert max(seen) == 2 and s["requests_ok"] == 12 and s["requests_failed"] == 0
+
+
+def test_both_ranks_are_picked_on_arrival_by_requests_in_flight() -> None:
+    """As llm-d's P/D picker: a request's prefill and decode ranks are chosen when it
+    arrives; the decode profile weighs requests in flight only, so two concurrent requests
+    land on different decode ranks, and every count returns to zero once all have ended."""
+    sim = sim_run.Simulation(_cfg(concurrency=2, request_overhead_s=0.0,
+                                  request_overhead_per_token_s=0.0),
+                             [_session(i) for i in range(2)])
+    sim._client()
+    sim._client()
+    assert sorted(r.active for r in sim.d_ranks) == [1, 1]
+    assert sum(r.active for r in sim.p_ranks) == 2
+    s = sim.run()
+    assert s["requests_ok"] == 8
+    assert all(r.active == 0 for r in sim.p_ranks + sim.d_ranks)
+
+
 def test_warmup_excludes_requests_before_the_stage() -> None:
     sessions = [_session(i, turns=8) for i in range(2)]
     full = sim_run.Simulation(_cfg(), sessions)

@@ -59,6 +59,32 @@ def test_dep8_intranode_all_to_all_is_cheaper() -> None:
     assert d8.a2a_time(32) < d16.a2a_time(32)
 
 
+def test_prefill_all_to_all_high_throughput_sends_a_token_once_per_node() -> None:
+    """DeepEP's high-throughput kernels (the reference's prefill backend) send a token over
+    RDMA once per remote node and forward it over NVLink; the low-latency ones once per
+    remote expert: DEP16 over two nodes moves ~4x fewer inter-node bytes."""
+    lat = 2 * PRE.eff.a2a_latency_s * M.moe_layers
+    ll = PRE.a2a_time(8192, mode="low_latency") - lat
+    ht = PRE.a2a_time(8192, mode="high_throughput") - lat
+    assert 3.5 < ll / ht < 4.5
+    # within one node there is no RDMA: NVLink-bound, still below per-expert sends
+    p8 = PerfModel(M, H200, Topology("dep", 8, "prefill"))
+    assert p8.a2a_time(8192, mode="high_throughput") < p8.a2a_time(8192, mode="low_latency")
+    with pytest.raises(ValueError, match="low_latency or high_throughput"):
+        PRE.a2a_time(1, mode="nccl")
+
+
+def test_prefill_all_to_all_blocks_without_dual_batch_overlap() -> None:
+    """The reference runs no `--enable-dbo`: a prefill step pays its all-to-all on top of
+    its compute; with full overlap it would hide under it."""
+    from dataclasses import replace
+
+    ranks = [[(2048, 0)] for _ in range(16)]
+    overlapped = PerfModel(M, H200, PRE.topo, eff=replace(PRE.eff, prefill_overlap=1.0))
+    gap = PRE.prefill_step(ranks) - overlapped.prefill_step(ranks)
+    assert gap == pytest.approx(PRE.a2a_time(2048, mode="high_throughput"))
+
+
 def test_transfer_and_restore() -> None:
     gb = 100_000 * M.kv_bytes_per_token() / 1e9
     assert DEC.cpu_restore_time(100_000) == pytest.approx(0.026 * gb)

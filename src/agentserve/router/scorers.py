@@ -89,6 +89,28 @@ class PrefixScorer:
                 for c in cands]
 
 
+@scorer("gpu_prefix")
+class GPUPrefixScorer:
+    """Share of the prompt's cacheable blocks held in GPU memory (the leading run), no tier
+    credit: the first of the two prefix scorers of llm-d's GLM-5.2 P/D configuration
+    (`gpu-prefix-cache-scorer`, weight 5, beside a GPU-or-CPU one at weight 2)."""
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        return [min(1.0, c.matched_blocks / c.total_blocks) if c.total_blocks else 0.0
+                for c in cands]
+
+
+@scorer("active")
+class ActiveRequestsScorer:
+    """Fewest requests in flight: `(most - mine) / most` over the candidates (1 for all
+    when none has any), llm-d's `active-request-scorer`. It counts requests, not tokens
+    (`inflight` weighs tokens): a 200K-token prompt and a 2K one count alike."""
+
+    def score(self, cands: list[Candidate]) -> list[float]:
+        top = max((c.inflight for c in cands), default=0)
+        return [(top - c.inflight) / top if top else 1.0 for c in cands]
+
+
 @scorer("kv_util")
 class KVUtilScorer:
     """Free KV cache: 1 - vllm:kv_cache_usage_perc (a full cache evicts someone's prefix)."""

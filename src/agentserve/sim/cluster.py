@@ -28,9 +28,15 @@ from agentserve.sim.fastpool import SimBlockPool
 from agentserve.sim.perf import MTP_ACCEPT
 from agentserve.workload.record import RequestRecord
 
-PREFILL_SCORERS = {"prefix": 2.0, "queue": 0.5, "inflight": 0.5, "kv_util": 0.25}  # router preset
-DECODE_SCORERS = {"prefix": 1.0, "inflight": 1.0, "kv_util": 0.25}  # locality vs active requests
-CPU_TIER_WEIGHT = 0.8  # router's tier weight for CPU-resident blocks
+# The reference deployment's endpoint picker (llm-d's GLM-5.2 P/D overrides,
+# `guides/wide-ep-lws/router/glm-5.2-overrides.values.yaml`), per data-parallel rank: prefill
+# weighs the prompt's prefix in GPU memory (5), in GPU or CPU memory (2; its CPU producer
+# records every block routed to the rank, which the write-through tier holds) and requests in
+# flight (1); decode weighs requests in flight only (3): no locality, so a decode rank pulls
+# the whole prompt unless it happens to hold it.
+PREFILL_SCORERS = {"gpu_prefix": 5.0, "prefix": 2.0, "active": 1.0}
+DECODE_SCORERS = {"active": 3.0}
+CPU_TIER_WEIGHT = 0.8  # our router's tier weight for CPU-resident blocks (policy_router.py)
 _REF_CNT = attrgetter("ref_cnt")  # C-level attribute read for the free-hit count in `fits`
 
 
@@ -50,6 +56,7 @@ class SimRequest:
     out_done: int = 0
     ready_at: float = 0.0
     rank: Rank | None = None
+    d_rank: Rank | None = None  # decode rank, picked with the prefill rank on arrival (llm-d)
     # decode segment (decode.py): acceptances drawn at admission, events keyed by generation
     cum: np.ndarray | None = None  # cumulative output tokens after each step of the segment
     seg_start: int = 0  # instance step the segment began on
@@ -77,6 +84,7 @@ class Rank:
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         self.inflight_tokens = 0
+        self.active = 0  # requests routed here whose leg has not ended (the picker's count)
 
     def prefix_blocks(self, hashes: list[int], n: int) -> tuple[int, int]:
         """(GPU, CPU-continuation) leading blocks held, by bisection over the prefix map."""
@@ -122,9 +130,9 @@ def _cands(ranks: list[Rank], hashes: list[int], n: int) -> list[Candidate]:
     for r in ranks:
         g, c = r.prefix_blocks(hashes, n)
         out.append(Candidate(url=str(r.idx), matched_blocks=g, total_blocks=n,
-                             weighted_blocks=g + CPU_TIER_WEIGHT * c, waiting=len(r.waiting),
+                             weighted_blocks=g + c, waiting=len(r.waiting),
                              running=len(r.running), kv_usage=r.pool.usage,
-                             inflight_tokens=r.inflight_tokens))
+                             inflight=r.active, inflight_tokens=r.inflight_tokens))
     return out
 
 

@@ -28,12 +28,19 @@ class SimConfig:
     workload: str = "sweep-full"
     duration: float = 600.0
     seed: int = 0
-    # Prefill max_num_batched_tokens per rank: vLLM's `vllm serve` default on >= 70 GiB GPUs
-    # (EngineArgs.get_batch_defaults: 8,192 for the OpenAI server, 16,384 only for the offline
-    # LLM class). It sets how long one DEP step lasts, so how long a short prompt waits behind
-    # a rank chunking a long one (the step is a barrier across the instance).
-    chunk: int = 8_192
-    max_seqs: int = 256  # decode max_num_seqs per rank
+    # Prefill max_num_batched_tokens per rank: the reference's prefill manifest passes
+    # `--max-num-batched-tokens 2048` (llm-d `guides/wide-ep-lws/modelserver/gpu/vllm-glm-5.2/
+    # base/prefill.yaml`; vLLM's own `vllm serve` default would be 8,192). It sets how long
+    # one DEP step lasts, and so how long a short prompt waits behind a rank chunking a long
+    # one (the step is a barrier across the instance; the rank's running prefill takes the
+    # whole budget first). Aggregated engines: the engine's max_num_batched_tokens.
+    chunk: int = 2_048
+    max_seqs: int = 256  # aggregated engines: max_num_seqs
+    # Decode max_num_batched_tokens = max_num_seqs per rank, per node the instance spans: the
+    # reference's decode manifest sets both to MAX_TOKENS_PER_NODE (32) x nodes (DEP16: 64;
+    # DEP8: 32). A verify step takes 1 + drafts tokens of each request, so with MTP (3 drafts)
+    # a DEP16 rank decodes at most 16 requests at once, a DEP8 rank 8.
+    decode_tokens_per_node: int = 32
     # Simulated seconds before the measured stage; None: WARMUP_S for xPyD on a synthesized
     # workload, else 0. The simulator starts from an empty cluster with every client joining
     # at once, cold: a burst of full-context prefills that no stage of the reference's

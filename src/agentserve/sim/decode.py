@@ -40,12 +40,17 @@ from agentserve.sim.pools import Instance
 class DecodeInstance(Instance):
     """A DEPn decode instance; `k` counts steps, `ends[j]` is when step j ended."""
 
-    def __init__(self, clock: Clock, perf: PerfModel, ranks: list[Rank], max_seqs: int,
+    def __init__(self, clock: Clock, perf: PerfModel, ranks: list[Rank], batch_tokens: int,
                  rng: np.random.Generator) -> None:
+        """`batch_tokens`: each rank's max_num_batched_tokens (= max_num_seqs); a request
+        takes 1 + drafts of them per step, so a rank runs at most batch_tokens // (1 + drafts)
+        requests; the rest wait in its queue (vLLM admits a waiting request only while the
+        step's token budget lasts)."""
         super().__init__(clock, perf, ranks)
-        self.max_seqs, self.rng = max_seqs, rng
+        self.rng = rng
         self.draft = perf.mtp_draft if perf.topo.mtp else 0
         self.q = 1 + self.draft  # query tokens per request per step
+        self.max_seqs = max(1, batch_tokens // self.q)
         self.accept = np.array(MTP_ACCEPT[: self.draft])
         self.preemptions = 0
         self.k = 0

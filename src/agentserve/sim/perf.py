@@ -59,7 +59,12 @@ class Efficiency:
     a2a_latency_intra_s: float = 25e-6  # same within one NVLink node
     step_overhead_s: float = 2.0e-3  # scheduler + sampler + launch per step (vLLM V1, CUDA graphs)
     per_request_s: float = 0.30e-3  # per running request per step (input prep, rejection sampling)
-    prefill_overlap: float = 1.0  # prefill all-to-all hidden under compute (two-batch overlap)
+    # Share of the prefill all-to-all hidden under compute: 0, the reference runs no dual-batch
+    # overlap (its prefill manifest has no `--enable-dbo`), so dispatch and combine block.
+    prefill_overlap: float = 0.0
+    # DeepEP kernels of the prefill all-to-all (the reference's `--all2all-backend
+    # deepep_high_throughput` on prefill, `deepep_low_latency` on decode; `a2a_time`)
+    prefill_a2a: str = "high_throughput"
 
 
 MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (unconditional)
@@ -146,8 +151,16 @@ class PerfModel:
         return peak * self.eff.flops
 
     # -- all-to-all --------------------------------------------------------------------------
-    def a2a_time(self, tokens_per_rank: float, layers: int | None = None) -> float:
-        """Dispatch (FP8) + combine (bf16) for each MoE layer; the slowest link bounds it."""
+    def a2a_time(self, tokens_per_rank: float, layers: int | None = None,
+                 mode: str = "low_latency") -> float:
+        """Dispatch (FP8) + combine (bf16) for each MoE layer; the slowest link bounds it.
+
+        `mode` is the DeepEP kernel family (the reference runs `deepep_low_latency` on decode
+        and `deepep_high_throughput` on prefill): low-latency kernels send a token to each of
+        its top-k experts' GPUs directly (`internode_ll.cu`); high-throughput ones send it once
+        per destination *node* over RDMA and forward it over NVLink inside that node
+        (`internode.cu`), so inter-node bytes drop from top_k x (remote share) to the number
+        of remote nodes the token's experts touch (DEP16: ~1 instead of 4 hidden vectors)."""
         m, t, hw = self.model, self.topo, self.hw
         if not m.is_moe or t.width == 1:
             return 0.0
@@ -156,11 +169,25 @@ class PerfModel:
             b = 2 * 2 * tokens_per_rank * m.hidden * 2.0 * (t.width - 1) / t.width
             return m.layers * (2 * self.eff.a2a_latency_intra_s + b / (hw.nvlink_bw * self.eff.link))
         inter = t.width > hw.gpus_per_node
+        lat = self.eff.a2a_latency_s if inter else self.eff.a2a_latency_intra_s
+        vec = m.hidden * (1.0 + 2.0)  # one token's hidden state out (fp8) and back (bf16)
+        if mode == "high_throughput":
+            nodes = -(-t.width // hw.gpus_per_node)
+            per_node = t.width // nodes
+            # expected destinations of one token (experts spread evenly; top-k picks taken as
+            # independent): other GPUs of the instance, other nodes
+            gpus = (t.width - 1) * (1.0 - (1.0 - 1.0 / t.width) ** m.top_k)
+            remote_nodes = (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** m.top_k)
+            nvl = tokens_per_rank * gpus * (per_node - 1) / max(1, t.width - 1) * nodes * vec
+            rdma = tokens_per_rank * remote_nodes * vec
+            t_link = max(nvl / (hw.nvlink_bw * self.eff.link),
+                         rdma / (hw.net_bw * self.eff.link) if inter else 0.0)
+            return L * (2 * lat + t_link)
+        if mode != "low_latency":
+            raise ValueError(f"all-to-all mode {mode!r}: low_latency or high_throughput")
         remote = (t.width - hw.gpus_per_node) / t.width if inter else (t.width - 1) / t.width
         bw = (hw.net_bw if inter else hw.nvlink_bw) * self.eff.link
-        lat = self.eff.a2a_latency_s if inter else self.eff.a2a_latency_intra_s
-        byts = tokens_per_rank * m.top_k * m.hidden * (1.0 + 2.0) * remote  # fp8 out, bf16 back
-        return L * (2 * lat + byts / bw)
+        return L * (2 * lat + tokens_per_rank * m.top_k * vec * remote / bw)
 
     # -- prefill -------------------------------------------------------------------------------
     def prefill_rank_time(self, chunks: list[tuple[int, int]]) -> float:
@@ -182,7 +209,7 @@ class PerfModel:
         moe = total * self._routed_flops() / n / self._lin_rate()
         weights = self.rank_weight_bytes(1.0) / (self.hw.hbm_bw * self.eff.hbm)
         compute = max(local + moe, weights)
-        comm = self.a2a_time(max(tok))
+        comm = self.a2a_time(max(tok), mode=self.eff.prefill_a2a)
         hidden = min(comm, compute) * self.eff.prefill_overlap
         return compute + comm - hidden + self.eff.step_overhead_s
 

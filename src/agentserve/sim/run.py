@@ -80,8 +80,9 @@ class Simulation:
                                          cfg.chunk, self._handoff, cfg.cpu_store_on == "evict")
                          for i in range(cfg.prefill)]
         w = cfg.decode_width
+        budget = cfg.decode_tokens_per_node * -(-w // hw.gpus_per_node)
         self.decodes = [DecodeInstance(self.clock, self.dperf, self.d_ranks[i * w:(i + 1) * w],
-                                       cfg.max_seqs, self.rng) for i in range(cfg.decode)]
+                                       budget, self.rng) for i in range(cfg.decode)]
 
     def _build_aggregated(self, m, hw) -> None:
         from agentserve.sim.agg import AggInstance
@@ -184,6 +185,8 @@ class Simulation:
         self.records.append(req.rec)
         if self.aggs:
             self.policy.finish(req, self.clock.now)
+        elif req.d_rank is not None:
+            req.d_rank.active -= 1
         if not self.cfg.aggregated and req.rec.ttft is not None:
             s = req.rec.start
             self.phases.append((req.rec.end, req.t_route - s, req.t_admit - req.t_route,
@@ -194,21 +197,27 @@ class Simulation:
 
     # -- server side ---------------------------------------------------------------------------
     def _route_prefill(self, req: SimRequest) -> None:
+        """Pick the prefill and the decode rank at once, as llm-d's P/D picker runs both
+        profiles on arrival (the decode rank's sidecar then drives the prefill leg)."""
         r = self.router.pick(self.p_ranks, req, decode=False)
         req.rank, req.t_route = r, self.clock.now
         r.inflight_tokens += req.n_in
+        r.active += 1
+        d = req.d_rank = self.router.pick(self.d_ranks, req, decode=True)
+        d.inflight_tokens += req.n_in + req.n_out
+        d.active += 1
         r.waiting.append(req)
         self._owner(self.p_ranks, self.prefills, r).kick()
 
     def _handoff(self, req: SimRequest) -> None:
-        """Prefill done: pick a decode rank, pull the KV it lacks, then decode."""
+        """Prefill done: the decode rank pulls the KV it lacks, then decodes."""
         req.rec.cached_tokens = req.cached
-        src = req.rank
-        d = self.router.pick(self.d_ranks, req, decode=True)
+        src, d = req.rank, req.d_rank
+        assert src is not None and d is not None
+        src.active -= 1  # the prefill leg's response is back
         inst = self._owner(self.d_ranks, self.decodes, d)
         pull = req.n_in - inst.local_prefix(d, req)
         dt = self.dperf.kv_transfer_time(pull)
-        d.inflight_tokens += req.n_in + req.n_out
 
         def arrive() -> None:
             req.t_arrive = self.clock.now
