@@ -26,4 +26,5 @@ run benchmarks/serve_overhead.py --out bench-out/serve_overhead.json
 run benchmarks/long_prompt_stall.py --out bench-out/long_prompt_stall.json
 run benchmarks/sim_speed.py --out bench-out/sim_speed.json
 run benchmarks/sim_calibration.py --duration 600 --out bench-out/sim_calibration.json
+run benchmarks/sim_published.py --duration 600 --out bench-out/sim_published.json
 run benchmarks/sim_vs_bench.py --out bench-out/sim_vs_bench.json

@@ -111,3 +111,13 @@ def test_pause_signal_orders_bound_each_other() -> None:
     assert got["hint:0"] == got["belady"] < got["lru"]
     assert got["belady"] <= got["hint:0.5"] <= got["hint:8"] and got["belady"] < got["hint:8"]
 
+
+
+@pytest.mark.slow
+def test_sim_published_runs(tmp_path: Path) -> None:
+    """One published configuration, a short stage: the simulated figures sit beside the published."""
+    res = _run("sim_published.py", "--only", "lim 1P1D no-MTP c32", "--duration", "20",
+               out=tmp_path / "published.json")
+    row = res["rows"]["lim 1P1D no-MTP c32"]
+    assert row["out"] > 0 and row["itl"] > 0 and row["ttft"] > 0
+    assert res["published"]["lim 1P1D no-MTP c32"]["itl"] == 28.6

@@ -37,8 +37,8 @@ def register(app: typer.Typer) -> None:
         warmup: float = typer.Option(None, help="simulated seconds before the stage (default: "
                                      "120 for xPyD on a synthesized workload, else 0)"),
         replay_run: int = typer.Option(None, help="synthesized xPyD stages: turns a client replays "
-                                       "before it starts a fresh (cold) conversation (default: 8, "
-                                       "fitted to the reference's CPU-tier writes)"),
+                                       "before it starts a fresh (cold) conversation (default: to "
+                                       "the session's end, the reference's reusable-prefix ceiling)"),
         seed: int = typer.Option(0),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:

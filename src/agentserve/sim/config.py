@@ -50,14 +50,14 @@ class SimConfig:
     # `agentserve bench`, which starts cold: both default to 0.
     warmup: float | None = None
     block_size: int = 64
-    # Stationary request mix. Synthesized workloads (xPyD): clients replay runs of REPLAY_RUN
-    # turns, each from a request drawn uniformly over the pool's requests (`workload.RunSampler`), so the
+    # Stationary request mix. Synthesized workloads (xPyD): clients replay runs of turns, each
+    # from a request drawn uniformly over the pool's requests (`workload.RunSampler`), so the
     # stage's inputs are the corpus's pooled distribution whatever its length. A trace file:
     # every session is joined at a uniformly random request. False: sessions from their start.
     join_midway: bool = True
-    # Turns per replayed run (None: `workload.REPLAY_RUN`, fitted to the reference's CPU-tier
-    # write volume). Each run is a fresh conversation whose first request is computed cold,
-    # so this sets how often, and so how many, cold prefills the stage carries.
+    # Turns per replayed run (None: `workload.REPLAY_RUN`, to the session's end, which gives the
+    # reference's published reusable-prefix ceiling). Each run is a fresh conversation whose
+    # first request is computed cold, so a shorter run starts more cold prefills.
     replay_run: int | None = None
     # Aggregated engines ("both" role, `agentserve up --topology N`): when > 0 the deployment is
     # `aggregated` one-rank engines that prefill and decode in the same step (agg.py); the

@@ -3,11 +3,11 @@
 Closed loop (AIPerf concurrency C): C clients, each with one request in flight; when it
 finishes the client sends its session's next request at once (sub-agent requests in
 session order). Requests finishing inside the stage count. Synthesized reference-sweep
-workloads: a client replays runs of REPLAY_RUN consecutive turns, each run started at a
-request drawn uniformly over the corpus's requests, in its own namespace (cold first request),
-so the stage sees the trace's pooled input distribution and the reference's share of newly
-computed KV; the outputs are scaled to the reference's mean (REFERENCE_OUTPUT_MEAN). A trace
-file: sessions joined at a random turn, then played to their end.
+workloads: a client replays a session from a request drawn uniformly over the corpus's
+requests to the session's end (REPLAY_RUN), in its own namespace (cold first request), so the
+stage sees the trace's pooled input distribution and the reference's reusable-prefix ceiling;
+the outputs are scaled to the reference's mean (REFERENCE_OUTPUT_MEAN). A trace file: sessions
+joined at a random turn, then played to their end.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ class Simulation:
     # -- client side -------------------------------------------------------------------------
     @property
     def _runs_replay(self) -> bool:
-        """Synthesized reference-sweep stage, xPyD: clients replay runs of REPLAY_RUN turns."""
+        """Synthesized reference-sweep stage, xPyD: clients replay runs drawn by `RunSampler`."""
         cfg = self.cfg
         return cfg.join_midway and not cfg.aggregated and cfg.workload in SYNTH
 

@@ -1,0 +1,138 @@
+"""The simulator against every configuration the reference published, not only the calibration run.
+
+SPEC.md gives one run (3P1D DEP16 at c16/c64/c128) and holds the rest back. The reference's own
+write-up publishes more: llm-d's "Serving GLM-5.2 for Agentic Workloads on llm-d" (blog, 2026-07-22)
+and its guide (`guides/agentic-serving/glm-5-2-h200.md`). This script runs each of those
+configurations with the simulator's constants unchanged and prints the published figure beside
+the simulated one. Nothing here sets a constant: the numbers are read, not fitted.
+
+Sweeps, as the blog names them (absolute figures compare only within one sweep):
+- full input lengths, DEP16 everywhere, MTP and a 100 GiB CPU tier: 3P1D (the calibration run),
+  3P2D and 2P2D at c128;
+- limited input lengths (<142K), MTP and CPU tier unless stated: 1P1D DEP16 (32 GPUs) with and
+  without MTP at c32/c64/c128, 2P1D DEP16 (48 GPUs) at c128, DEP8 prefill + DEP16 decode (24
+  GPUs) and DEP8 + DEP8 (16 GPUs) at c128;
+- the offloading A/B: DEP8 prefill + DEP16 decode, MTP off, CPU tier on or off, at c32/c128.
+
+    .venv/bin/python benchmarks/sim_published.py --duration 600 --out benchmarks/results/sim_published.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from multiprocessing import Pool
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from agentserve.sim.run import SimConfig, simulate
+
+FULL = {"prefill_width": 16, "decode_width": 16}
+LIM = {"workload": "sweep-limited", "prefill_width": 16, "decode_width": 16}
+P8D16 = {"workload": "sweep-limited", "prefill": 1, "prefill_width": 8, "decode": 1, "decode_width": 16}
+
+# name -> (SimConfig overrides, concurrency, published figures). Keys: out (output tok/s),
+# itl (ITL p50 ms), ttft (TTFT p50 s), e2e (turn completion p50 s), per_user (end-to-end output
+# tok/s per user, mean), restore (CPU -> GPU GiB over the stage). Sources: blog sections
+# "Splitting prefill from decode", "Sizing prefill and decode capacity", "Speculative Decoding",
+# "Where the bottleneck moves", "Tiered prefix cache".
+POINTS: dict[str, tuple[dict, int, dict]] = {
+    "full 3P1D c16": (FULL, 16, {"out": 1167, "itl": 11.7, "ttft": 1.5}),
+    "full 3P1D c64": (FULL, 64, {"out": 3679, "itl": 15.5, "ttft": 1.71, "e2e": 9.6}),
+    "full 3P1D c128": (FULL, 128, {"out": 6281, "itl": 19.1, "ttft": 2.18, "e2e": 14.0,
+                                   "per_user": 36.6}),
+    "full 3P2D c128": ({**FULL, "decode": 2}, 128, {"out": 7598, "itl": 15.5, "ttft": 2.12,
+                                                    "e2e": 11.5, "per_user": 44.2, "restore": 45}),
+    "full 2P2D c128": ({**FULL, "prefill": 2, "decode": 2}, 128,
+                       {"out": 6781, "itl": 15.4, "ttft": 2.70, "per_user": 40.9, "restore": 759}),
+    "lim 1P1D MTP c32": ({**LIM, "prefill": 1}, 32, {"out": 2159, "itl": 13.5, "ttft": 1.3,
+                                                    "per_user": 51.5}),
+    "lim 1P1D MTP c64": ({**LIM, "prefill": 1}, 64, {"out": 3788, "itl": 14.7, "ttft": 1.6,
+                                                    "per_user": 45.1}),
+    "lim 1P1D MTP c128": ({**LIM, "prefill": 1}, 128, {"out": 5647, "itl": 17.1, "ttft": 2.38,
+                                                      "per_user": 35.0, "restore": 50}),
+    "lim 1P1D no-MTP c32": ({**LIM, "prefill": 1, "mtp": False}, 32,
+                            {"out": 1145, "itl": 28.6, "ttft": 1.1, "per_user": 28.7}),
+    "lim 1P1D no-MTP c64": ({**LIM, "prefill": 1, "mtp": False}, 64,
+                            {"out": 2178, "itl": 30.7, "ttft": 1.3, "per_user": 25.9}),
+    "lim 1P1D no-MTP c128": ({**LIM, "prefill": 1, "mtp": False}, 128,
+                             {"out": 3505, "itl": 35.1, "ttft": 1.6, "per_user": 21.6}),
+    "lim 2P1D c128": ({**LIM, "prefill": 2}, 128, {"out": 6647, "ttft": 1.59}),
+    "lim 2P1D no-MTP no-CPU c128": ({**LIM, "prefill": 2, "mtp": False, "cpu_offload_gib": 0.0},
+                                    128, {"ttft": 1.26}),
+    "lim P8/D16 c128": (P8D16, 128, {"out": 3233, "ttft": 20.9, "restore": 7229}),
+    "lim P8/D8 c128": ({**P8D16, "decode_width": 8}, 128, {"out": 1501}),
+    "offload A/B P8/D16 no-MTP CPU c32": ({**P8D16, "mtp": False}, 32, {}),
+    "offload A/B P8/D16 no-MTP none c32": ({**P8D16, "mtp": False, "cpu_offload_gib": 0.0}, 32, {}),
+    "offload A/B P8/D16 no-MTP CPU c128": ({**P8D16, "mtp": False}, 128, {"out": 2776}),
+    "offload A/B P8/D16 no-MTP none c128": ({**P8D16, "mtp": False, "cpu_offload_gib": 0.0}, 128,
+                                            {"out": 951}),
+}
+
+# Published comparisons between two points: (a, b, metric, published a/b - 1)
+RATIOS = [
+    ("offload A/B P8/D16 no-MTP CPU c32", "offload A/B P8/D16 no-MTP none c32", "out", 0.13),
+    ("offload A/B P8/D16 no-MTP CPU c32", "offload A/B P8/D16 no-MTP none c32", "ttft", -0.32),
+    ("offload A/B P8/D16 no-MTP CPU c32", "offload A/B P8/D16 no-MTP none c32", "e2e", -0.27),
+    ("offload A/B P8/D16 no-MTP CPU c32", "offload A/B P8/D16 no-MTP none c32", "itl", 0.0),
+    ("full 2P2D c128", "full 3P1D c128", "out", 0.08),
+    ("full 2P2D c128", "full 3P1D c128", "e2e", -0.10),
+    ("full 3P1D c128", "full 2P2D c128", "ttft", -0.19),
+    ("full 3P1D c128", "full 2P2D c128", "restore", -0.63),
+    ("full 3P2D c128", "full 3P1D c128", "out", 0.21),
+    ("lim 1P1D MTP c128", "lim 2P1D no-MTP no-CPU c128", "out", 0.54),
+]
+
+METRICS = ("out", "itl", "ttft", "e2e", "per_user", "restore")
+
+
+def run(args: tuple) -> dict:
+    name, duration, seed = args
+    over, c, _ = POINTS[name]
+    s = simulate(SimConfig(concurrency=c, duration=duration, seed=seed, **over))
+    return {"name": name, "seed": seed, "out": s["output_tok_s"], "itl": s["itl_ms"]["p50"],
+            "ttft": s["ttft_s"]["p50"], "e2e": s["e2e_s"]["p50"],
+            "per_user": s["output_tok_s_per_user"]["mean"], "restore": s["cpu_restore_gib"],
+            "ttft_p90": s["ttft_s"]["p90"], "input": s["input_tok_s"],
+            "prefill_busy": s["prefill_busy_frac"], "hit": s["prefill_gpu_hit_rate"],
+            "rejected": s["rejected_share"] or 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated substrings of point names")
+    ap.add_argument("--out", default="benchmarks/results/sim_published.json")
+    a = ap.parse_args()
+    names = [n for n in POINTS if not a.only or any(s in n for s in a.only.split(","))]
+    jobs = [(n, a.duration, sd) for n in names for sd in range(a.seeds)]
+    with Pool(2) as pool:
+        runs = pool.map(run, jobs)
+    rows = {}
+    for n in names:
+        rr = [r for r in runs if r["name"] == n]
+        rows[n] = {k: sum(r[k] for r in rr) / len(rr) for k in rr[0] if k not in ("name", "seed")}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds, "rows": rows,
+                                       "published": {n: POINTS[n][2] for n in names}}, indent=2))
+    t = Table(title=f"simulated vs published, {a.duration:.0f} simulated s, {a.seeds} seed(s)")
+    for col in ("point",) + METRICS + ("TTFT p90", "prefill busy"):
+        t.add_column(col, justify="right")
+    for n in names:
+        sim, pub = rows[n], POINTS[n][2]
+
+        def cell(k: str) -> str:
+            v = f"{sim[k]:,.3g}"
+            return f"{v} / {pub[k]:,} ({sim[k] / pub[k] - 1:+.0%})" if pub.get(k) else v
+        t.add_row(n, *[cell(k) for k in METRICS], f"{sim['ttft_p90']:.1f}", f"{sim['prefill_busy']:.2f}")
+    Console(width=240).print(t)
+    for x, y, k, pub in RATIOS:
+        if x in rows and y in rows and rows[y][k]:
+            print(f"{x} vs {y}: {k} {rows[x][k] / rows[y][k] - 1:+.0%} (published {pub:+.0%})")
+
+
+if __name__ == "__main__":
+    main()
