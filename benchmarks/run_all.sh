@@ -7,6 +7,7 @@ PY=.venv/bin/python
 mkdir -p bench-out
 run() { echo; echo "=== $* ==="; "$PY" "$@"; }
 run benchmarks/engine_vs_vllm.py --out bench-out/engine_vs_vllm.json
+run benchmarks/vllm_request_path.py --out bench-out/vllm_request_path.json
 run benchmarks/sched_overhead.py --out bench-out/sched_overhead.json
 run benchmarks/replay_client.py --out bench-out/replay_client.json
 run benchmarks/aiperf_crosscheck.py --out bench-out/aiperf_crosscheck.json

@@ -121,3 +121,13 @@ def test_sim_published_runs(tmp_path: Path) -> None:
     row = res["rows"]["lim 1P1D no-MTP c32"]
     assert row["out"] > 0 and row["itl"] > 0 and row["ttft"] > 0
     assert res["published"]["lim 1P1D no-MTP c32"]["itl"] == 28.6
+
+
+@pytest.mark.slow
+@pytest.mark.interop
+def test_vllm_request_path_runs(tmp_path: Path) -> None:
+    """A real vLLM, two prompt sizes: a cached prompt's time to first token grows with its length."""
+    res = _run("vllm_request_path.py", "--words", "300,6000", "--reps", "3", out=tmp_path / "path.json")
+    small, large = res["rows"]
+    assert large["prompt_tokens"] > 5 * small["prompt_tokens"]
+    assert res["chat_per_token_s"] > 0 and large["warm_chat_s"] > small["warm_chat_s"]

@@ -152,6 +152,23 @@ def test_both_ranks_are_picked_on_arrival_by_requests_in_flight() -> None:
     assert all(r.active == 0 for r in sim.p_ranks + sim.d_ranks)
 
 
+def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
+    """Outside engine steps a prompt passes two vLLM API servers in P/D (prefill, then decode),
+    each paying the measured request path; aggregated engines pass one; a flag overrides it."""
+    from agentserve.sim.perf import VLLM_REQUEST_PATH
+    from agentserve.sim.specs import H200
+
+    pd = sim_run.Simulation._request_path(SimConfig(), H200)
+    assert pd == pytest.approx((2 * VLLM_REQUEST_PATH[0], 2 * VLLM_REQUEST_PATH[1]))
+    agg = sim_run.Simulation._request_path(SimConfig(aggregated=2), H200)
+    assert agg == pytest.approx(VLLM_REQUEST_PATH)
+    sim = sim_run.Simulation(SimConfig(request_overhead_s=0.5, request_overhead_per_token_s=0.0),
+                             [_session(0)])
+    assert (sim.overhead, sim.overhead_per_token) == (0.5, 0.0)
+    # a 100K-token prompt waits ~0.66 s before it reaches the router
+    assert 0.55 < pd[0] + pd[1] * 100_000 < 0.75
+
+
 def test_warmup_excludes_requests_before_the_stage() -> None:
     sessions = [_session(i, turns=8) for i in range(2)]
     full = sim_run.Simulation(_cfg(), sessions)

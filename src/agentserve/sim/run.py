@@ -22,7 +22,7 @@ from agentserve.sim.config import SimConfig, parse_topology
 from agentserve.sim.cost import pool_cost
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.memory import Topology, plan_memory
-from agentserve.sim.perf import PerfModel
+from agentserve.sim.perf import VLLM_REQUEST_PATH, PerfModel
 from agentserve.sim.policy_router import PolicyRouter
 from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.specs import GiB, hardware_spec, model_spec
@@ -50,11 +50,10 @@ class Simulation:
         self.router = Router(cfg.seed)
         self.aggs: list = []
         self.prefills, self.decodes, self.p_ranks, self.d_ranks = [], [], [], []
-        ov = cfg.request_overhead_s
-        self.overhead = ov if ov is not None else float((hw.measured or {}).get("request_overhead_s", 0.0))
-        ov = cfg.request_overhead_per_token_s
-        self.overhead_per_token = ov if ov is not None else float(
-            (hw.measured or {}).get("request_overhead_per_token_s", 0.0))
+        fixed, per_token = self._request_path(cfg, hw)
+        self.overhead = fixed if cfg.request_overhead_s is None else cfg.request_overhead_s
+        self.overhead_per_token = (per_token if cfg.request_overhead_per_token_s is None
+                                   else cfg.request_overhead_per_token_s)
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
         self.runs = RunSampler(self.sessions, cfg.concurrency, self.rng,
                                REPLAY_RUN if cfg.replay_run is None else cfg.replay_run)
@@ -83,6 +82,19 @@ class Simulation:
         budget = cfg.decode_tokens_per_node * -(-w // hw.gpus_per_node)
         self.decodes = [DecodeInstance(self.clock, self.dperf, self.d_ranks[i * w:(i + 1) * w],
                                        budget, self.rng) for i in range(cfg.decode)]
+
+    @staticmethod
+    def _request_path(cfg: SimConfig, hw) -> tuple[float, float]:
+        """Per-request time outside engine steps, (fixed s, s per prompt token): our engine's
+        as the cpu-local profile measured it; otherwise vLLM's (`VLLM_REQUEST_PATH`), once per
+        vLLM API server the prompt passes: two in P/D (llm-d's sidecar sends it to a prefill and
+        then a decode server, each parsing, rendering, tokenizing and hashing all of it), one
+        for aggregated engines."""
+        m = hw.measured or {}
+        if "request_overhead_s" in m or "request_overhead_per_token_s" in m:
+            return float(m.get("request_overhead_s", 0.0)), float(m.get("request_overhead_per_token_s", 0.0))
+        legs = 1 if cfg.aggregated else 2
+        return legs * VLLM_REQUEST_PATH[0], legs * VLLM_REQUEST_PATH[1]
 
     def _build_aggregated(self, m, hw) -> None:
         from agentserve.sim.agg import AggInstance
