@@ -65,6 +65,10 @@ def sampling_params(req: _Sampling, max_tokens: int, tok: Tokenizer,
         raise APIError(400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})",
                        "min_tokens")
     stop_ids = list(req.stop_token_ids or [])
+    bad = [t for t in stop_ids if not 0 <= t < tok.vocab_size]
+    if bad:  # (it would never match: a silent no-op for the caller)
+        raise APIError(400, f"stop_token_ids token id {bad[0]} is out of range [0, {tok.vocab_size})",
+                       "stop_token_ids")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
