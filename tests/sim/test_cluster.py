@@ -165,6 +165,11 @@ def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
     sim = sim_run.Simulation(SimConfig(request_overhead_s=0.5, request_overhead_per_token_s=0.0),
                              [_session(0)])
     assert (sim.overhead, sim.overhead_per_token) == (0.5, 0.0)
+    # cpu-local is our engine: its measured profile (or nothing), never vLLM's path
+    from agentserve.sim.specs import cpu_local
+
+    bare = cpu_local("/nonexistent/profile.json")
+    assert sim_run.Simulation._request_path(SimConfig(aggregated=2), bare) == (0.0, 0.0)
     # a 100K-token prompt waits ~0.66 s before it reaches the router
     assert 0.55 < pd[0] + pd[1] * 100_000 < 0.75
 

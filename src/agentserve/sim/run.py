@@ -85,13 +85,13 @@ class Simulation:
 
     @staticmethod
     def _request_path(cfg: SimConfig, hw) -> tuple[float, float]:
-        """Per-request time outside engine steps, (fixed s, s per prompt token): our engine's
-        as the cpu-local profile measured it; otherwise vLLM's (`VLLM_REQUEST_PATH`), once per
-        vLLM API server the prompt passes: two in P/D (llm-d's sidecar sends it to a prefill and
-        then a decode server, each parsing, rendering, tokenizing and hashing all of it), one
-        for aggregated engines."""
-        m = hw.measured or {}
-        if "request_overhead_s" in m or "request_overhead_per_token_s" in m:
+        """Per-request time outside engine steps, (fixed s, s per prompt token). cpu-local is our
+        engine: what its profile measured (0 without one). Other hardware runs the reference's
+        vLLM: `VLLM_REQUEST_PATH` once per vLLM API server the prompt passes, two in P/D (llm-d's
+        sidecar sends it to a prefill and then a decode server, each parsing, rendering,
+        tokenizing and hashing all of it), one for aggregated engines."""
+        if hw.name == "cpu-local":
+            m = hw.measured or {}
             return float(m.get("request_overhead_s", 0.0)), float(m.get("request_overhead_per_token_s", 0.0))
         legs = 1 if cfg.aggregated else 2
         return legs * VLLM_REQUEST_PATH[0], legs * VLLM_REQUEST_PATH[1]
