@@ -174,6 +174,35 @@ def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
     assert 0.55 < pd[0] + pd[1] * 100_000 < 0.75
 
 
+def test_pd_pull_starts_at_a_step_and_is_seen_at_a_step_end() -> None:
+    """vLLM's NIXL decode side: a request reaching a decode instance mid-step starts its READ
+    at the next step and is seen done after a step's forward; an idle instance starts at once
+    and sees it done when it is. Either way it lands no sooner than its transfer takes."""
+    sim = sim_run.Simulation(_cfg(concurrency=3), [_session(i, turns=4) for i in range(3)])
+    inst, seen = sim.decodes[0], []
+    receive = inst.receive
+
+    def spy(req, dt, landed):
+        t0, busy = sim.clock.now, inst.busy
+
+        def wrapped():
+            seen.append((t0, dt, sim.clock.now, busy))
+            landed()
+        receive(req, dt, wrapped)
+    inst.receive = spy
+    s = sim.run()
+    assert s["requests_ok"] == 12 and len(seen) == 12
+    ends = set(inst.ends)
+    for t0, dt, t1, busy in seen:
+        assert t1 >= t0 + dt - 1e-12
+        if busy:
+            assert t1 in ends  # seen at a step's end
+        else:  # at once, unless a step began meanwhile: then at that step's end
+            assert t1 == pytest.approx(t0 + dt) or t1 in ends
+    assert {b for *_, b in seen} == {True, False}  # both paths taken
+    assert any(busy and t1 > t0 + dt + 1e-9 for t0, dt, t1, busy in seen)  # alignment costs time
+
+
 def test_warmup_excludes_requests_before_the_stage() -> None:
     sessions = [_session(i, turns=8) for i in range(2)]
     full = sim_run.Simulation(_cfg(), sessions)

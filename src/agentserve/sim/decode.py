@@ -15,12 +15,14 @@ is preempted (vLLM's order), frees its blocks and waits at the queue head; on re
 recomputes the KV it lost (prompt and output so far, less the prefix blocks still cached) on
 this instance, as vLLM's recompute preemption does (the prefill side has released its copy):
 a prefill that stretches the instance's next step (`PerfModel.recompute_time`). A request's
-chunk times are the ends of the steps it took part in.
+chunk times are the ends of the steps it took part in. A P/D request's KV pull follows vLLM's
+NIXL decode side (`receive`): started at a step's schedule, seen done after a step's forward.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,6 +70,12 @@ class DecodeInstance(Instance):
         # prefix match and a scan of the hits, every step) is skipped until then, same outcome.
         self.blocked: dict[int, tuple[SimRequest, int]] = {}
         self.recomputed_tokens = 0
+        # P->D pulls as vLLM's NIXL decode side runs them: a request that reaches the instance
+        # waits for the next step's schedule to start its READ (`incoming`); a READ's
+        # completion is seen after a step's forward (`get_finished`), and the request is
+        # scheduled in the step after that (`pulling`: (done at, request, landed callback)).
+        self.incoming: list[tuple[SimRequest, float, Callable[[], None]]] = []
+        self.pulling: list[tuple[float, SimRequest, Callable[[], None]]] = []
 
     def local_prefix(self, r: Rank, req: SimRequest) -> int:
         """Prompt tokens this rank already holds (so need not be pulled); by bisection, as the
@@ -184,8 +192,42 @@ class DecodeInstance(Instance):
         self._sync(r, req, ctx)
         self._schedule_grow(req)
 
+    # -- P->D pulls --------------------------------------------------------------------------------
+    def receive(self, req: SimRequest, transfer_s: float, landed: Callable[[], None]) -> None:
+        """`req` reached the instance; its KV takes `transfer_s` to pull. `landed` runs when the
+        pull is seen done (it queues the request on its rank). An idle instance starts the
+        pull at once and sees it done when it is (its loop polls); a stepping one starts it at
+        the next step and sees it done at the end of a step."""
+        self.incoming.append((req, transfer_s, landed))
+        if not self.busy:
+            self._start_pulls()
+
+    def _start_pulls(self) -> None:
+        now = self.clock.now
+        for req, dt, landed in self.incoming:
+            self.pulling.append((now + dt, req, landed))
+            self.clock.at(now + dt, self._poll)
+        self.incoming = []
+
+    def _poll(self) -> None:
+        """A pull's transfer time is up: an idle instance sees it now; a stepping one at its
+        step's end (`_done`)."""
+        if not self.busy:
+            self._land_pulls()
+            self.kick()
+
+    def _land_pulls(self) -> None:
+        now, left = self.clock.now, []
+        for done_at, req, landed in self.pulling:
+            if done_at <= now:
+                landed()
+            else:
+                left.append((done_at, req, landed))
+        self.pulling = left
+
     # -- stepping ----------------------------------------------------------------------------------
     def _step(self) -> None:
+        self._start_pulls()
         for req, gen in self.grow_at.pop(self.k, ()):
             self._grow(req, gen)
         for r in self.ranks:
@@ -228,4 +270,5 @@ class DecodeInstance(Instance):
             req.on_done(req)
         self.k += 1
         self.busy = False
+        self._land_pulls()
         self._step()

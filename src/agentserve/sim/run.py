@@ -229,16 +229,14 @@ class Simulation:
         src.active -= 1  # the prefill leg's response is back
         inst = self._owner(self.d_ranks, self.decodes, d)
         pull = req.n_in - inst.local_prefix(d, req)
-        dt = self.dperf.kv_transfer_time(pull)
 
-        def arrive() -> None:
+        def landed() -> None:  # the decode rank has the KV; the prefill copy is released
             req.t_arrive = self.clock.now
             self._owner(self.p_ranks, self.prefills, src).release(req)
             req.rank, req.blocks = d, []
             d.waiting.append(req)
-            inst.kick()
 
-        self.clock.at(self.clock.now + dt, arrive)
+        inst.receive(req, self.dperf.kv_transfer_time(pull), landed)
 
     @property
     def t0(self) -> float:
