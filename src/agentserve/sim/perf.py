@@ -169,6 +169,8 @@ class PerfModel:
         per destination *node* over RDMA and forward it over NVLink inside that node
         (`internode.cu`), so inter-node bytes drop from top_k x (remote share) to the number
         of remote nodes the token's experts touch (DEP16: ~1 instead of 4 hidden vectors)."""
+        if mode not in ("low_latency", "high_throughput"):
+            raise ValueError(f"all-to-all mode {mode!r}: low_latency or high_throughput")
         m, t, hw = self.model, self.topo, self.hw
         if not m.is_moe or t.width == 1:
             return 0.0
@@ -191,8 +193,6 @@ class PerfModel:
             t_link = max(nvl / (hw.nvlink_bw * self.eff.link),
                          rdma / (hw.net_bw * self.eff.link) if inter else 0.0)
             return L * (2 * lat + t_link)
-        if mode != "low_latency":
-            raise ValueError(f"all-to-all mode {mode!r}: low_latency or high_throughput")
         remote = (t.width - hw.gpus_per_node) / t.width if inter else (t.width - 1) / t.width
         bw = (hw.net_bw if inter else hw.nvlink_bw) * self.eff.link
         return L * (2 * lat + tokens_per_rank * m.top_k * vec * remote / bw)
