@@ -81,12 +81,10 @@ async def measure(base: str, sizes: list[int], reps: int, tokenizer) -> list[dic
 
 
 def fit(rows: list[dict], key: str) -> tuple[float, float]:
-    """Least squares `key = fixed + per_token x prompt_tokens`."""
-    x = [r["prompt_tokens"] for r in rows]
-    y = [r[key] for r in rows]
-    mx, my = statistics.fmean(x), statistics.fmean(y)
-    b = sum((a - mx) * (c - my) for a, c in zip(x, y)) / sum((a - mx) ** 2 for a in x)
-    return my - b * mx, b
+    """Least squares `key = fixed + per_token x prompt_tokens`: (fixed, per_token)."""
+    slope, intercept = statistics.linear_regression([r["prompt_tokens"] for r in rows],
+                                                    [r[key] for r in rows])
+    return intercept, slope
 
 
 def main() -> None:

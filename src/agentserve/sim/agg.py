@@ -208,7 +208,6 @@ class AggInstance(Instance):
                     self.on_first(req)
             if req.out_done >= req.n_out:
                 r.running.remove(req)
-                r.inflight_tokens -= req.n_in + req.n_out
                 r.pool.free(list(reversed(req.blocks)))
                 req.blocks = []
                 rec.cached_tokens = req.cached

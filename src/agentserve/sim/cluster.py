@@ -83,7 +83,6 @@ class Rank:
         self.cpu: BlockPool | None = SimBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.inflight_tokens = 0
         self.active = 0  # requests routed here whose leg has not ended (the picker's count)
 
     def prefix_blocks(self, hashes: list[int], n: int) -> tuple[int, int]:
@@ -132,7 +131,7 @@ def _cands(ranks: list[Rank], hashes: list[int], n: int) -> list[Candidate]:
         out.append(Candidate(url=str(r.idx), matched_blocks=g, total_blocks=n,
                              weighted_blocks=g + c, waiting=len(r.waiting),
                              running=len(r.running), kv_usage=r.pool.usage,
-                             inflight=r.active, inflight_tokens=r.inflight_tokens))
+                             inflight=r.active))
     return out
 
 

@@ -263,7 +263,6 @@ class DecodeInstance(Instance):
             self._record(req, self.k + 1)
             r.running.remove(req)
             self._sync(r, req, None)
-            r.inflight_tokens -= req.n_in + req.n_out
             r.pool.free(list(reversed(req.blocks)))
             req.blocks = []
             req.rec.e2e, req.rec.output_tokens = now - req.rec.start, req.out_done

@@ -12,7 +12,7 @@ simulated clock. The prefix index is each rank's pool (blocks stored) plus specu
 entries for blocks routed there in the last `speculative_ttl_s`, as the router's precise
 index holds.
 
-The P/D pools keep `cluster.Router` (the reference deployment's llm-d-like presets).
+The P/D pools keep `cluster.Router` (the reference deployment's llm-d endpoint-picker weights).
 """
 
 from __future__ import annotations

@@ -133,7 +133,6 @@ class PrefillInstance(Instance):
                     self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[before:full])
                 if req.computed >= req.n_in:
                     r.running.remove(req)
-                    r.inflight_tokens -= req.n_in
                     req.t_pdone = self.clock.now
                     self.handoff(req)
         self.busy = False

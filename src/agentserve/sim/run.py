@@ -189,7 +189,6 @@ class Simulation:
     def _route_agg(self, req: SimRequest) -> None:
         r = self.policy.route(req, self.clock.now)
         req.rank = r
-        r.inflight_tokens += req.n_in + req.n_out
         r.waiting.append(req)
         self.aggs[self.p_ranks.index(r)].kick()
 
@@ -213,10 +212,8 @@ class Simulation:
         profiles on arrival (the decode rank's sidecar then drives the prefill leg)."""
         r = self.router.pick(self.p_ranks, req, decode=False)
         req.rank, req.t_route = r, self.clock.now
-        r.inflight_tokens += req.n_in
         r.active += 1
         d = req.d_rank = self.router.pick(self.d_ranks, req, decode=True)
-        d.inflight_tokens += req.n_in + req.n_out
         d.active += 1
         r.waiting.append(req)
         self._owner(self.p_ranks, self.prefills, r).kick()
