@@ -64,7 +64,8 @@ def point(args: tuple) -> dict:
             "itl_p90_ms": s["itl_ms"]["p90"], "e2e_p50_s": s["e2e_s"]["p50"],
             "output_tok_s_per_user": s["output_tok_s_per_user"]["mean"],
             "decode_preemptions": s["decode_preemptions"], "ttft_phases_s": s["ttft_phases_s"],
-            "rejected_share": s["rejected_share"] or 0.0}
+            "rejected_share": s["rejected_share"] or 0.0,
+            "decode_local_hit_rate": s["decode_local_hit_rate"] or 0.0}
 
 
 def _mean(runs: list[dict]) -> dict:

@@ -35,7 +35,8 @@ P8D16 = {"workload": "sweep-limited", "prefill": 1, "prefill_width": 8, "decode"
 
 # name -> (SimConfig overrides, concurrency, published figures). Keys: out (output tok/s),
 # itl (ITL p50 ms), ttft (TTFT p50 s), e2e (turn completion p50 s), per_user (end-to-end output
-# tok/s per user, mean), restore (CPU -> GPU GiB over the stage). Sources: blog sections
+# tok/s per user, mean), restore (CPU -> GPU GiB over the stage), dlocal (decode-local prefix
+# hit rate: prompt tokens a decode rank already held, "Routing turns back to their cache"). Sources: blog sections
 # "Splitting prefill from decode", "Sizing prefill and decode capacity", "Speculative Decoding",
 # "Where the bottleneck moves", "Tiered prefix cache".
 POINTS: dict[str, tuple[dict, int, dict]] = {
@@ -50,9 +51,10 @@ POINTS: dict[str, tuple[dict, int, dict]] = {
     "lim 1P1D MTP c32": ({**LIM, "prefill": 1}, 32, {"out": 2159, "itl": 13.5, "ttft": 1.3,
                                                     "per_user": 51.5}),
     "lim 1P1D MTP c64": ({**LIM, "prefill": 1}, 64, {"out": 3788, "itl": 14.7, "ttft": 1.6,
-                                                    "per_user": 45.1}),
+                                                    "per_user": 45.1, "dlocal": 0.513}),
     "lim 1P1D MTP c128": ({**LIM, "prefill": 1}, 128, {"out": 5647, "itl": 17.1, "ttft": 2.38,
-                                                      "per_user": 35.0, "restore": 50}),
+                                                      "per_user": 35.0, "restore": 50,
+                                                      "dlocal": 0.446}),
     "lim 1P1D no-MTP c32": ({**LIM, "prefill": 1, "mtp": False}, 32,
                             {"out": 1145, "itl": 28.6, "ttft": 1.1, "per_user": 28.7}),
     "lim 1P1D no-MTP c64": ({**LIM, "prefill": 1, "mtp": False}, 64,
@@ -85,7 +87,7 @@ RATIOS = [
     ("lim 1P1D MTP c128", "lim 2P1D no-MTP no-CPU c128", "out", 0.54),
 ]
 
-METRICS = ("out", "itl", "ttft", "e2e", "per_user", "restore")
+METRICS = ("out", "itl", "ttft", "e2e", "per_user", "restore", "dlocal")
 
 
 def run(args: tuple) -> dict:
@@ -95,6 +97,7 @@ def run(args: tuple) -> dict:
     return {"name": name, "seed": seed, "out": s["output_tok_s"], "itl": s["itl_ms"]["p50"],
             "ttft": s["ttft_s"]["p50"], "e2e": s["e2e_s"]["p50"],
             "per_user": s["output_tok_s_per_user"]["mean"], "restore": s["cpu_restore_gib"],
+            "dlocal": s["decode_local_hit_rate"] or 0.0,
             "ttft_p90": s["ttft_s"]["p90"], "input": s["input_tok_s"],
             "prefill_busy": s["prefill_busy_frac"], "hit": s["prefill_gpu_hit_rate"],
             "rejected": s["rejected_share"] or 0.0}

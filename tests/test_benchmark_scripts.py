@@ -124,6 +124,17 @@ def test_sim_published_runs(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_sim_decode_locality_brackets_placement(tmp_path: Path) -> None:
+    """A short stage, both decode placements: ranks drawn at random hold less of the prompt
+    than the reference's picker, which sends a client back to its rank."""
+    res = _run("sim_decode_locality.py", "--only", "lim 1P1D MTP c64", "--duration", "60",
+               out=tmp_path / "locality.json")
+    row = res["rows"]["lim 1P1D MTP c64"]
+    assert row["random"]["dlocal"] < row["llm-d"]["dlocal"]
+    assert res["published"]["lim 1P1D MTP c64"]["dlocal"] == 0.513
+
+
+@pytest.mark.slow
 @pytest.mark.interop
 def test_vllm_request_path_runs(tmp_path: Path) -> None:
     """A real vLLM, two prompt sizes: a cached prompt's time to first token grows with its length."""

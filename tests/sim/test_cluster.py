@@ -152,6 +152,75 @@ def test_both_ranks_are_picked_on_arrival_by_requests_in_flight() -> None:
     assert all(r.active == 0 for r in sim.p_ranks + sim.d_ranks)
 
 
+def test_ranks_are_picked_at_the_gateway_before_any_api_server() -> None:
+    """llm-d's endpoint picker routes at the gateway: both ranks are counted the moment the
+    client sends; the prompt reaches the prefill rank's queue only after that rank's API server
+    has spent its leg of the request path on it, and the decode leg follows the prefill."""
+    sim = sim_run.Simulation(_cfg(concurrency=1, request_overhead_s=0.4,
+                                  request_overhead_per_token_s=0.0), [_session(0, turns=1)])
+    sim._client()
+    p = next(r for r in sim.p_ranks if r.active)
+    assert sum(r.active for r in sim.d_ranks) == 1 and not p.waiting and not p.running
+    sim.clock.run(0.19)
+    assert not p.waiting and not p.running  # still at the prefill rank's API server (0.2 s)
+    sim.clock.run(0.21)
+    assert p.waiting or p.running
+    s = sim.run()
+    assert s["requests_ok"] == 1
+    assert s["ttft_phases_s"]["request_path"]["mean"] == pytest.approx(0.4)
+
+
+def test_prefill_rank_is_counted_until_the_response_completes() -> None:
+    """llm-d's active-request scorer releases the prefill endpoint with the decode one, when the
+    response completes (`ResponseComplete`), not when the prefill leg returns."""
+    sim = sim_run.Simulation(_cfg(concurrency=1, request_overhead_s=0.0,
+                                  request_overhead_per_token_s=0.0), [_session(0, turns=1)])
+    seen, inst = [], sim.prefills[0]
+    handoff = inst.handoff
+
+    def spy(req) -> None:
+        seen.append(req.p_rank.active)
+        handoff(req)
+    inst.handoff = spy
+    s = sim.run()
+    assert s["requests_ok"] == 1 and seen == [1]
+    assert all(r.active == 0 for r in sim.p_ranks + sim.d_ranks)
+
+
+def test_decode_local_hit_rate_follows_decode_placement() -> None:
+    """The decode-local prefix hit (prompt tokens a decode rank already held, not pulled): with
+    the reference's picker a finished request leaves its rank the least loaded (as many clients
+    as ranks), so the client's next turn returns there and pulls only the new tail; ranks drawn
+    at random (no scorers) hold less of it."""
+    def hit(scorers):
+        s = simulate(_cfg(concurrency=4, decode_width=4, decode_scorers=scorers),
+                     [_session(i, turns=8, blocks=8, grow=32) for i in range(4)])
+        assert s["requests_ok"] == 32
+        return s["decode_local_hit_rate"]
+
+    # prompts of 8, 40, ..., 232 blocks: a turn that returns to its rank holds the previous
+    # prompt, 728 of the 960 blocks sent; a rank seen turns ago holds a shorter prefix
+    assert hit(None) == pytest.approx(728 / 960)
+    assert hit({}) < 0.6
+
+
+def test_a_rank_api_server_takes_prompts_one_after_another() -> None:
+    """One API server process per rank (vLLM's multi-port external load balancing): two prompts
+    routed to the same rank at once spend their legs there in turn."""
+    sim = sim_run.Simulation(_cfg(prefill_width=1, decode_width=1, concurrency=2,
+                                  request_overhead_s=0.4, request_overhead_per_token_s=0.0),
+                             [_session(i, turns=1) for i in range(2)])
+    sim._client()
+    sim._client()
+    (p,) = sim.p_ranks
+    sim.clock.run(0.21)
+    assert len(p.waiting) + len(p.running) == 1
+    sim.clock.run(0.41)
+    assert len(p.waiting) + len(p.running) + len(sim.d_ranks[0].running) == 2
+    s = sim.run()
+    assert s["requests_ok"] == 2
+
+
 def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
     """Outside engine steps a prompt passes two vLLM API servers in P/D (prefill, then decode),
     each paying the measured request path; aggregated engines pass one; a flag overrides it."""

@@ -13,7 +13,7 @@ from agentserve.sim.run import SimConfig, parse_topology, simulate
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
         "gpus", "cost_per_m_input", "cost_per_m_output", "cpu_restore_gib", "prefill_gpu_hit_rate",
-        "rejected_share")
+        "decode_local_hit_rate", "rejected_share")
 
 
 def register(app: typer.Typer) -> None:

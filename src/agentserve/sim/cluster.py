@@ -56,7 +56,10 @@ class SimRequest:
     out_done: int = 0
     ready_at: float = 0.0
     rank: Rank | None = None
+    p_rank: Rank | None = None  # prefill rank, picked on arrival
     d_rank: Rank | None = None  # decode rank, picked with the prefill rank on arrival (llm-d)
+    leg: float = 0.0  # one vLLM API server's request path for this prompt (P/D: two legs)
+    api_s: list[float] = field(default_factory=list)  # per leg: time at the API server, wait included
     # decode segment (decode.py): acceptances drawn at admission, events keyed by generation
     cum: np.ndarray | None = None  # cumulative output tokens after each step of the segment
     seg_start: int = 0  # instance step the segment began on
@@ -83,7 +86,8 @@ class Rank:
         self.cpu: BlockPool | None = SimBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
-        self.active = 0  # requests routed here whose leg has not ended (the picker's count)
+        self.active = 0  # requests routed here whose response has not ended (the picker's count)
+        self.api_free = 0.0  # when this rank's API server is done with the prompts it has
 
     def prefix_blocks(self, hashes: list[int], n: int) -> tuple[int, int]:
         """(GPU, CPU-continuation) leading blocks held, by bisection over the prefix map."""
@@ -138,9 +142,9 @@ def _cands(ranks: list[Rank], hashes: list[int], n: int) -> list[Candidate]:
 class Router:
     """Per-rank endpoints scored by the router's own scorers and max-score picker."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, decode_scorers: dict[str, float] | None = None) -> None:
         self.prefill = build_scorers(PREFILL_SCORERS)
-        self.decode = build_scorers(DECODE_SCORERS)
+        self.decode = build_scorers(DECODE_SCORERS if decode_scorers is None else decode_scorers)
         self.picker = MaxScorePicker(seed=seed)
 
     def pick(self, ranks: list[Rank], req: SimRequest, decode: bool) -> Rank:

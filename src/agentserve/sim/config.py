@@ -41,6 +41,11 @@ class SimConfig:
     # DEP8: 32). A verify step takes 1 + drafts tokens of each request, so with MTP (3 drafts)
     # a DEP16 rank decodes at most 16 requests at once, a DEP8 rank 8.
     decode_tokens_per_node: int = 32
+    # The decode profile's scorers and weights (None: the reference's, `cluster.DECODE_SCORERS`,
+    # requests in flight only). {} scores every rank alike: the max-score picker then draws the
+    # rank at random, a counterfactual with no return to a client's previous rank
+    # (benchmarks/sim_decode_locality.py).
+    decode_scorers: dict[str, float] | None = None
     # Simulated seconds before the measured stage; None: WARMUP_S for xPyD on a synthesized
     # workload, else 0. The simulator starts from an empty cluster with every client joining
     # at once, cold: a burst of full-context prefills that no stage of the reference's

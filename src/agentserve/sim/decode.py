@@ -70,6 +70,9 @@ class DecodeInstance(Instance):
         # prefix match and a scan of the hits, every step) is skipped until then, same outcome.
         self.blocked: dict[int, tuple[SimRequest, int]] = {}
         self.recomputed_tokens = 0
+        # prompt tokens of received requests, and those the rank already held (not pulled):
+        # the decode-local prefix hit rate the reference reports (vLLM's prefix-cache counters)
+        self.queried_tokens = self.local_hit_tokens = 0
         # P->D pulls as vLLM's NIXL decode side runs them: a request that reaches the instance
         # waits for the next step's schedule to start its READ (`incoming`); a READ's
         # completion is seen after a step's forward (`get_finished`), and the request is

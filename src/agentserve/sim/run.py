@@ -12,7 +12,7 @@ joined at a random turn, then played to their end.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
@@ -47,7 +47,7 @@ class Simulation:
             raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
-        self.router = Router(cfg.seed)
+        self.router = Router(cfg.seed, cfg.decode_scorers)
         self.aggs: list = []
         self.prefills, self.decodes, self.p_ranks, self.d_ranks = [], [], [], []
         fixed, per_token = self._request_path(cfg, hw)
@@ -159,12 +159,17 @@ class Simulation:
         seen.update(hashes)
         rec.reusable_tokens = min(reuse * cfg.block_size, n_in)
         req = SimRequest(rec, hashes, n_in, n_out, lambda q: self._finished(q, queue, si, sid))
-        route = self._route_agg if cfg.aggregated else self._route_prefill
         delay = self.overhead + self.overhead_per_token * n_in
-        if delay > 0:
-            self.clock.at(self.clock.now + delay, lambda: route(req))
+        if not cfg.aggregated:
+            # llm-d's endpoint picker routes at the gateway, before any vLLM API server sees
+            # the prompt; each of the two legs then pays half the path (`_route_prefill`,
+            # `_handoff`).
+            req.leg = delay / 2
+            self._route_prefill(req)
+        elif delay > 0:
+            self.clock.at(self.clock.now + delay, lambda: self._route_agg(req))
         else:
-            route(req)
+            self._route_agg(req)
 
     def _too_long(self, n_in: int, n_out: int) -> bool:
         """Can the request never fit one rank's KV, even on an empty rank? vLLM caps
@@ -197,35 +202,55 @@ class Simulation:
         if self.aggs:
             self.policy.finish(req, self.clock.now)
         elif req.d_rank is not None:
+            # llm-d's active-request scorer releases both endpoints when the response completes
+            # (`ResponseComplete`), the prefill one included
             req.d_rank.active -= 1
+            req.p_rank.active -= 1
         if not self.cfg.aggregated and req.rec.ttft is not None:
             s = req.rec.start
-            self.phases.append((req.rec.end, req.t_route - s, req.t_admit - req.t_route,
+            a1, a2 = (req.api_s + [0.0, 0.0])[:2]  # each leg's API server time, its wait included
+            self.phases.append((req.rec.end, req.t_route - s + a1 + a2, req.t_admit - req.t_route - a1,
                                 max(0.0, req.ready_at - req.t_admit), req.t_pdone - req.t_admit,
-                                req.t_arrive - req.t_pdone, req.t_dadmit - req.t_arrive,
+                                req.t_arrive - req.t_pdone - a2, req.t_dadmit - req.t_arrive,
                                 s + req.rec.ttft - req.t_dadmit, req.n_in - req.cached))
         self._client(queue, si, sid)
 
     # -- server side ---------------------------------------------------------------------------
     def _route_prefill(self, req: SimRequest) -> None:
         """Pick the prefill and the decode rank at once, as llm-d's P/D picker runs both
-        profiles on arrival (the decode rank's sidecar then drives the prefill leg)."""
+        profiles on arrival (the decode rank's sidecar then drives the prefill leg); the
+        prompt reaches the prefill rank's queue after that leg's API server has taken it in."""
         r = self.router.pick(self.p_ranks, req, decode=False)
-        req.rank, req.t_route = r, self.clock.now
+        req.rank = req.p_rank = r
+        req.t_route = self.clock.now
         r.active += 1
         d = req.d_rank = self.router.pick(self.d_ranks, req, decode=True)
         d.active += 1
-        r.waiting.append(req)
-        self._owner(self.p_ranks, self.prefills, r).kick()
+
+        def enqueue() -> None:
+            r.waiting.append(req)
+            self._owner(self.p_ranks, self.prefills, r).kick()
+        self._api(r, req, enqueue)
+
+    def _api(self, r: Rank, req: SimRequest, fn: Callable[[], None]) -> None:
+        """Run `fn` once rank `r`'s API server has spent `req.leg` on this prompt. The reference runs
+        one API server process per rank (vLLM's `--data-parallel-multi-port-external-lb`
+        starts each local rank as its own `vllm serve` with `api_server_count=1`), so prompts
+        reaching the same rank are taken in one after another."""
+        if req.leg <= 0:
+            fn()
+            return
+        r.api_free = max(self.clock.now, r.api_free) + req.leg
+        req.api_s.append(r.api_free - self.clock.now)  # waiting for the server included
+        self.clock.at(r.api_free, fn)
 
     def _handoff(self, req: SimRequest) -> None:
-        """Prefill done: the decode rank pulls the KV it lacks, then decodes."""
+        """Prefill done: the sidecar sends the prompt to the decode rank's API server (the
+        second leg of the request path); the rank then pulls the KV it lacks, and decodes."""
         req.rec.cached_tokens = req.cached
         src, d = req.rank, req.d_rank
         assert src is not None and d is not None
-        src.active -= 1  # the prefill leg's response is back
         inst = self._owner(self.d_ranks, self.decodes, d)
-        pull = req.n_in - inst.local_prefix(d, req)
 
         def landed() -> None:  # the decode rank has the KV; the prefill copy is released
             req.t_arrive = self.clock.now
@@ -233,7 +258,12 @@ class Simulation:
             req.rank, req.blocks = d, []
             d.waiting.append(req)
 
-        inst.receive(req, self.dperf.kv_transfer_time(pull), landed)
+        def reach() -> None:
+            local = inst.local_prefix(d, req)
+            inst.queried_tokens += req.n_in
+            inst.local_hit_tokens += local
+            inst.receive(req, self.dperf.kv_transfer_time(req.n_in - local), landed)
+        self._api(d, req, reach)
 
     @property
     def t0(self) -> float:
@@ -251,7 +281,8 @@ class Simulation:
                 "store": sum(p.cpu_store_blocks for p in ps), "prompt": sum(p.prompt_tokens for p in ps),
                 "hit": sum(p.hit_tokens for p in ps), "cpu_hit": sum(p.cpu_hit_tokens for p in ps),
                 "preempt": sum(d.preemptions for d in ds),
-                "recomp": sum(d.recomputed_tokens for d in ds)}
+                "recomp": sum(d.recomputed_tokens for d in ds),
+                "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds)}
 
     def run(self) -> dict:
         for _ in range(self.cfg.concurrency):
@@ -285,6 +316,7 @@ class Simulation:
             "cpu_write_tb": d["store"] * cfg.block_size * self.pperf.model.kv_bytes_per_token() / 1e12,
             "prefill_gpu_hit_rate": _share(d["hit"], d["prompt"]),
             "prefill_cpu_hit_rate": _share(d["cpu_hit"], d["prompt"]),
+            "decode_local_hit_rate": _share(d["d_hit"], d["d_query"]),
             "prefill_queue": sum(len(r.waiting) for r in self.p_ranks),
             "decode_queue": sum(len(r.waiting) for r in self.d_ranks),
             "decode_preemptions": d["preempt"],
@@ -316,6 +348,7 @@ class Simulation:
             "request_overhead_per_token_s": self.overhead_per_token, "cpu_restore_gib": 0.0,
             "cost_per_m_input": None, "cost_per_m_output": None,
             "prefill_gpu_hit_rate": _share(sum(a.hit_tokens for a in self.aggs), prompt),
+            "decode_local_hit_rate": None,  # no separate decode ranks
             "queue": sum(len(r.waiting) for r in self.p_ranks),
             "preemptions": sum(a.preemptions for a in self.aggs),
             "busy_frac": sum(a.busy_s for a in self.aggs) / cfg.duration / cfg.aggregated,
@@ -326,9 +359,10 @@ class Simulation:
 # Error of a request no rank's KV can hold (vLLM: "maximum context length is ... tokens").
 REJECTED = "context_length_exceeded"
 
-# TTFT = router + prefill queue + prefill (restore wait within it) + P->D pull + decode queue
-# + first decode step; `new_tokens` = prompt tokens computed (not cached).
-PHASES = ("router", "prefill_queue", "cpu_restore", "prefill", "pd_transfer", "decode_queue",
+# TTFT = request path (routing at the gateway, then the prefill and the decode rank's API server,
+# waiting for each included) + prefill queue + prefill (restore wait within it) + P->D pull +
+# decode queue + first decode step; `new_tokens` = prompt tokens computed (not cached).
+PHASES = ("request_path", "prefill_queue", "cpu_restore", "prefill", "pd_transfer", "decode_queue",
           "first_step", "new_tokens")
 
 

@@ -1,0 +1,92 @@
+"""How much of the simulator's TTFT gap is where decode ranks are picked (SIM-1, stop 26).
+
+llm-d's decode profile weighs requests in flight only (`active-request-scorer`, counted from the
+gateway's routing until the response completes). In a closed loop with no think time a finished
+request leaves its rank the least loaded, so the client's next turn is routed straight back to
+it and that rank still holds most of the prompt: the simulator's decode-local prefix hit is
+~0.93. The reference measured 0.513 at c64 and 0.446 at c128 (limited inputs, DEP16 1P1D; llm-d
+blog "Serving GLM-5.2 for Agentic Workloads on llm-d", 2026-07-22), so its decode ranks pull far
+more KV over NIXL than the simulator's.
+
+This script runs each point twice: with the reference's decode scorers, and with every decode
+rank scored alike (`SimConfig.decode_scorers={}`: the max-score picker then draws the rank at
+random, the least sticky placement there is). The two bracket the reference's hit rate; the
+TTFT between them is how much of the remaining TTFT gap placement can account for. It is a
+diagnostic: the counterfactual is not the reference's mechanism and sets no constant.
+
+    .venv/bin/python benchmarks/sim_decode_locality.py --duration 600 --out benchmarks/results/sim_decode_locality.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from multiprocessing import Pool
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from agentserve.sim.run import SimConfig, simulate
+
+LIM = {"workload": "sweep-limited", "prefill": 1}
+# name -> (SimConfig overrides, concurrency, published figures: decode-local hit, TTFT p50 s,
+# ITL p50 ms, output tok/s)
+POINTS: dict[str, tuple[dict, int, dict]] = {
+    "full 3P1D c16": ({}, 16, {"ttft": 1.5, "itl": 11.7, "out": 1167}),
+    "full 3P1D c64": ({}, 64, {"ttft": 1.71, "itl": 15.5, "out": 3679}),
+    "full 3P1D c128": ({}, 128, {"ttft": 2.18, "itl": 19.1, "out": 6281}),
+    "lim 1P1D MTP c64": (LIM, 64, {"dlocal": 0.513, "ttft": 1.6, "itl": 14.7, "out": 3788}),
+    "lim 1P1D MTP c128": (LIM, 128, {"dlocal": 0.446, "ttft": 2.38, "itl": 17.1, "out": 5647}),
+}
+PICKERS = {"llm-d": None, "random": {}}
+METRICS = ("dlocal", "ttft", "itl", "out")
+
+
+def run(args: tuple) -> dict:
+    name, picker, duration, seed = args
+    over, c, _ = POINTS[name]
+    s = simulate(SimConfig(concurrency=c, duration=duration, seed=seed,
+                           decode_scorers=PICKERS[picker], **over))
+    return {"name": name, "picker": picker, "seed": seed, "dlocal": s["decode_local_hit_rate"],
+            "ttft": s["ttft_s"]["p50"], "itl": s["itl_ms"]["p50"], "out": s["output_tok_s"],
+            "pd_transfer_mean_s": s["ttft_phases_s"]["pd_transfer"]["mean"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--only", default="", help="comma-separated substrings of point names")
+    ap.add_argument("--out", default="benchmarks/results/sim_decode_locality.json")
+    a = ap.parse_args()
+    names = [n for n in POINTS if not a.only or any(s in n for s in a.only.split(","))]
+    jobs = [(n, p, a.duration, sd) for n in names for p in PICKERS for sd in range(a.seeds)]
+    with Pool(2) as pool:
+        runs = pool.map(run, jobs)
+    rows: dict[str, dict[str, dict]] = {}
+    for n in names:
+        for p in PICKERS:
+            rr = [r for r in runs if r["name"] == n and r["picker"] == p]
+            rows.setdefault(n, {})[p] = {k: sum(r[k] for r in rr) / len(rr)
+                                         for k in rr[0] if k not in ("name", "picker", "seed")}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds, "rows": rows,
+                                       "published": {n: POINTS[n][2] for n in names}}, indent=2))
+    t = Table(title=f"decode placement: llm-d's picker / random ranks (published), "
+                    f"{a.duration:.0f} simulated s, {a.seeds} seed(s)")
+    for col in ("point",) + METRICS + ("P->D phase mean s",):
+        t.add_column(col, justify="right")
+    for n in names:
+        sim, pub = rows[n], POINTS[n][2]
+
+        def cell(k: str) -> str:
+            v = " / ".join(f"{sim[p][k]:,.3g}" for p in PICKERS)
+            return f"{v} ({pub[k]:,})" if k in pub else v
+        t.add_row(n, *[cell(k) for k in METRICS],
+                  " / ".join(f"{sim[p]['pd_transfer_mean_s']:.2f}" for p in PICKERS))
+    Console(width=200).print(t)
+
+
+if __name__ == "__main__":
+    main()
