@@ -204,6 +204,52 @@ def test_decode_local_hit_rate_follows_decode_placement() -> None:
     assert hit({}) < 0.6
 
 
+def test_prefill_takes_blocks_per_chunk_and_preempts_the_newest() -> None:
+    """vLLM's scheduler on a prefill rank: a request is admitted with blocks for its first
+    chunk only, so a rank admits more than it can finish; when a running request's next chunk
+    finds the pool empty the newest running request is preempted (blocks freed, still cached;
+    back to the queue head), and it starts over with what it computed as a prefix hit."""
+    from agentserve.sim.fastpool import SimBlockPool
+
+    sim = sim_run.Simulation(_cfg(prefill_width=1, decode_width=1, chunk=256,
+                                  request_overhead_s=0.0, request_overhead_per_token_s=0.0),
+                             [_session(i, turns=1, blocks=5) for i in range(2)])
+    (rank,) = sim.p_ranks
+    rank.pool, rank.cpu = SimBlockPool(8, 64), None  # room for one and a half prompts
+    s = sim.run()
+    inst = sim.prefills[0]
+    # step 1: A's first 256 tokens; step 2: A's last 64 and B's first 192 (8 of 8 blocks);
+    # step 3: B's next chunk finds no block while A waits to be pulled: B preempts itself
+    assert s["requests_ok"] == 2 and inst.preemptions == 1
+    assert inst.prompt_tokens == 3 * 320  # B looked up twice
+    assert inst.hit_tokens == 192  # the second time, what it had computed was still cached
+    assert rank.pool.num_free_blocks == 8 and rank.pinned == 0  # nothing leaked
+
+
+def test_restore_takes_blocks_for_the_restored_prefix_and_registers_them_once_loaded() -> None:
+    """A prompt whose prefix only the CPU tier holds takes blocks for that part (the connector
+    loads asynchronously) and runs its chunk once the restore is done; the restored blocks join
+    the prefix map only then, so nobody hits blocks still in flight."""
+    from agentserve.sim.cluster import Rank, SimRequest
+    from agentserve.sim.pools import PrefillInstance
+    from agentserve.workload.record import RequestRecord
+
+    sim = sim_run.Simulation(_cfg(), [_session(0)])
+    r = Rank(0, 16, 16, 64)
+    hashes = list(range(100, 106))
+    store_cpu(r.cpu, hashes[:4])
+    inst = PrefillInstance(sim.clock, sim.pperf, [r], 2048, lambda q: None)
+    req = SimRequest(RequestRecord("r", "s", 0, "main", start=0.0, input_tokens=384, max_tokens=1),
+                     hashes, 384, 1, lambda q: None)
+    r.waiting.append(req)
+    assert inst._plan(r) == []  # restoring: nothing to run yet
+    assert len(req.blocks) == 4 and req.computed == 256 and req.ready_at > 0
+    assert not any(h in r.pool.cached for h in hashes)
+    sim.clock.run(req.ready_at)
+    assert inst._plan(r) == [(req, 128)]  # the rest of the prompt
+    assert all(h in r.pool.cached for h in hashes[:4]) and len(req.blocks) == 6
+
+
 def test_a_rank_api_server_takes_prompts_one_after_another() -> None:
     """One API server process per rank (vLLM's multi-port external load balancing): two prompts
     routed to the same rank at once spend their legs there in turn."""

@@ -55,6 +55,7 @@ class SimRequest:
     restored: int = 0  # of them, tokens restored from CPU
     out_done: int = 0
     ready_at: float = 0.0
+    restore_from: int = -1  # first restored block, registered in the prefix map once loaded
     rank: Rank | None = None
     p_rank: Rank | None = None  # prefill rank, picked on arrival
     d_rank: Rank | None = None  # decode rank, picked with the prefill rank on arrival (llm-d)
@@ -88,6 +89,7 @@ class Rank:
         self.running: list[SimRequest] = []
         self.active = 0  # requests routed here whose response has not ended (the picker's count)
         self.api_free = 0.0  # when this rank's API server is done with the prompts it has
+        self.pinned = 0  # prefilled requests whose KV the decode side has not pulled yet
 
     def prefix_blocks(self, hashes: list[int], n: int) -> tuple[int, int]:
         """(GPU, CPU-continuation) leading blocks held, by bisection over the prefix map."""

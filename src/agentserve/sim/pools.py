@@ -54,6 +54,7 @@ class PrefillInstance(Instance):
         self.cpu_restore_bytes = 0.0
         self.cpu_store_blocks = 0  # blocks written to the CPU tier (SPEC: ~5 TB in 24 min at c128)
         self.hit_tokens = self.cpu_hit_tokens = self.prompt_tokens = 0
+        self.preemptions = 0  # running prefills preempted for want of blocks (recomputed)
         self.write_back = write_back
         if write_back:
             for r in ranks:
@@ -65,8 +66,39 @@ class PrefillInstance(Instance):
             self.cpu_store_blocks += store_cpu(r.cpu, [h for h, _ in evicted])
         return store
 
-    def _admit(self, r: Rank, req: SimRequest) -> bool:
-        """Match the prefix (GPU, then CPU), take blocks; False when the pool is too full."""
+    # vLLM's V1 scheduler, per rank and step: running requests first, each taking the blocks
+    # its next chunk needs (a full pool preempts the newest running request: its blocks are
+    # freed, still cached, and it goes back to the head of the queue to start over); then, if
+    # nobody was preempted, the waiting queue in order. A waiting request whose prefix the CPU
+    # tier holds takes blocks for that part only and waits for the restore (the offloading
+    # connector loads asynchronously); its chunks take blocks as they run. So a rank admits
+    # more prompts than it can finish at once, and under pressure restores a prefix again after
+    # preempting it (the reference's small ranks restored more tokens than they served).
+    def _grow(self, r: Rank, req: SimRequest, upto: int) -> bool:
+        """Blocks for the request's first `upto` tokens; False when the pool lacks them."""
+        need = cdiv(upto, r.pool.block_size) - len(req.blocks)
+        if need > r.pool.num_free_blocks:
+            return False
+        if need > 0:
+            req.blocks += r.pool.allocate(need)
+        return True
+
+    def _drop(self, r: Rank, req: SimRequest) -> None:
+        """Free the request's blocks (computed ones stay cached for a later hit) and forget its
+        progress: it starts over from a fresh lookup."""
+        r.pool.free(list(reversed(req.blocks)))
+        req.blocks, req.computed, req.cached, req.restored, req.restore_from = [], 0, 0, 0, -1
+        self.preemptions += 1
+
+    def _preempt(self, r: Rank, req: SimRequest) -> None:
+        """vLLM's recompute preemption: drop the request, back to the head of the queue."""
+        self._drop(r, req)
+        r.waiting.appendleft(req)
+
+    def _lookup(self, r: Rank, req: SimRequest, budget: int) -> int | None:
+        """Admit a request with no blocks: GPU prefix hits, then the CPU tier's continuation
+        (restored asynchronously: blocks for it only) or the first chunk. Returns the chunk to
+        run now (0 while restoring), or None when the pool is too full."""
         bs = r.pool.block_size
         n = max(0, (req.n_in - 1) // bs)
         hits = r.pool.match_prefix(req.hashes[:n])
@@ -75,9 +107,10 @@ class PrefillInstance(Instance):
         if r.cpu is not None:
             while g + c < n and req.hashes[g + c] in r.cpu.cached:
                 c += 1
-        need = cdiv(req.n_in, bs) - g
+        chunk = 0 if c else min(budget, req.n_in - g * bs)
+        need = c if c else cdiv(g * bs + chunk, bs) - g
         if not fits(r.pool, hits, need):
-            return False
+            return None
         r.pool.touch(hits)
         if c and self.write_back:  # pinned first, as the engine does: the allocation's
             src = [r.cpu.cached[h] for h in req.hashes[g:g + c]]  # evictions are stored
@@ -93,25 +126,71 @@ class PrefillInstance(Instance):
         self.cpu_hit_tokens += c * bs
         self.prompt_tokens += req.n_in
         if c:  # restore overlaps other ranks' work; the request waits for its bytes
-            cache_computed(r.pool, req, g, g + c)
+            req.restore_from = g  # its blocks are registered once loaded (vLLM delays caching)
             self.cpu_restore_bytes += c * bs * self.perf.model.kv_bytes_per_token()
             req.ready_at = self.clock.now + self.perf.cpu_restore_time(c * bs)
             self.clock.at(req.ready_at, self.kick)
-        return True
+        return chunk
 
     def _plan(self, r: Rank) -> list[tuple[SimRequest, int]]:
-        while r.waiting and self._admit(r, r.waiting[0]):
-            r.running.append(r.waiting.popleft())
-        budget, out = self.chunk, []
-        for req in r.running:
-            if budget <= 0:
-                break
-            if req.ready_at > self.clock.now:
-                continue
+        budget, out, now, preempted = self.chunk, [], self.clock.now, False
+        i = 0
+        while i < len(r.running) and budget > 0:
+            req = r.running[i]
             n = min(budget, req.n_in - req.computed)
+            while not self._grow(r, req, req.computed + n):
+                victim = r.running.pop()  # the newest (FCFS)
+                self._preempt(r, victim)
+                preempted = True
+                if victim is req:
+                    break
+            else:
+                out.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break
+        k = 0
+        while not preempted and k < len(r.waiting) and budget > 0:
+            req = r.waiting[k]
+            if req.ready_at > now:  # restoring from CPU: skipped, keeps its place
+                k += 1
+                continue
+            if req.restore_from >= 0:  # restored: now its blocks can be hit
+                cache_computed(r.pool, req, req.restore_from, req.computed // r.pool.block_size)
+                req.restore_from = -1
+            if req.blocks:  # restored earlier: its next chunk
+                n = min(budget, req.n_in - req.computed)
+                if not self._grow(r, req, req.computed + n):
+                    break
+            else:
+                got = self._lookup(r, req, budget)
+                if got is None:
+                    break
+                if not got:  # restoring
+                    k += 1
+                    continue
+                n = got
+            del r.waiting[k]
+            r.running.append(req)
             out.append((req, n))
             budget -= n
+        if not out and not r.running and r.pinned == 0 and r.waiting:
+            self._unjam(r, now)
         return out
+
+    def _unjam(self, r: Rank, now: float) -> None:
+        """Nothing runs, nothing is being restored or pulled, and the queue head cannot get
+        blocks because requests behind it hold restored prefixes: vLLM would wait forever. The
+        simulator's bound: those requests give their blocks back (as a preemption would) and
+        keep their places; the head then fits, as every admitted prompt fits an empty rank."""
+        if any(q.ready_at > now for q in r.waiting):
+            return
+        held = [q for q in list(r.waiting)[1:] if q.blocks]
+        for q in held:
+            self._drop(r, q)
+        if held:
+            self.clock.at(now, self.kick)
 
     def _step(self) -> None:
         plan = [self._plan(r) for r in self.ranks]
@@ -133,6 +212,7 @@ class PrefillInstance(Instance):
                     self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[before:full])
                 if req.computed >= req.n_in:
                     r.running.remove(req)
+                    r.pinned += 1  # held until the decode side has pulled it
                     req.t_pdone = self.clock.now
                     self.handoff(req)
         self.busy = False
@@ -142,4 +222,6 @@ class PrefillInstance(Instance):
         """After the decode side pulled the KV: free the prefill blocks into the LRU."""
         assert req.rank is not None
         req.rank.pool.free(list(reversed(req.blocks)))
+        req.rank.pinned -= 1
         req.blocks = []
+        self.kick()  # a rank may have been waiting for these blocks
