@@ -226,6 +226,37 @@ def test_prefill_takes_blocks_per_chunk_and_preempts_the_newest() -> None:
     assert rank.pool.num_free_blocks == 8 and rank.pinned == 0  # nothing leaked
 
 
+def test_prefill_under_pressure_finishes_everything_and_leaks_no_block() -> None:
+    """Random small prefill pools (room for one to one and a half of the longest prompt), chunk
+    sizes, CPU tier on or off, several clients: preemptions and restores churn, yet every request
+    finishes and at the end every prefill block is back in the free queue (none held, none
+    pinned). 40 random deployments; together they preempt (the path is exercised)."""
+    from agentserve.sim.fastpool import SimBlockPool
+
+    preempted = 0
+    for seed in range(40):
+        rng = np.random.default_rng(seed)
+        clients = int(rng.integers(3, 8))
+        blocks, turns = int(rng.integers(6, 14)), int(rng.integers(2, 5))
+        sim = sim_run.Simulation(
+            _cfg(prefill_width=1, decode_width=2, concurrency=clients,
+                 chunk=int(rng.choice([128, 256, 512])), request_overhead_s=0.0,
+                 request_overhead_per_token_s=0.0),
+            [_session(i, turns=turns, blocks=blocks, grow=int(rng.integers(1, 8)))
+             for i in range(clients)])
+        (rank,) = sim.p_ranks
+        biggest = blocks + 8 * (turns - 1)  # the longest prompt, in blocks
+        rank.pool = SimBlockPool(int(biggest * rng.uniform(1.0, 1.5)) + 1, 64)
+        rank.cpu = SimBlockPool(4 * biggest, 64, medium="CPU") if rng.random() < 0.5 else None
+        s = sim.run()
+        assert s["requests_ok"] == clients * turns and s["requests_failed"] == 0, seed
+        assert rank.pool.num_free_blocks == rank.pool.num_blocks and rank.pinned == 0, seed
+        assert not rank.waiting and not rank.running, seed
+        assert all(r.active == 0 for r in sim.p_ranks + sim.d_ranks), seed
+        preempted += sim.prefills[0].preemptions
+    assert preempted > 0
+
+
 def test_restore_takes_blocks_for_the_restored_prefix_and_registers_them_once_loaded() -> None:
     """A prompt whose prefix only the CPU tier holds takes blocks for that part (the connector
     loads asynchronously) and runs its chunk once the restore is done; the restored blocks join
