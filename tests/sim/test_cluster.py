@@ -281,6 +281,36 @@ def test_restore_takes_blocks_for_the_restored_prefix_and_registers_them_once_lo
     assert all(h in r.pool.cached for h in hashes[:4]) and len(req.blocks) == 6
 
 
+def test_restored_prompts_that_fill_the_pool_do_not_wedge_the_rank() -> None:
+    """Two prompts whose prefixes the CPU tier holds each take blocks for their restore (4 + 4 of
+    8): restored, the queue head needs one more block for its last tokens and none is free, and
+    nothing runs, restores or waits to be pulled. vLLM would wait forever; the simulator's bound
+    hands the second prompt's blocks back, so the head runs, then the second starts over."""
+    from agentserve.sim.cluster import Rank, SimRequest
+    from agentserve.sim.pools import PrefillInstance
+    from agentserve.workload.record import RequestRecord
+
+    sim = sim_run.Simulation(_cfg(), [_session(0)])
+    r = Rank(0, 8, 16, 64)
+    done: list[SimRequest] = []
+    inst = PrefillInstance(sim.clock, sim.pperf, [r], 2048, done.append)
+    reqs = []
+    for i in range(2):
+        hashes = list(range(100 * (i + 1), 100 * (i + 1) + 5))
+        store_cpu(r.cpu, hashes[:4])
+        rec = RequestRecord(f"r{i}", f"s{i}", 0, "main", start=0.0, input_tokens=300, max_tokens=1)
+        reqs.append(SimRequest(rec, hashes, 300, 1, lambda q: None, rank=r))
+        r.waiting.append(reqs[-1])
+    inst.kick()
+    assert [len(q.blocks) for q in reqs] == [4, 4] and r.pool.num_free_blocks == 0
+    sim.clock.run(1.0)
+    assert done == [reqs[0]]  # the head ran once the second gave its blocks back
+    assert inst.preemptions == 1 and r.pinned == 1
+    inst.release(reqs[0])  # the decode side pulled it: the second now fits and runs
+    sim.clock.run(2.0)
+    assert done == reqs and not r.waiting and not r.running
+
+
 def test_a_rank_api_server_takes_prompts_one_after_another() -> None:
     """One API server process per rank (vLLM's multi-port external load balancing): two prompts
     routed to the same rank at once spend their legs there in turn."""
