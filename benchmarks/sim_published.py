@@ -36,9 +36,9 @@ P8D16 = {"workload": "sweep-limited", "prefill": 1, "prefill_width": 8, "decode"
 # name -> (SimConfig overrides, concurrency, published figures). Keys: out (output tok/s),
 # itl (ITL p50 ms), ttft (TTFT p50 s), e2e (turn completion p50 s), per_user (end-to-end output
 # tok/s per user, mean), restore (CPU -> GPU GiB over the stage), dlocal (decode-local prefix
-# hit rate: prompt tokens a decode rank already held, "Routing turns back to their cache"). Sources: blog sections
-# "Splitting prefill from decode", "Sizing prefill and decode capacity", "Speculative Decoding",
-# "Where the bottleneck moves", "Tiered prefix cache".
+# hit rate: prompt tokens a decode rank already held). Sources: blog sections "Splitting prefill
+# from decode", "Sizing prefill and decode capacity", "Speculative Decoding", "Where the
+# bottleneck moves", "Tiered prefix cache", "Routing turns back to their cache".
 POINTS: dict[str, tuple[dict, int, dict]] = {
     "full 3P1D c16": (FULL, 16, {"out": 1167, "itl": 11.7, "ttft": 1.5}),
     "full 3P1D c64": (FULL, 64, {"out": 3679, "itl": 15.5, "ttft": 1.71, "e2e": 9.6}),
