@@ -19,7 +19,6 @@ diagnostic: the counterfactual is not the reference's mechanism and sets no cons
 
 from __future__ import annotations
 
-import argparse
 import json
 from multiprocessing import Pool
 from pathlib import Path
@@ -27,18 +26,13 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from sim_published import POINTS, parse_args
+
 from agentserve.sim.run import SimConfig, simulate
 
-LIM = {"workload": "sweep-limited", "prefill": 1}
-# name -> (SimConfig overrides, concurrency, published figures: decode-local hit, TTFT p50 s,
-# ITL p50 ms, output tok/s)
-POINTS: dict[str, tuple[dict, int, dict]] = {
-    "full 3P1D c16": ({}, 16, {"ttft": 1.5, "itl": 11.7, "out": 1167}),
-    "full 3P1D c64": ({}, 64, {"ttft": 1.71, "itl": 15.5, "out": 3679}),
-    "full 3P1D c128": ({}, 128, {"ttft": 2.18, "itl": 19.1, "out": 6281}),
-    "lim 1P1D MTP c64": (LIM, 64, {"dlocal": 0.513, "ttft": 1.6, "itl": 14.7, "out": 3788}),
-    "lim 1P1D MTP c128": (LIM, 128, {"dlocal": 0.446, "ttft": 2.38, "itl": 17.1, "out": 5647}),
-}
+# published points (sim_published.POINTS: overrides, concurrency, figures) on the calibration
+# layout and the limited 1P1D sweep, where the reference reports its decode-local hit
+NAMES = ("full 3P1D c16", "full 3P1D c64", "full 3P1D c128", "lim 1P1D MTP c64", "lim 1P1D MTP c128")
 PICKERS = {"llm-d": None, "random": {}}
 METRICS = ("dlocal", "ttft", "itl", "out")
 
@@ -54,13 +48,7 @@ def run(args: tuple) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--duration", type=float, default=600.0)
-    ap.add_argument("--seeds", type=int, default=1)
-    ap.add_argument("--only", default="", help="comma-separated substrings of point names")
-    ap.add_argument("--out", default="benchmarks/results/sim_decode_locality.json")
-    a = ap.parse_args()
-    names = [n for n in POINTS if not a.only or any(s in n for s in a.only.split(","))]
+    a, names = parse_args(__doc__, "benchmarks/results/sim_decode_locality.json", NAMES)
     jobs = [(n, p, a.duration, sd) for n in names for p in PICKERS for sd in range(a.seeds)]
     with Pool(2) as pool:
         runs = pool.map(run, jobs)

@@ -103,14 +103,19 @@ def run(args: tuple) -> dict:
             "rejected": s["rejected_share"] or 0.0}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+def parse_args(description: str | None, out: str, points) -> tuple[argparse.Namespace, list[str]]:
+    """The flags every published-point script takes, and the point names `--only` keeps."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--duration", type=float, default=600.0)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated substrings of point names")
-    ap.add_argument("--out", default="benchmarks/results/sim_published.json")
+    ap.add_argument("--out", default=out)
     a = ap.parse_args()
-    names = [n for n in POINTS if not a.only or any(s in n for s in a.only.split(","))]
+    return a, [n for n in points if not a.only or any(s in n for s in a.only.split(","))]
+
+
+def main() -> None:
+    a, names = parse_args(__doc__, "benchmarks/results/sim_published.json", POINTS)
     jobs = [(n, a.duration, sd) for n in names for sd in range(a.seeds)]
     with Pool(2) as pool:
         runs = pool.map(run, jobs)

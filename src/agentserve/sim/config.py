@@ -79,7 +79,8 @@ class SimConfig:
     # Client -> router -> engine and back, per request, outside engine steps (HTTP, routing,
     # tokenization, stream setup); None: the cpu-local profile's `request_overhead_s` (our
     # engine), else vLLM's request path (`perf.VLLM_REQUEST_PATH`) once per API server the
-    # prompt passes (two in P/D, one aggregated).
+    # prompt passes (two in P/D, one aggregated). Aggregated engines pay it before routing; P/D
+    # routes first and pays half at the prefill rank's API server, half at the decode rank's.
     request_overhead_s: float | None = None
     # ... and per prompt token, cached or not (JSON, chat template, tokenizing, block hashing,
     # prefix lookup); None: as above.
