@@ -1,4 +1,4 @@
-"""`agentserve sim`: simulate one closed-loop stage of an xPyD deployment; JSON like `bench`."""
+"""`agentserve sim`: simulate one load stage of an xPyD deployment; JSON like `bench`."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def register(app: typer.Typer) -> None:
         topology: str = typer.Option("3P1D", help="xPyD (prefill and decode instances) or N aggregated engines"),
         prefill_width: int = typer.Option(16, help="DEP width of each prefill instance"),
         decode_width: int = typer.Option(16, help="DEP width of each decode instance"),
-        concurrency: int = typer.Option(128, help="closed-loop clients (AIPerf concurrency)"),
+        concurrency: int = typer.Option(128, help="AIPerf concurrency: replay lanes (or closed-loop clients)"),
         mtp: bool = typer.Option(True, "--mtp/--no-mtp", help="MTP speculative decoding"),
         cpu_offload_gib: float = typer.Option(100.0, help="CPU KV tier per prefill rank (0: off)"),
         cpu_store_on: str = typer.Option("fill", help="when blocks reach the CPU tier, as the "
@@ -34,9 +34,15 @@ def register(app: typer.Typer) -> None:
                                          "(write-back)"),
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
         duration: float = typer.Option(600.0, help="stage length, simulated seconds"),
-        warmup: float = typer.Option(None, help="simulated seconds before the stage (default: "
-                                     "120 for xPyD on a synthesized workload, else 0)"),
-        replay_run: int = typer.Option(None, help="synthesized xPyD stages: turns a client replays "
+        clients: str = typer.Option(None, help="load generator: agentx (AIPerf's agentic replay, "
+                                    "as the reference ran: recorded think times, sub-agents in "
+                                    "parallel, a warm-up of primers; default for xPyD) or closed "
+                                    "(no think time; default for aggregated engines)"),
+        gap_cap_s: float = typer.Option(None, help="agentx: cap on each replayed think time, s "
+                                        "(default: as recorded)"),
+        warmup: float = typer.Option(None, help="closed clients: simulated seconds before the "
+                                     "stage (default: 120 for xPyD on a synthesized workload, else 0)"),
+        replay_run: int = typer.Option(None, help="closed clients, synthesized xPyD stages: turns a client replays "
                                        "before it starts a fresh (cold) conversation (default: to "
                                        "the session's end, the reference's reusable-prefix ceiling)"),
         seed: int = typer.Option(0),
@@ -45,7 +51,8 @@ def register(app: typer.Typer) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
         check_flags(prefill_width=(prefill_width, 1), decode_width=(decode_width, 1),
                      concurrency=(concurrency, 1), cpu_offload_gib=(cpu_offload_gib, 0),
-                     duration=(duration, 1), warmup=(warmup, 0), replay_run=(replay_run, 1))
+                     duration=(duration, 1), warmup=(warmup, 0), replay_run=(replay_run, 1),
+                     gap_cap_s=(gap_cap_s, 0))
         try:
             p, d = parse_topology(topology)
             cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
@@ -53,7 +60,7 @@ def register(app: typer.Typer) -> None:
                             cpu_offload_gib=cpu_offload_gib, cpu_store_on=cpu_store_on,
                             workload=workload, duration=duration,
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
-                            replay_run=replay_run)
+                            replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s)
             s = simulate(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))

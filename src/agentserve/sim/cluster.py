@@ -123,6 +123,11 @@ class Clock:
     def at(self, t: float, fn: Callable[[], None]) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), fn))
 
+    @property
+    def idle(self) -> bool:
+        """No event is scheduled."""
+        return not self._heap
+
     def run(self, until: float) -> None:
         while self._heap and self._heap[0][0] <= until:
             self.now, _, fn = heapq.heappop(self._heap)

@@ -46,7 +46,19 @@ class SimConfig:
     # rank at random, a counterfactual with no return to a client's previous rank
     # (benchmarks/sim_decode_locality.py).
     decode_scorers: dict[str, float] | None = None
-    # Simulated seconds before the measured stage; None: WARMUP_S for xPyD on a synthesized
+    # The load generator. "agentx": AIPerf's agentic replay, as the reference ran every published
+    # figure (`aiperf profile --scenario inferencex-agentx-mvp`; lanes.py): each of the
+    # `concurrency` lanes replays a session tree with its recorded think times, sub-agents in
+    # parallel on their parent's lane, joined at a uniform instant of the trace after a warm-up
+    # of primers; `duration` s are profiled, plus AIPerf's 30 s grace for requests in flight.
+    # "closed": every client sends its next request the moment the last one finishes (no think
+    # time; `warmup`, `join_midway`, `replay_run` apply to it only). None: "agentx" for xPyD,
+    # "closed" for aggregated engines (compared with `agentserve bench`, a closed loop).
+    clients: str | None = None
+    # agentx: cap on each replayed think time (s); None: as recorded (the scenario forbids a
+    # cap; its first versions capped each trace's gaps at 60 s).
+    gap_cap_s: float | None = None
+    # Closed clients: simulated seconds before the measured stage; None: WARMUP_S for xPyD on a synthesized
     # workload, else 0. The simulator starts from an empty cluster with every client joining
     # at once, cold: a burst of full-context prefills that no stage of the reference's
     # concurrency ladder saw (its deployment was warm). Requests finishing in

@@ -1,17 +1,20 @@
-"""Build an xPyD deployment, drive it with closed-loop clients, summarize as `agentserve bench`.
+"""Build an xPyD deployment, drive it with the reference's load generator, summarize as
+`agentserve bench`.
 
-Closed loop (AIPerf concurrency C): C clients, each with one request in flight; when it
-finishes the client sends its session's next request at once (sub-agent requests in
-session order). Requests finishing inside the stage count. Synthesized reference-sweep
-workloads: a client replays a session from a request drawn uniformly over the corpus's
-requests to the session's end (REPLAY_RUN), in its own namespace (cold first request), so the
-stage sees the trace's pooled input distribution and the reference's reusable-prefix ceiling;
-the outputs are scaled to the reference's mean (REFERENCE_OUTPUT_MEAN). A trace file: sessions
-joined at a random turn, then played to their end.
+xPyD stages (`SimConfig.clients` "agentx", the default) run AIPerf's agentic replay as llm-d's
+GLM-5.2 guide ran it (lanes.py): each lane replays a session tree with its recorded think
+times, sub-agents in parallel, joined at a uniform instant after a warm-up of primers; the
+requests sent in the `duration` s profiling window and answered within AIPerf's 30 s grace
+count. Closed clients ("closed", aggregated engines' default, as `agentserve bench`) send a
+session's next request the moment the last one finishes; synthesized sweep workloads replay
+from a request drawn uniformly over the corpus's requests to the session's end (REPLAY_RUN),
+in their own namespace (cold first request); a trace file's sessions are joined at a random
+turn. Synthesized sweep outputs are scaled to the reference's mean (REFERENCE_OUTPUT_MEAN).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -19,8 +22,9 @@ import numpy as np
 from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
 from agentserve.sim.config import SimConfig, parse_topology
-from agentserve.sim.cost import pool_cost
 from agentserve.sim.decode import DecodeInstance
+from agentserve.sim.lanes import Replay, Tree
+from agentserve.sim.summary import REJECTED, stage_summary
 from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import VLLM_REQUEST_PATH, PerfModel
 from agentserve.sim.policy_router import PolicyRouter
@@ -28,11 +32,10 @@ from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.specs import GiB, hardware_spec, model_spec
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
-from agentserve.workload.report import summarize
 from agentserve.sim.workload import (REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
                                      RunSampler, flatten, load_workload, output_scale,
                                      session_stream)
-from agentserve.workload.schema import Session
+from agentserve.workload.schema import Session, TraceRequest
 
 __all__ = ["REFERENCE_OUTPUT_MEAN", "REPLAY_RUN", "SYNTH", "WARMUP_S", "SimConfig", "Simulation",
            "flatten", "load_workload", "output_scale", "parse_topology", "session_stream",
@@ -43,6 +46,8 @@ class Simulation:
     """The deployment, its router and the load generator."""
 
     def __init__(self, cfg: SimConfig, sessions: Iterable[Session]) -> None:
+        if cfg.clients not in (None, "agentx", "closed"):
+            raise ValueError(f"--clients must be agentx or closed, got {cfg.clients!r}")
         if cfg.cpu_store_on not in ("fill", "evict"):
             raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
@@ -54,7 +59,10 @@ class Simulation:
         self.overhead = fixed if cfg.request_overhead_s is None else cfg.request_overhead_s
         self.overhead_per_token = (per_token if cfg.request_overhead_per_token_s is None
                                    else cfg.request_overhead_per_token_s)
+        self.source = sessions
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
+        self._t0: float | None = None  # agentx: when the profiling phase began
+        self._c1: dict | None = None
         self.runs = RunSampler(self.sessions, cfg.concurrency, self.rng,
                                REPLAY_RUN if cfg.replay_run is None else cfg.replay_run)
         self.records: list[RequestRecord] = []
@@ -116,12 +124,19 @@ class Simulation:
 
     # -- client side -------------------------------------------------------------------------
     @property
+    def agentx(self) -> bool:
+        """AIPerf's agentic replay drives the stage (`SimConfig.clients`)."""
+        c = self.cfg.clients
+        return c == "agentx" or (c is None and not self.cfg.aggregated)
+
+    @property
     def _runs_replay(self) -> bool:
         """Synthesized reference-sweep stage, xPyD: clients replay runs drawn by `RunSampler`."""
         cfg = self.cfg
         return cfg.join_midway and not cfg.aggregated and cfg.workload in SYNTH
 
     def _client(self, queue: list | None = None, si: int = -1, sid: str = "") -> None:
+        """A closed-loop client (`SimConfig.clients` "closed"): its next request, at once."""
         if not queue:
             if self._runs_replay:
                 nxt = self.runs.next()
@@ -138,27 +153,42 @@ class Simulation:
                 if self.cfg.join_midway and len(queue) > 1:  # stationary inputs (see SimConfig)
                     del queue[: int(self.rng.integers(len(queue)))]
         turn, agent, tr, sbs = queue.pop(0)
+        self._send(si, sid, turn, agent, tr, sbs, lambda ok: self._client(queue, si, sid))
+
+    def _send(self, ns: int, sid: str, turn: int, agent: str, tr: TraceRequest, sbs: int,
+              then: Callable[[bool], None], max_out: int | None = None) -> None:
+        """Send one request of session `sid` (hash namespace `ns`) now; `then(ok)` runs once
+        it is recorded (ok False: rejected as longer than a rank's KV)."""
         self._ids += 1
         cfg = self.cfg
         n_in = (scaled_length(tr.input_tokens, sbs, min(cfg.token_scale, sbs)) if cfg.token_scale
                 else tr.input_tokens)
         n_out = max(1, tr.output_tokens)
-        if cfg.max_output is not None:
-            n_out = min(n_out, cfg.max_output)
+        for cap in (cfg.max_output, max_out):
+            if cap is not None:
+                n_out = min(n_out, cap)
         rec = RequestRecord(f"sim-{self._ids}", sid, turn, agent, start=self.clock.now,
                             input_tokens=n_in, max_tokens=n_out)
         if self._too_long(n_in, n_out):  # 400 before scheduling: no KV computed, none reusable
             rec.error, rec.status, rec.e2e = REJECTED, 400, self.overhead
+
+            def rejected() -> None:
+                self.records.append(rec)
+                then(False)
             # via the clock, not a direct call: a run of rejected turns must not recurse
-            self.clock.at(self.clock.now + self.overhead, lambda: self._rejected(rec, queue, si, sid))
+            self.clock.at(self.clock.now + self.overhead, rejected)
             return
-        base = si << 32
+        base = ns << 32
         hashes = [base + h for h in tr.hash_ids]
-        seen = self.seen.setdefault(si, set())
+        seen = self.seen.setdefault(ns, set())
         reuse = _bisect_prefix(seen, hashes, 0, len(hashes))  # ids are prefix-chained
         seen.update(hashes)
         rec.reusable_tokens = min(reuse * cfg.block_size, n_in)
-        req = SimRequest(rec, hashes, n_in, n_out, lambda q: self._finished(q, queue, si, sid))
+
+        def finished(q: SimRequest) -> None:
+            self._finished(q)
+            then(True)
+        req = SimRequest(rec, hashes, n_in, n_out, finished)
         delay = self.overhead + self.overhead_per_token * n_in
         if not cfg.aggregated:
             # llm-d's endpoint picker routes at the gateway, before any vLLM API server sees
@@ -186,18 +216,13 @@ class Simulation:
         return (cdiv(n_in, bs) > self.p_ranks[0].pool.num_blocks
                 or cdiv(n_in + n_out + q, bs) > self.d_ranks[0].pool.num_blocks)
 
-    def _rejected(self, rec: RequestRecord, queue: list, si: int, sid: str) -> None:
-        """Record the error; the client goes on to its next request, as AIPerf does."""
-        self.records.append(rec)
-        self._client(queue, si, sid)
-
     def _route_agg(self, req: SimRequest) -> None:
         r = self.policy.route(req, self.clock.now)
         req.rank = r
         r.waiting.append(req)
         self.aggs[self.p_ranks.index(r)].kick()
 
-    def _finished(self, req: SimRequest, queue: list, si: int, sid: str) -> None:
+    def _finished(self, req: SimRequest) -> None:
         self.records.append(req.rec)
         if self.aggs:
             self.policy.finish(req, self.clock.now)
@@ -209,11 +234,10 @@ class Simulation:
         if not self.cfg.aggregated and req.rec.ttft is not None:
             s = req.rec.start
             a1, a2 = (req.api_s + [0.0, 0.0])[:2]  # each leg's API server time, its wait included
-            self.phases.append((req.rec.end, req.t_route - s + a1 + a2, req.t_admit - req.t_route - a1,
+            self.phases.append((s, req.rec.end, req.t_route - s + a1 + a2, req.t_admit - req.t_route - a1,
                                 max(0.0, req.ready_at - req.t_admit), req.t_pdone - req.t_admit,
                                 req.t_arrive - req.t_pdone - a2, req.t_dadmit - req.t_arrive,
                                 s + req.rec.ttft - req.t_dadmit, req.n_in - req.cached))
-        self._client(queue, si, sid)
 
     # -- server side ---------------------------------------------------------------------------
     def _route_prefill(self, req: SimRequest) -> None:
@@ -267,11 +291,23 @@ class Simulation:
 
     @property
     def t0(self) -> float:
-        """Start of the measured stage on the simulated clock (`SimConfig.warmup`)."""
+        """Start of the measured stage on the simulated clock: agentx, when the warm-up's last
+        primer was answered; closed clients, `SimConfig.warmup`."""
         cfg = self.cfg
+        if self._t0 is not None:
+            return self._t0
         if cfg.warmup is not None:
             return max(0.0, cfg.warmup)
         return WARMUP_S if not cfg.aggregated and cfg.workload in SYNTH else 0.0
+
+    def _counted(self, start: float, end: float) -> bool:
+        """Does a request count in the stage? AIPerf's agentic replay counts what was sent in
+        the profiling window and answered within its grace period after it; closed clients
+        count what finished in the window."""
+        t0, t1 = self.t0, self.t0 + self.cfg.duration
+        if self.agentx:
+            return t0 <= start < t1 and end <= t1 + GRACE_S
+        return t0 < end <= t1
 
     def _counters(self) -> dict[str, float]:
         """Cumulative pool counters, read at the stage start and end."""
@@ -285,6 +321,8 @@ class Simulation:
                 "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds)}
 
     def run(self) -> dict:
+        if self.agentx:
+            return self._run_agentx()
         for _ in range(self.cfg.concurrency):
             self._client()
         self._c0 = self._counters()
@@ -294,86 +332,37 @@ class Simulation:
         self.clock.run(self.t0 + self.cfg.duration)
         return self.summary()
 
+    def _run_agentx(self) -> dict:
+        """Warm-up (the lanes' primers), then `duration` s of profiling and AIPerf's grace."""
+        cfg = self.cfg
+        trees = (Tree(s) for s in self.source)
+        if cfg.workload not in SYNTH or isinstance(self.source, (list, tuple)):
+            trees = itertools.cycle(trees)  # a finite corpus is replayed round-robin (AIPerf)
+
+        def profile() -> None:
+            self._t0, self._c0 = self.clock.now, self._counters()
+        replay = Replay(self.clock, lambda call, ns, tree, cap, then: self._send(
+            ns, tree.id, call.turn, call.agent, call.req, tree.block_size, then, cap),
+            trees, itertools.count(1 << 20), self.rng, cfg.concurrency, cfg.gap_cap_s, profile)
+        replay.start()
+        while self._t0 is None:  # bounded: every primer is one finite request
+            if self.clock.idle or self.clock.now > WARMUP_LIMIT_S:
+                raise RuntimeError(f"the replay's warm-up did not finish ({replay.left} primers "
+                                   f"unanswered at {self.clock.now:.0f} s)")
+            self.clock.run(self.clock.now + 10.0)
+        t1 = self._t0 + cfg.duration
+        self.clock.run(t1)
+        self._c1 = self._counters()
+        self.clock.run(t1 + GRACE_S)
+        return self.summary()
+
     def summary(self) -> dict:
-        cfg = self.cfg
-        t0, t1 = self.t0, self.t0 + cfg.duration
-        done = [r for r in self.records if t0 < r.end <= t1]
-        if cfg.aggregated:
-            return self._summary_agg(done)
-        c1 = self._counters()
-        c0 = getattr(self, "_c0", None) or dict.fromkeys(c1, 0.0)  # counters at the stage start
-        d = {k: c1[k] - c0[k] for k in c1}
-        gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width
-        s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=gpus_p + gpus_d)
-        s.update(_rejections(done))
-        cost = pool_cost(gpus_p, gpus_d, s["input_tok_s"], s["output_tok_s"],
-                         hardware_spec(cfg.gpu).price_per_hour)
-        s.update({
-            "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-            "cost_per_m_input": cost.per_m_input, "cost_per_m_output": cost.per_m_output,
-            "cost_per_hour": cost.per_hour,
-            "cpu_restore_gib": d["restore"] / GiB,
-            "cpu_write_tb": d["store"] * cfg.block_size * self.pperf.model.kv_bytes_per_token() / 1e12,
-            "prefill_gpu_hit_rate": _share(d["hit"], d["prompt"]),
-            "prefill_cpu_hit_rate": _share(d["cpu_hit"], d["prompt"]),
-            "decode_local_hit_rate": _share(d["d_hit"], d["d_query"]),
-            "prefill_queue": sum(len(r.waiting) for r in self.p_ranks),
-            "decode_queue": sum(len(r.waiting) for r in self.d_ranks),
-            "decode_preemptions": d["preempt"],
-            "decode_recomputed_tokens": d["recomp"],
-            "prefill_busy_frac": d["busy_p"] / cfg.duration / cfg.prefill,
-            "decode_busy_frac": d["busy_d"] / cfg.duration / cfg.decode,
-            "ttft_phases_s": self.ttft_phases(), "warmup_s": self.t0,
-        })
-        return s
-
-    def ttft_phases(self) -> dict:
-        """Mean and p50 of each TTFT phase over the stage's requests (`PHASES`)."""
-        t0 = self.t0
-        rows = np.array([p[1:] for p in self.phases if t0 < p[0] <= t0 + self.cfg.duration])
-        if not len(rows):
-            return {}
-        return {k: {"mean": float(rows[:, i].mean()), "p50": float(np.median(rows[:, i]))}
-                for i, k in enumerate(PHASES)}
+        """The stage's summary record (`summary.stage_summary`)."""
+        return stage_summary(self)
 
 
-    def _summary_agg(self, done: list[RequestRecord]) -> dict:
-        cfg = self.cfg
-        s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=cfg.aggregated)
-        s.update(_rejections(done))
-        prompt = sum(a.prompt_tokens for a in self.aggs)
-        s.update({
-            "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-            "request_overhead_s": self.overhead,
-            "request_overhead_per_token_s": self.overhead_per_token, "cpu_restore_gib": 0.0,
-            "cost_per_m_input": None, "cost_per_m_output": None,
-            "prefill_gpu_hit_rate": _share(sum(a.hit_tokens for a in self.aggs), prompt),
-            "decode_local_hit_rate": None,  # no separate decode ranks
-            "queue": sum(len(r.waiting) for r in self.p_ranks),
-            "preemptions": sum(a.preemptions for a in self.aggs),
-            "busy_frac": sum(a.busy_s for a in self.aggs) / cfg.duration / cfg.aggregated,
-        })
-        return s
-
-
-# Error of a request no rank's KV can hold (vLLM: "maximum context length is ... tokens").
-REJECTED = "context_length_exceeded"
-
-# TTFT = request path (routing at the gateway, then the prefill and the decode rank's API server,
-# waiting for each included) + prefill queue + prefill (restore wait within it) + P->D pull +
-# decode queue + first decode step; `new_tokens` = prompt tokens computed (not cached).
-PHASES = ("request_path", "prefill_queue", "cpu_restore", "prefill", "pd_transfer", "decode_queue",
-          "first_step", "new_tokens")
-
-
-def _rejections(done: list[RequestRecord]) -> dict:
-    """Requests rejected as longer than a rank's KV, and their share of the stage's requests."""
-    n = sum(1 for r in done if r.error == REJECTED)
-    return {"rejected_requests": n, "rejected_share": _share(n, len(done))}
-
-
-def _share(num: float, den: float) -> float | None:
-    return num / den if den else None
+GRACE_S = 30.0  # AIPerf's --benchmark-grace-period default: answers counted after the window
+WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a slow cluster
 
 
 def simulate(cfg: SimConfig, sessions: Iterable[Session] | None = None) -> dict:

@@ -1,0 +1,104 @@
+"""The summary record of a simulated stage: what `agentserve bench` reports for the requests
+the stage counts, plus the simulator's own figures (GPUs, cost, hit rates by tier, CPU
+restores, queues, the TTFT breakdown)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from agentserve.sim.cost import pool_cost
+from agentserve.sim.specs import GiB, hardware_spec
+from agentserve.workload.record import RequestRecord
+from agentserve.workload.report import summarize
+
+if TYPE_CHECKING:
+    from agentserve.sim.run import Simulation
+
+# Error of a request no rank's KV can hold (vLLM: "maximum context length is ... tokens").
+REJECTED = "context_length_exceeded"
+
+# TTFT = request path (routing at the gateway, then the prefill and the decode rank's API server,
+# waiting for each included) + prefill queue + prefill (restore wait within it) + P->D pull +
+# decode queue + first decode step; `new_tokens` = prompt tokens computed (not cached).
+PHASES = ("request_path", "prefill_queue", "cpu_restore", "prefill", "pd_transfer", "decode_queue",
+          "first_step", "new_tokens")
+
+
+def _rejections(done: list[RequestRecord]) -> dict:
+    """Requests rejected as longer than a rank's KV, and their share of the stage's requests."""
+    n = sum(1 for r in done if r.error == REJECTED)
+    return {"rejected_requests": n, "rejected_share": _share(n, len(done))}
+
+
+def _share(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+
+def stage_summary(sim: Simulation) -> dict:
+    """The stage's record: `agentserve bench`'s summary of the counted requests, plus GPUs,
+    cost, tier hit rates, restores, queues and the TTFT breakdown (xPyD)."""
+    cfg = sim.cfg
+    t0 = sim.t0
+    done = [r for r in sim.records if sim._counted(r.start, r.end)]
+    if cfg.aggregated:
+        return _summary_agg(sim, done)
+    c1 = sim._c1 or sim._counters()
+    c0 = getattr(sim, "_c0", None) or dict.fromkeys(c1, 0.0)  # counters at the stage start
+    d = {k: c1[k] - c0[k] for k in c1}
+    gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width
+    # AIPerf's benchmark duration: first request sent to last response (grace included)
+    span = (max(r.end for r in done) - t0) if sim.agentx and done else cfg.duration
+    s = summarize(done, max(span, cfg.duration), label={"producer": "sim"}, gpus=gpus_p + gpus_d)
+    s.update(_rejections(done))
+    cost = pool_cost(gpus_p, gpus_d, s["input_tok_s"], s["output_tok_s"],
+                     hardware_spec(cfg.gpu).price_per_hour)
+    s.update({
+        "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+        "cost_per_m_input": cost.per_m_input, "cost_per_m_output": cost.per_m_output,
+        "cost_per_hour": cost.per_hour,
+        "cpu_restore_gib": d["restore"] / GiB,
+        "cpu_write_tb": d["store"] * cfg.block_size * sim.pperf.model.kv_bytes_per_token() / 1e12,
+        "prefill_gpu_hit_rate": _share(d["hit"], d["prompt"]),
+        "prefill_cpu_hit_rate": _share(d["cpu_hit"], d["prompt"]),
+        "decode_local_hit_rate": _share(d["d_hit"], d["d_query"]),
+        "prefill_queue": sum(len(r.waiting) for r in sim.p_ranks),
+        "decode_queue": sum(len(r.waiting) for r in sim.d_ranks),
+        "decode_preemptions": d["preempt"],
+        "decode_recomputed_tokens": d["recomp"],
+        "prefill_busy_frac": d["busy_p"] / cfg.duration / cfg.prefill,
+        "decode_busy_frac": d["busy_d"] / cfg.duration / cfg.decode,
+        "ttft_phases_s": ttft_phases(sim), "warmup_s": sim.t0,
+    })
+    return s
+
+def ttft_phases(sim: Simulation) -> dict:
+    """Mean and p50 of each TTFT phase over the stage's requests (`PHASES`)."""
+    rows = np.array([p[2:] for p in sim.phases if sim._counted(p[0], p[1])])
+    if not len(rows):
+        return {}
+    return {k: {"mean": float(rows[:, i].mean()), "p50": float(np.median(rows[:, i]))}
+            for i, k in enumerate(PHASES)}
+
+
+def _summary_agg(sim: Simulation, done: list[RequestRecord]) -> dict:
+    cfg = sim.cfg
+    s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=cfg.aggregated)
+    s.update(_rejections(done))
+    prompt = sum(a.prompt_tokens for a in sim.aggs)
+    s.update({
+        "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+        "request_overhead_s": sim.overhead,
+        "request_overhead_per_token_s": sim.overhead_per_token, "cpu_restore_gib": 0.0,
+        "cost_per_m_input": None, "cost_per_m_output": None,
+        "prefill_gpu_hit_rate": _share(sum(a.hit_tokens for a in sim.aggs), prompt),
+        "decode_local_hit_rate": None,  # no separate decode ranks
+        "queue": sum(len(r.waiting) for r in sim.p_ranks),
+        "preemptions": sum(a.preemptions for a in sim.aggs),
+        "busy_frac": sum(a.busy_s for a in sim.aggs) / cfg.duration / cfg.aggregated,
+    })
+    return s
+
+
