@@ -26,7 +26,7 @@ run benchmarks/engine_speed.py --out bench-out/engine_speed.json
 run benchmarks/serve_overhead.py --out bench-out/serve_overhead.json
 run benchmarks/long_prompt_stall.py --out bench-out/long_prompt_stall.json
 run benchmarks/sim_speed.py --out bench-out/sim_speed.json
-run benchmarks/sim_calibration.py --duration 600 --out bench-out/sim_calibration.json
-run benchmarks/sim_published.py --duration 600 --out bench-out/sim_published.json
-run benchmarks/sim_decode_locality.py --duration 600 --seeds 2 --out bench-out/sim_decode_locality.json
+run benchmarks/sim_calibration.py --duration 900 --out bench-out/sim_calibration.json
+run benchmarks/sim_published.py --duration 900 --out bench-out/sim_published.json
+run benchmarks/sim_decode_locality.py --duration 900 --seeds 2 --out bench-out/sim_decode_locality.json
 run benchmarks/sim_vs_bench.py --out bench-out/sim_vs_bench.json

@@ -3,7 +3,7 @@
 Prints simulated vs reference output tok/s, ITL p50, TTFT p50 and cost with the relative error,
 and writes JSON. Two worker processes (the machine has two cores).
 
-    .venv/bin/python benchmarks/sim_calibration.py --duration 600 --out benchmarks/results/sim_calibration.json
+    .venv/bin/python benchmarks/sim_calibration.py --duration 900 --out benchmarks/results/sim_calibration.json
 
 `--trends` instead runs the kinds of configuration SPEC.md holds back (more decoders, narrower
 pools, MTP off, offload off, limited inputs) at c64/c128 with the same constants, for the

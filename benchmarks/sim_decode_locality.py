@@ -1,20 +1,20 @@
-"""How much of the simulator's TTFT gap is where decode ranks are picked (SIM-1, stop 26).
+"""How much of the simulator's TTFT gap is where decode ranks are picked (SIM-1, stops 26-27).
 
 llm-d's decode profile weighs requests in flight only (`active-request-scorer`, counted from the
-gateway's routing until the response completes). In a closed loop with no think time a finished
-request leaves its rank the least loaded, so the client's next turn is routed straight back to
-it and that rank still holds most of the prompt: the simulator's decode-local prefix hit is
-~0.93. The reference measured 0.513 at c64 and 0.446 at c128 (limited inputs, DEP16 1P1D; llm-d
-blog "Serving GLM-5.2 for Agentic Workloads on llm-d", 2026-07-22), so its decode ranks pull far
-more KV over NIXL than the simulator's.
+gateway's routing until the response completes). The reference measured a decode-local prefix
+hit of 0.513 at c64 and 0.446 at c128 (limited inputs, DEP16 1P1D; llm-d blog "Serving GLM-5.2
+for Agentic Workloads on llm-d", 2026-07-22). Driven by a closed loop with no think time (stop
+26) the simulator's next turn went straight back to the rank its client had just freed (hit
+~0.93); driven by AIPerf's agentic replay (stop 27, the reference's load generator) a client
+returns after its recorded think time, when other requests have moved the load, and the hit
+falls to 0.18-0.31, below the reference's.
 
 This script runs each point twice: with the reference's decode scorers, and with every decode
 rank scored alike (`SimConfig.decode_scorers={}`: the max-score picker then draws the rank at
-random, the least sticky placement there is). The two bracket the reference's hit rate; the
-TTFT between them is how much of the remaining TTFT gap placement can account for. It is a
-diagnostic: the counterfactual is not the reference's mechanism and sets no constant.
+random, the least sticky placement there is). It is a diagnostic: the counterfactual is not the
+reference's mechanism and sets no constant.
 
-    .venv/bin/python benchmarks/sim_decode_locality.py --duration 600 --out benchmarks/results/sim_decode_locality.json
+    .venv/bin/python benchmarks/sim_decode_locality.py --duration 900 --out benchmarks/results/sim_decode_locality.json
 """
 
 from __future__ import annotations

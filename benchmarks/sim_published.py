@@ -14,7 +14,10 @@ Sweeps, as the blog names them (absolute figures compare only within one sweep):
   GPUs) and DEP8 + DEP8 (16 GPUs) at c128;
 - the offloading A/B: DEP8 prefill + DEP16 decode, MTP off, CPU tier on or off, at c32/c128.
 
-    .venv/bin/python benchmarks/sim_published.py --duration 600 --out benchmarks/results/sim_published.json
+Every point is driven as the reference drove it: AIPerf's agentic replay (the simulator's
+default clients for xPyD) profiling 900 s, the guide's `--benchmark-duration 900`.
+
+    .venv/bin/python benchmarks/sim_published.py --duration 900 --out benchmarks/results/sim_published.json
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ def run(args: tuple) -> dict:
 def parse_args(description: str | None, out: str, points) -> tuple[argparse.Namespace, list[str]]:
     """The flags every published-point script takes, and the point names `--only` keeps."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--duration", type=float, default=600.0)
+    ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated substrings of point names")
     ap.add_argument("--out", default=out)

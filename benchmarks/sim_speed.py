@@ -2,8 +2,9 @@
 
 Target (issue 7): 30 simulated minutes in <= 60 s wall on one core. Both wall and process CPU
 time are reported, with the load average, because the 2-core machine is shared: wall time
-under a load of 6 is not a property of the simulator. The stage's warm-up (SimConfig.warmup,
-120 simulated s by default) is simulated on top of `--duration` and counted in the times.
+under a load of 6 is not a property of the simulator. The stage's warm-up (AIPerf's replay:
+the lanes' primers, ~140 simulated s at c128) and its 30 s grace are simulated on top of
+`--duration` and counted in the times.
 
     .venv/bin/python benchmarks/sim_speed.py --duration 1800 --out benchmarks/results/sim_speed.json
 """
