@@ -84,11 +84,14 @@ def register_plan(app: typer.Typer) -> None:
         min_tok_s_per_user: float = typer.Option(30.0, help="end-to-end output tok/s per user"),
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
         price: float = typer.Option(2.71, help="$ per GPU-hour"),
-        concurrency: str = typer.Option("32,64,128,192", help="closed-loop ladder per config"),
+        concurrency: str = typer.Option("32,64,128,192", help="concurrency ladder per config"),
         duration: float = typer.Option(100.0, help="stage length, simulated s (short by default)"),
-        warmup: float = typer.Option(50.0, help="simulated s before each stage (the cold start)"),
-        long: bool = typer.Option(False, "--long", help="120 s warm-up + 600 s stages (slower, "
-                                  "less warm-up bias)"),
+        clients: str = typer.Option(None, help="load generator: agentx (AIPerf's agentic replay, "
+                                    "default) or closed (no think time)"),
+        warmup: float = typer.Option(50.0, help="closed clients: simulated s before each stage "
+                                     "(the replay warms up with its primers)"),
+        long: bool = typer.Option(False, "--long", help="600 s stages, 120 s warm-up for closed "
+                                  "clients (slower, less warm-up bias)"),
         widths: str = typer.Option("8,16", help="DEP widths to try"),
         workers: int = typer.Option(2, help="worker processes"),
         seed: int = typer.Option(0),
@@ -114,18 +117,21 @@ def register_plan(app: typer.Typer) -> None:
             fail(f"no xPyD configuration of DEP{'/'.join(map(str, width_list))} instances fits "
                  f"{gpus} GPUs of {gpu} (1P1D needs 2 instances whose weights fit a GPU)")
         dur, warm = (600.0, 120.0) if long else (duration, warmup)
+        if clients not in (None, "agentx", "closed"):
+            fail(f"--clients must be agentx or closed, got {clients!r}")
+        lead = f"{warm:g} s warm-up" if clients == "closed" else "the replay's primers"
         typer.echo(f"simulating {len(cands)} configurations x {len(ladder)} concurrencies, "
-                   f"{warm:g} s warm-up + {dur:g} s stages, {workers} workers")
+                   f"{lead} + {dur:g} s stages, {workers} workers")
         t0 = time.perf_counter()
         try:
-            points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm)
+            points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm, clients)
         except (ValueError, OSError) as e:  # an unreadable trace
             fail(str(e))
         pl.price(points, price)
         front, best = pl.frontier(points), pl.recommend(points, min_tok_s_per_user)
         pl.write(out, points, front, best, {"model": model, "gpu": gpu, "gpus": gpus,
                  "min_tok_s_per_user": min_tok_s_per_user, "price": price, "duration": dur,
-                 "warmup": warm,
+                 "warmup": warm, "clients": clients or "agentx",
                  "concurrency": ladder, "workload": workload,
                  "wall_s": time.perf_counter() - t0})
         _print_plan(front, best, min_tok_s_per_user, out)

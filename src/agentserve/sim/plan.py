@@ -64,11 +64,11 @@ def candidates(model: str, gpu: str, gpus: int, widths: tuple[int, ...] = (8, 16
     return out
 
 
-def _job(args: tuple[Candidate, int, str, str, str, float, int, float | None]) -> dict:
-    c, conc, model, gpu, workload, duration, seed, warmup = args
+def _job(args: tuple[Candidate, int, str, str, str, float, int, float | None, str | None]) -> dict:
+    c, conc, model, gpu, workload, duration, seed, warmup, clients = args
     cfg = SimConfig(model=model, gpu=gpu, prefill=c.prefill, decode=c.decode, prefill_width=c.width,
                     decode_width=c.width, concurrency=conc, mtp=c.mtp, cpu_offload_gib=c.cpu_gib,
-                    workload=workload, duration=duration, seed=seed, warmup=warmup)
+                    workload=workload, duration=duration, seed=seed, warmup=warmup, clients=clients)
     s = simulate(cfg)
     return {"config": c.name, **asdict(c), "gpus": c.gpus, "concurrency": conc,
             "output_tok_s": s["output_tok_s"], "input_tok_s": s["input_tok_s"],
@@ -81,10 +81,11 @@ def _job(args: tuple[Candidate, int, str, str, str, float, int, float | None]) -
 
 def sweep(cands: list[Candidate], concurrencies: list[int], model: str, gpu: str, workload: str,
           duration: float, seed: int = 0, workers: int = 2,
-          warmup: float | None = None) -> list[dict]:
+          warmup: float | None = None, clients: str | None = None) -> list[dict]:
     """Simulate every (candidate, concurrency); `workers` processes, biggest jobs first.
-    `warmup`: simulated seconds before each stage (None: the simulator's default)."""
-    jobs = [(c, k, model, gpu, workload, duration, seed, warmup)
+    `clients`: the load generator (`SimConfig.clients`; None: AIPerf's agentic replay);
+    `warmup`: closed clients' simulated seconds before each stage (None: the default)."""
+    jobs = [(c, k, model, gpu, workload, duration, seed, warmup, clients)
             for c in cands for k in concurrencies]
     jobs.sort(key=lambda j: -j[1])
     if workers <= 1:
