@@ -167,3 +167,18 @@ def test_the_sweep_corpus_replayed_sends_the_reference_stage() -> None:
     ins = np.array([c.req.input_tokens for c, _ in stage])
     assert 47_000 <= np.median(ins) <= 57_000 and np.percentile(ins, 99) > 347_000
     assert 0.3 < np.mean([c.agent == "sub" for c, _ in stage]) < 0.6
+
+
+def test_a_corpus_no_rank_can_hold_ends_the_stage_instead_of_looping() -> None:
+    """Every prompt longer than a rank's KV, and no request path time: each lane retires after
+    MAX_BARREN plays rejected at once, the stage ends, every counted request is a rejection;
+    sessions without a request are skipped."""
+    sim = Simulation(SimConfig(model="tiny", gpu="cpu-local", prefill=1, decode=1,
+                               prefill_width=2, decode_width=2, concurrency=2, duration=30.0,
+                               mtp=False, cpu_offload_gib=0.01, request_overhead_s=0.0,
+                               request_overhead_per_token_s=0.0), [])
+    cap = sim.p_ranks[0].pool.num_blocks
+    huge = [Session(f"h{i}", 64, [_req(0.0, 1.0, (cap + 1) * 64)]) for i in range(3)]
+    s = simulate(replace(sim.cfg), [Session("empty", 64, []), *huge])
+    assert s["requests_ok"] == 0 and s["rejected_requests"] > 0
+    assert s["rejected_share"] == 1.0

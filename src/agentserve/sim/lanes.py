@@ -82,6 +82,11 @@ class Tree:
         self.span = (min(ts), max(ts)) if ts else (0.0, 0.0)
 
 
+def trees(sessions: Iterable[Session]) -> Iterator[Tree]:
+    """The sessions as trees, those without a request left out."""
+    return (t for t in map(Tree, sessions) if t.main or t.children)
+
+
 def _call(t: float, r: TraceRequest, turn: int, agent: str) -> Call:
     return Call(t, t + (r.api_time or 0.0), turn, agent, r)
 
@@ -89,6 +94,8 @@ def _call(t: float, r: TraceRequest, turn: int, agent: str) -> Call:
 def _first_at(calls: list[Call], t: float) -> int | None:
     return next((i for i, c in enumerate(calls) if c.t >= t), None)
 
+
+MAX_BARREN = 100  # plays in a row without an answered call before a lane retires (`Lane.start`)
 
 # send(call, namespace, tree, max_tokens or None, then): issue one request now; `then(ok)`
 # runs when it is done (ok False: rejected as longer than the server's context).
@@ -103,12 +110,15 @@ class Lane:
         self.clock, self.send, self.trees, self.ns_ids = clock, send, trees, namespaces
         self.rng, self.gap_cap = rng, gap_cap
         self.tree: Tree | None = None
+        self.answered = False  # the current play had a call answered
+        self.barren = 0  # plays in a row that ended with none answered
 
     # -- a play of one tree ---------------------------------------------------------------
     def _begin(self, tree: Tree) -> None:
         self.tree, self.ns = tree, next(self.ns_ids)
         self.outstanding = 0  # requests in flight or scheduled
         self.stopped = False
+        self.answered = False
         # per main call: joined children still running, and the earliest start they allow
         self.wait = [0] * len(tree.main)
         self.ready = [0.0] * len(tree.main)
@@ -134,6 +144,7 @@ class Lane:
     def _after(self, ok: bool, then: Callable[[bool], None]) -> None:
         if not ok:
             self.stopped = True  # AIPerf: a context overflow ends the trajectory
+        self.answered |= ok
         if not self.stopped:
             then(ok)
         self._settle()
@@ -177,8 +188,11 @@ class Lane:
 
     # -- entry points -------------------------------------------------------------------------
     def start(self) -> None:
-        """Play the next tree from its first request (a recycled lane)."""
-        tree = next(self.trees, None)
+        """Play the next tree from its first request (a recycled lane). A lane whose last
+        `MAX_BARREN` plays were all rejected at their first call retires: a corpus of prompts
+        no rank can hold would otherwise be replayed forever at one simulated instant."""
+        self.barren = 0 if self.answered or self.tree is None else self.barren + 1
+        tree = next(self.trees, None) if self.barren < MAX_BARREN else None
         if tree is None:
             self.tree = None
             return
@@ -303,7 +317,7 @@ def recorded_stage(sessions: Iterable[Session], lanes: int, duration: float,
             out.append((call, sent))
         clock.at(sent + (0.5 if cap is not None else (call.req.api_time or 1.0)), lambda: then(True))
 
-    replay = Replay(clock, send, (Tree(s) for s in sessions), itertools.count(1 << 20),
+    replay = Replay(clock, send, trees(sessions), itertools.count(1 << 20),
                     np.random.default_rng(seed), lanes, None, lambda: t0.append(clock.now))
     replay.start()
     clock.run(clock.now + 1.0)  # primers answered: the profiling phase has begun

@@ -23,7 +23,7 @@ from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
 from agentserve.sim.config import SimConfig, parse_topology
 from agentserve.sim.decode import DecodeInstance
-from agentserve.sim.lanes import Replay, Tree
+from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.summary import REJECTED, stage_summary
 from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import VLLM_REQUEST_PATH, PerfModel
@@ -335,15 +335,15 @@ class Simulation:
     def _run_agentx(self) -> dict:
         """Warm-up (the lanes' primers), then `duration` s of profiling and AIPerf's grace."""
         cfg = self.cfg
-        trees = (Tree(s) for s in self.source)
+        source = trees(self.source)
         if cfg.workload not in SYNTH or isinstance(self.source, (list, tuple)):
-            trees = itertools.cycle(trees)  # a finite corpus is replayed round-robin (AIPerf)
+            source = itertools.cycle(source)  # a finite corpus is replayed round-robin (AIPerf)
 
         def profile() -> None:
             self._t0, self._c0 = self.clock.now, self._counters()
         replay = Replay(self.clock, lambda call, ns, tree, cap, then: self._send(
             ns, tree.id, call.turn, call.agent, call.req, tree.block_size, then, cap),
-            trees, itertools.count(1 << 20), self.rng, cfg.concurrency, cfg.gap_cap_s, profile)
+            source, itertools.count(1 << 20), self.rng, cfg.concurrency, cfg.gap_cap_s, profile)
         replay.start()
         while self._t0 is None:  # bounded: every primer is one finite request
             if self.clock.idle or self.clock.now > WARMUP_LIMIT_S:
