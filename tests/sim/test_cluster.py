@@ -438,8 +438,8 @@ def test_runs_replay_draws_requests_uniformly_in_fresh_namespaces() -> None:
 
 def test_sweep_stage_reuses_what_the_reference_measured() -> None:
     """The reference's limited-input sweep could reuse at most 93.9-94.4% of its input (llm-d's
-    GLM-5.2 write-up). AIPerf's replay (the default clients) of the sweep corpus gives ~0.96
-    (0.958 at c64 over 900 s), closed clients replaying sessions to their end as much; closed
+    GLM-5.2 write-up). AIPerf's replay (the default clients) of the limited sweep gives ~0.95
+    (0.956 at c64 over 900 s), closed clients replaying sessions to their end as much; closed
     clients restarting a cold conversation every 8 turns (the earlier fit to CPU-tier writes)
     leave ~19% uncached."""
     cfg = dict(concurrency=16, duration=200, workload="sweep-limited", prefill=1)

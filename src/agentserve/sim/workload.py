@@ -43,19 +43,33 @@ def output_scale(workload: str) -> float:
     return REFERENCE_OUTPUT_MEAN / p.output.mean(1, p.max_output)
 
 
+# The limited sweep's `--max-context-length 142000`: AIPerf drops, client-side, every trace
+# whose peak request (input + max_tokens) exceeds it, and replays the rest whole (the scenario
+# forbids truncating inputs); the full sweep passes 10,000,000, which drops nothing.
+LIMITED_CONTEXT = 142_000
+
+
+def _peak(s: Session) -> int:
+    return max((r.input_tokens + r.output_tokens
+                for it in s.items for r in ([it] if isinstance(it, TraceRequest) else it.requests)),
+               default=0)
+
+
 def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
+    """`sessions` synthesized sessions of a named workload (`sweep-limited`: those of them whose
+    peak request fits LIMITED_CONTEXT, so fewer), or a trace file's sessions."""
     if name in SYNTH:
         from agentserve.workload.synth import synthesize
 
-        limit = 142_000 if name == "sweep-limited" else None
-        out = synthesize("claude-code" if name == "claude-code" else "sweep", sessions, seed,
-                         max_input=limit)
+        out = synthesize("claude-code" if name == "claude-code" else "sweep", sessions, seed)
         k = output_scale(name)
         if k != 1.0:  # the reference sweep's outputs (REFERENCE_OUTPUT_MEAN)
             for s in out:
                 for it in s.items:
                     for r in ([it] if isinstance(it, TraceRequest) else it.requests):
                         r.output_tokens = max(1, round(r.output_tokens * k))
+        if name == "sweep-limited":
+            out = [s for s in out if _peak(s) <= LIMITED_CONTEXT]
         return out
     from agentserve.workload.traces import load_sessions
 
