@@ -7,7 +7,7 @@ for Agentic Workloads on llm-d", 2026-07-22). Driven by a closed loop with no th
 26) the simulator's next turn went straight back to the rank its client had just freed (hit
 ~0.93); driven by AIPerf's agentic replay (stop 27, the reference's load generator) a client
 returns after its recorded think time, when other requests have moved the load, and the hit
-falls to 0.18-0.31, below the reference's.
+falls to 0.20-0.32, below the reference's.
 
 This script runs each point twice: with the reference's decode scorers, and with every decode
 rank scored alike (`SimConfig.decode_scorers={}`: the max-score picker then draws the rank at
