@@ -24,12 +24,12 @@ from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_pref
 from agentserve.sim.config import SimConfig, parse_topology
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.lanes import Replay, trees
-from agentserve.sim.summary import REJECTED, stage_summary
 from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import VLLM_REQUEST_PATH, PerfModel
 from agentserve.sim.policy_router import PolicyRouter
 from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.specs import GiB, hardware_spec, model_spec
+from agentserve.sim.summary import REJECTED, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
 from agentserve.sim.workload import (REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
