@@ -7,7 +7,8 @@ hit, which are evicted and which must be restored is decided by the kv code itse
 
 Flow of a request: router (our scorers) -> prefill rank queue -> chunked prefill steps
 (instance-synchronous, all ranks step together) -> KV pull by the decode rank (only blocks
-it lacks) -> decode steps with MTP -> finish; the load generator (lanes.py, or a closed-loop client) goes on.
+it lacks) -> decode steps with MTP -> finish; the load generator (lanes.py, or a
+closed-loop client) goes on.
 """
 
 from __future__ import annotations
