@@ -98,9 +98,12 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     (["sim", "--concurrency", "-4"], "--concurrency must be >= 1"),
     (["sim", "--duration", "0"], "--duration must be >= 1"),
     (["sim", "--replay-run", "0"], "--replay-run must be >= 1"),
+    (["sim", "--clients", "open"], "--clients must be agentx or closed"),
+    (["sim", "--gap-cap-s", "-1"], "--gap-cap-s must be >= 0"),
     (["sim", "--workload", "/nonexistent/trace.jsonl"], "no such trace file"),
     (["plan", "--gpus", "0"], "--gpus must be >= 1"),
     (["plan", "--widths", "a"], "comma-separated integers"),
+    (["plan", "--clients", "open"], "--clients must be agentx or closed"),
     (["plan", "--gpus", "8", "--widths", "16"], "fits 8 GPUs"),
 ])
 def test_cli_bad_flags_are_one_line_errors(args: list[str], message: str) -> None:
