@@ -36,7 +36,6 @@ def _share(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-
 def stage_summary(sim: Simulation) -> dict:
     """The stage's record: `agentserve bench`'s summary of the counted requests, plus GPUs,
     cost, tier hit rates, restores, queues and the TTFT breakdown (xPyD)."""
@@ -73,6 +72,7 @@ def stage_summary(sim: Simulation) -> dict:
         "ttft_phases_s": ttft_phases(sim), "warmup_s": sim.t0,
     })
     return s
+
 
 def ttft_phases(sim: Simulation) -> dict:
     """Mean and p50 of each TTFT phase over the stage's requests (`PHASES`)."""
