@@ -29,4 +29,5 @@ run benchmarks/sim_speed.py --out bench-out/sim_speed.json
 run benchmarks/sim_calibration.py --duration 900 --out bench-out/sim_calibration.json
 run benchmarks/sim_published.py --duration 900 --out bench-out/sim_published.json
 run benchmarks/sim_decode_locality.py --duration 900 --seeds 2 --out bench-out/sim_decode_locality.json
+run benchmarks/sim_clients.py --duration 900 --out bench-out/sim_clients.json
 run benchmarks/sim_vs_bench.py --out bench-out/sim_vs_bench.json
