@@ -273,7 +273,7 @@ class Replay:
         self.send, self.trees, self.on_profile = send, trees, on_profile
         self.plans: list[tuple[Lane, list]] = []
         self.left = 0
-        self.dropped: set[int] = set()
+        self.dropped: set[Lane] = set()  # lanes whose trace a primer overflowed
 
     def start(self) -> None:
         """Join a trace per lane and send the primers (`max_tokens` 1)."""
@@ -291,7 +291,7 @@ class Replay:
 
     def _primed(self, lane: Lane, ok: bool) -> None:
         if not ok:  # AIPerf drops a trace whose primer overflows the context
-            self.dropped.add(id(lane))
+            self.dropped.add(lane)
         self.left -= 1
         if self.left == 0:
             self._profile()
@@ -299,7 +299,7 @@ class Replay:
     def _profile(self) -> None:
         self.on_profile()
         for lane, pending in self.plans:
-            lane.begin([] if id(lane) in self.dropped else pending)
+            lane.begin([] if lane in self.dropped else pending)
 
 
 def recorded_stage(sessions: Iterable[Session], lanes: int, duration: float,

@@ -36,11 +36,17 @@ def _share(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
+def _span(sim: Simulation, done: list[RequestRecord]) -> float:
+    """Seconds the throughputs are over: AIPerf's benchmark duration under its replay (first
+    request sent to last response, grace included), else the stage."""
+    d = sim.cfg.duration
+    return max(d, max(r.end for r in done) - sim.t0) if sim.agentx and done else d
+
+
 def stage_summary(sim: Simulation) -> dict:
     """The stage's record: `agentserve bench`'s summary of the counted requests, plus GPUs,
     cost, tier hit rates, restores, queues and the TTFT breakdown (xPyD)."""
     cfg = sim.cfg
-    t0 = sim.t0
     done = [r for r in sim.records if sim._counted(r.start, r.end)]
     if cfg.aggregated:
         return _summary_agg(sim, done)
@@ -48,9 +54,7 @@ def stage_summary(sim: Simulation) -> dict:
     c0 = getattr(sim, "_c0", None) or dict.fromkeys(c1, 0.0)  # counters at the stage start
     d = {k: c1[k] - c0[k] for k in c1}
     gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width
-    # AIPerf's benchmark duration: first request sent to last response (grace included)
-    span = (max(r.end for r in done) - t0) if sim.agentx and done else cfg.duration
-    s = summarize(done, max(span, cfg.duration), label={"producer": "sim"}, gpus=gpus_p + gpus_d)
+    s = summarize(done, _span(sim, done), label={"producer": "sim"}, gpus=gpus_p + gpus_d)
     s.update(_rejections(done))
     cost = pool_cost(gpus_p, gpus_d, s["input_tok_s"], s["output_tok_s"],
                      hardware_spec(cfg.gpu).price_per_hour)
@@ -85,7 +89,7 @@ def ttft_phases(sim: Simulation) -> dict:
 
 def _summary_agg(sim: Simulation, done: list[RequestRecord]) -> dict:
     cfg = sim.cfg
-    s = summarize(done, cfg.duration, label={"producer": "sim"}, gpus=cfg.aggregated)
+    s = summarize(done, _span(sim, done), label={"producer": "sim"}, gpus=cfg.aggregated)
     s.update(_rejections(done))
     prompt = sum(a.prompt_tokens for a in sim.aggs)
     s.update({

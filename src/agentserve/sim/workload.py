@@ -50,9 +50,7 @@ LIMITED_CONTEXT = 142_000
 
 
 def _peak(s: Session) -> int:
-    return max((r.input_tokens + r.output_tokens
-                for it in s.items for r in ([it] if isinstance(it, TraceRequest) else it.requests)),
-               default=0)
+    return max((r.input_tokens + r.output_tokens for _, _, r in flatten(s)), default=0)
 
 
 def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
