@@ -37,7 +37,7 @@ def run(args: tuple[int, str, float, int]) -> dict:
     cfg = SimConfig(concurrency=c, duration=duration, seed=seed, clients=clients)
     sim = Simulation(cfg, session_stream(cfg.workload, max(8, 2 * c), seed))
     s = sim.run()
-    ins = [r.input_tokens for r in sim.records if sim._counted(r.start, r.end)]
+    ins = [r.input_tokens for r in sim.records if sim.counted(r.start, r.end)]
     return {"concurrency": c, "clients": clients, "seed": seed, "requests": s["requests_ok"],
             "input_tok_s": s["input_tok_s"], "output_tok_s": s["output_tok_s"],
             "input_p50": float(np.median(ins)) if ins else 0.0,

@@ -418,7 +418,8 @@ def test_runs_replay_draws_requests_uniformly_in_fresh_namespaces() -> None:
     long_s, short_s = _session(0, turns=99), _session(1, turns=1)
     cfg = _cfg(join_midway=True, workload="sweep-full", concurrency=1)
     sim = sim_run.Simulation(cfg, [long_s, short_s])
-    assert sim._runs_replay
+    assert sim.runs is None  # built with the closed clients, not before
+    sim._closed_clients()
     runs = [sim.runs.next() for _ in range(400)]
     ids = [r[0] for r in runs]
     assert len(set(ids)) == len(ids)  # a fresh namespace per run
@@ -430,11 +431,14 @@ def test_runs_replay_draws_requests_uniformly_in_fresh_namespaces() -> None:
         assert turns == list(range(turns[0], turns[0] + len(turns)))
         assert turns[-1] == (98 if r[1] == "s0" else 0)
     # not active for trace replays or when join_midway is off
-    assert not sim_run.Simulation(_cfg(join_midway=True, workload="x.jsonl"), [long_s])._runs_replay
-    assert not sim_run.Simulation(_cfg(), [long_s])._runs_replay
+    for other in (_cfg(join_midway=True, workload="x.jsonl"), _cfg()):
+        sim2 = sim_run.Simulation(other, [long_s])
+        sim2._closed_clients()
+        assert sim2.runs is None
     # --replay-run sets the run length (how often a client starts a cold conversation)
     sim3 = sim_run.Simulation(_cfg(join_midway=True, workload="sweep-full", concurrency=1,
                                    replay_run=3), [long_s])
+    sim3._closed_clients()
     lens = [len(sim3.runs.next()[2]) for _ in range(200)]
     assert max(lens) == 3 and min(lens) >= 1
 

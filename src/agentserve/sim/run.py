@@ -60,11 +60,12 @@ class Simulation:
         self.overhead_per_token = (per_token if cfg.request_overhead_per_token_s is None
                                    else cfg.request_overhead_per_token_s)
         self.source = sessions
+        # closed clients' sessions, and their run sampler (`_closed_clients`); the replay reads
+        # `source` as session trees instead (`_run_agentx`)
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
+        self.runs: RunSampler | None = None
         self._t0: float | None = None  # agentx: when the profiling phase began
         self._c1: dict | None = None
-        self.runs = RunSampler(self.sessions, cfg.concurrency, self.rng,
-                               REPLAY_RUN if cfg.replay_run is None else cfg.replay_run)
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES
         self.seen: dict[int, set[int]] = {}
@@ -129,16 +130,10 @@ class Simulation:
         c = self.cfg.clients
         return c == "agentx" or (c is None and not self.cfg.aggregated)
 
-    @property
-    def _runs_replay(self) -> bool:
-        """Synthesized reference-sweep stage, xPyD: clients replay runs drawn by `RunSampler`."""
-        cfg = self.cfg
-        return cfg.join_midway and not cfg.aggregated and cfg.workload in SYNTH
-
     def _client(self, queue: list | None = None, si: int = -1, sid: str = "") -> None:
         """A closed-loop client (`SimConfig.clients` "closed"): its next request, at once."""
         if not queue:
-            if self._runs_replay:
+            if self.runs is not None:
                 nxt = self.runs.next()
                 if nxt is None:
                     return
@@ -300,7 +295,7 @@ class Simulation:
             return max(0.0, cfg.warmup)
         return WARMUP_S if not cfg.aggregated and cfg.workload in SYNTH else 0.0
 
-    def _counted(self, start: float, end: float) -> bool:
+    def counted(self, start: float, end: float) -> bool:
         """Does a request count in the stage? AIPerf's agentic replay counts what was sent in
         the profiling window and answered within its grace period after it; closed clients
         count what finished in the window."""
@@ -321,8 +316,22 @@ class Simulation:
                 "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds)}
 
     def run(self) -> dict:
+        """Run the stage with its load generator (`agentx`) and return `summary()`."""
         if self.agentx:
             return self._run_agentx()
+        return self._run_closed()
+
+    def _closed_clients(self) -> None:
+        """For a synthesized reference-sweep xPyD stage (`join_midway`), closed clients
+        replay runs drawn by `RunSampler` instead of whole sessions."""
+        cfg = self.cfg
+        if cfg.join_midway and not cfg.aggregated and cfg.workload in SYNTH:
+            self.runs = RunSampler(self.sessions, cfg.concurrency, self.rng,
+                                   REPLAY_RUN if cfg.replay_run is None else cfg.replay_run)
+
+    def _run_closed(self) -> dict:
+        """Closed clients: `concurrency` of them from time 0, the stage after the warm-up."""
+        self._closed_clients()
         for _ in range(self.cfg.concurrency):
             self._client()
         self._c0 = self._counters()

@@ -47,7 +47,7 @@ def stage_summary(sim: Simulation) -> dict:
     """The stage's record: `agentserve bench`'s summary of the counted requests, plus GPUs,
     cost, tier hit rates, restores, queues and the TTFT breakdown (xPyD)."""
     cfg = sim.cfg
-    done = [r for r in sim.records if sim._counted(r.start, r.end)]
+    done = [r for r in sim.records if sim.counted(r.start, r.end)]
     if cfg.aggregated:
         return _summary_agg(sim, done)
     c1 = sim._c1 or sim._counters()
@@ -80,7 +80,7 @@ def stage_summary(sim: Simulation) -> dict:
 
 def ttft_phases(sim: Simulation) -> dict:
     """Mean and p50 of each TTFT phase over the stage's requests (`PHASES`)."""
-    rows = np.array([p[2:] for p in sim.phases if sim._counted(p[0], p[1])])
+    rows = np.array([p[2:] for p in sim.phases if sim.counted(p[0], p[1])])
     if not len(rows):
         return {}
     return {k: {"mean": float(rows[:, i].mean()), "p50": float(np.median(rows[:, i]))}
