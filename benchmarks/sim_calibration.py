@@ -32,7 +32,7 @@ REFERENCE = {
          "ttft_p90_s": 6.36, "itl_p90_ms": 18.9, "e2e_p50_s": 9.6},
     128: {"output_tok_s": 6281, "itl_p50_ms": 19.1, "ttft_p50_s": 2.18, "input_tok_s": 431_000,
           "cost_in": 0.08, "cost_out": 1.92, "ttft_p90_s": 15.82, "itl_p90_ms": 23.1,
-          "e2e_p50_s": 14.0, "output_tok_s_per_user": 36.6},
+          "e2e_p50_s": 14.0, "output_tok_s_per_user": 36.6, "prompt_tokens_in_flight": 14.1e6},
 }
 
 
@@ -65,7 +65,9 @@ def point(args: tuple) -> dict:
             "output_tok_s_per_user": s["output_tok_s_per_user"]["mean"],
             "decode_preemptions": s["decode_preemptions"], "ttft_phases_s": s["ttft_phases_s"],
             "rejected_share": s["rejected_share"] or 0.0,
-            "decode_local_hit_rate": s["decode_local_hit_rate"] or 0.0}
+            "decode_local_hit_rate": s["decode_local_hit_rate"] or 0.0,
+            "requests_in_flight": s["requests_in_flight"],
+            "prompt_tokens_in_flight": s["prompt_tokens_in_flight"]}
 
 
 def _mean(runs: list[dict]) -> dict:
@@ -113,7 +115,7 @@ def main() -> None:
     rr = "" if a.replay_run is None else f", runs of {a.replay_run} turns"
     t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds{rr}")
     keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out",
-            "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user")
+            "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user", "prompt_tokens_in_flight")
     for col in ("c",) + keys:
         t.add_column(col, justify="right")
     for r in rows:

@@ -524,3 +524,25 @@ def test_cpu_write_back_holds_what_the_device_dropped() -> None:
     assert _prefill_once(write_back=True) == (20, 19, 20 + 20)
     with pytest.raises(ValueError, match="fill or evict"):
         sim_run.Simulation(_cfg(cpu_store_on="lru"), [_session(0)])
+
+
+def test_in_flight_is_the_time_average_over_the_stage_window() -> None:
+    """Requests in flight and their prompt tokens, averaged over [t0, t0 + duration]: a request
+    counts for the part of its life inside the window, whether AIPerf counts it or not."""
+    from types import SimpleNamespace
+
+    from agentserve.sim.summary import in_flight
+    from agentserve.workload.record import RequestRecord
+
+    def rec(start: float, e2e: float, n_in: int) -> RequestRecord:
+        return RequestRecord("r", "s", 0, start=start, input_tokens=n_in, max_tokens=1, e2e=e2e)
+    sim = SimpleNamespace(t0=10.0, cfg=SimpleNamespace(duration=100.0), records=[
+        rec(0.0, 20.0, 1000),    # 10 s inside
+        rec(50.0, 10.0, 4000),   # 10 s inside
+        rec(100.0, 40.0, 2000),  # 10 s inside, ends after the window
+        rec(120.0, 5.0, 9999),   # after the window
+        rec(0.0, 5.0, 9999),     # before it
+    ])
+    got = in_flight(sim)
+    assert got["requests_in_flight"] == pytest.approx(0.3)
+    assert got["prompt_tokens_in_flight"] == pytest.approx((10_000 + 40_000 + 20_000) / 100)

@@ -43,6 +43,21 @@ def _span(sim: Simulation, done: list[RequestRecord]) -> float:
     return max(d, max(r.end for r in done) - sim.t0) if sim.agentx and done else d
 
 
+def in_flight(sim: Simulation) -> dict:
+    """Requests in flight and their prompt tokens, time-averaged over the stage window (every
+    answered request, counted or not: the load the cluster held); the reference publishes 14.1M
+    "logical tokens in flight" at c128. Requests still unanswered when the run ends are left out."""
+    t0, t1 = sim.t0, sim.t0 + sim.cfg.duration
+    reqs = held = 0.0
+    for r in sim.records:
+        if r.end > t0 and r.start < t1:
+            dt = min(r.end, t1) - max(r.start, t0)
+            reqs += dt
+            held += dt * r.input_tokens
+    d = sim.cfg.duration
+    return {"requests_in_flight": reqs / d, "prompt_tokens_in_flight": held / d}
+
+
 def stage_summary(sim: Simulation) -> dict:
     """The stage's record: `agentserve bench`'s summary of the counted requests, plus GPUs,
     cost, tier hit rates, restores, queues and the TTFT breakdown (xPyD)."""
@@ -73,7 +88,7 @@ def stage_summary(sim: Simulation) -> dict:
         "decode_recomputed_tokens": d["recomp"],
         "prefill_busy_frac": d["busy_p"] / cfg.duration / cfg.prefill,
         "decode_busy_frac": d["busy_d"] / cfg.duration / cfg.decode,
-        "ttft_phases_s": ttft_phases(sim), "warmup_s": sim.t0,
+        "ttft_phases_s": ttft_phases(sim), "warmup_s": sim.t0, **in_flight(sim),
     })
     return s
 
