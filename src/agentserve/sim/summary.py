@@ -46,8 +46,8 @@ def _span(sim: Simulation, done: list[RequestRecord]) -> float:
 def in_flight(sim: Simulation) -> dict:
     """Requests in flight and their prompt tokens, time-averaged over the stage window (every
     answered request, counted or not: the load the cluster held). The reference publishes 14.1M
-    "logical tokens in flight" at c128 without saying whether it counts requests in flight or the
-    live sessions' contexts. Requests still unanswered when the run ends are left out."""
+    "logical tokens in flight" at c128, which its write-up defines as tokens in active requests,
+    idle cached prefixes excluded. Requests still unanswered when the run ends are left out."""
     t0, t1 = sim.t0, sim.t0 + sim.cfg.duration
     reqs = held = 0.0
     for r in sim.records:
