@@ -65,6 +65,7 @@ class Simulation:
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
         self.runs: RunSampler | None = None
         self._t0: float | None = None  # agentx: when the profiling phase began
+        self._c0: dict | None = None  # pool counters at the stage start and end (`_counters`)
         self._c1: dict | None = None
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES

@@ -67,7 +67,7 @@ def stage_summary(sim: Simulation) -> dict:
     if cfg.aggregated:
         return _summary_agg(sim, done)
     c1 = sim._c1 or sim._counters()
-    c0 = getattr(sim, "_c0", None) or dict.fromkeys(c1, 0.0)  # counters at the stage start
+    c0 = sim._c0 or dict.fromkeys(c1, 0.0)  # counters at the stage start
     d = {k: c1[k] - c0[k] for k in c1}
     gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width
     s = summarize(done, _span(sim, done), label={"producer": "sim"}, gpus=gpus_p + gpus_d)
@@ -120,5 +120,3 @@ def _summary_agg(sim: Simulation, done: list[RequestRecord]) -> dict:
         "busy_frac": sum(a.busy_s for a in sim.aggs) / cfg.duration / cfg.aggregated,
     })
     return s
-
-
