@@ -72,6 +72,34 @@ def test_subagents_run_in_parallel_and_the_next_turn_joins_them() -> None:
     assert times[3] == (pytest.approx(24.0), "main")
 
 
+def test_idle_gap_cap_compresses_the_trace_start_timeline() -> None:
+    """AIPerf's per-trace idle-gap cap, its own example (cap 60): main at 0, a sub-agent call
+    at 20 taking 80 s, the next main at 220. Starts are 200 s apart, so the next main moves to
+    80, before the sub-agent's recorded end (100). Durations are kept. Replayed with 1 s
+    answers, the next main waits its end-to-start gap after the main call before it (80 - 5 =
+    75 s, uncapped 215 s) and for the sub-agent it joins (then 80 - 100 < 0: none)."""
+    def session() -> Session:
+        return Session("a", 64, [_req(0.0, 5.0), Subagent(t=20.0, requests=[_req(0.0, 80.0)]),
+                                 _req(220.0, 1.0)])
+    tree = Tree(session(), idle_cap=60.0)
+    assert [c.t for c in tree.main] == pytest.approx([0.0, 80.0])
+    assert [(x.t, x.end) for x in tree.children[0].calls] == [pytest.approx((20.0, 100.0))]
+    assert tree.span == pytest.approx((0.0, 80.0))
+    sent = {}
+    for cap in (None, 60.0):
+        clock = Clock()
+        srv = _Server(clock)
+        Lane(clock, srv.send, iter([Tree(session(), cap)]), itertools.count(1),
+             np.random.default_rng(0)).start()
+        clock.run(500.0)
+        sent[cap] = [t for t, *_ in srv.log]
+    # main answered at 1; the sub-agent sent 15 s later (20 - 5) and answered at 17
+    assert sent[60.0] == pytest.approx([0.0, 16.0, 76.0])
+    assert sent[None] == pytest.approx([0.0, 16.0, 216.0])
+    with pytest.raises(ValueError, match="idle-gap cap"):
+        Tree(session(), idle_cap=-1.0)
+
+
 def test_lane_joins_a_trace_at_a_uniform_instant_after_its_primers() -> None:
     """A lane joins at t* uniform over the trace's span: its warm-up primer is the last call
     before t*, its first pending call (t* -> first call at or after it) fires at once and the

@@ -40,6 +40,9 @@ def register(app: typer.Typer) -> None:
                                     "(no think time; default for aggregated engines)"),
         gap_cap_s: float = typer.Option(None, help="agentx: cap on each replayed think time, s "
                                         "(default: as recorded)"),
+        idle_gap_cap_s: float = typer.Option(None, help="agentx: AIPerf's per-trace idle-gap cap, "
+                                             "s: consecutive request starts of a trace at most "
+                                             "this far apart (default: off)"),
         warmup: float = typer.Option(None, help="closed clients: simulated seconds before the "
                                      "stage (default: 120 for xPyD on a synthesized workload, else 0)"),
         replay_run: int = typer.Option(None, help="closed clients, synthesized xPyD stages: turns a client replays "
@@ -52,7 +55,7 @@ def register(app: typer.Typer) -> None:
         check_flags(prefill_width=(prefill_width, 1), decode_width=(decode_width, 1),
                      concurrency=(concurrency, 1), cpu_offload_gib=(cpu_offload_gib, 0),
                      duration=(duration, 1), warmup=(warmup, 0), replay_run=(replay_run, 1),
-                     gap_cap_s=(gap_cap_s, 0))
+                     gap_cap_s=(gap_cap_s, 0), idle_gap_cap_s=(idle_gap_cap_s, 0))
         try:
             p, d = parse_topology(topology)
             cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
@@ -60,7 +63,8 @@ def register(app: typer.Typer) -> None:
                             cpu_offload_gib=cpu_offload_gib, cpu_store_on=cpu_store_on,
                             workload=workload, duration=duration,
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
-                            replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s)
+                            replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
+                            idle_gap_cap_s=idle_gap_cap_s)
             s = simulate(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))

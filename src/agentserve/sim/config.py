@@ -58,6 +58,11 @@ class SimConfig:
     # agentx: cap on each replayed think time (s); None: as recorded (the scenario forbids a
     # cap; its first versions capped each trace's gaps at 60 s).
     gap_cap_s: float | None = None
+    # agentx: AIPerf's per-trace idle-gap cap (s; `lanes.compress_idle_gaps`): the trace's
+    # request-start timeline is compressed so consecutive starts are at most this far apart.
+    # None: off, as the scenario versions that load the dated corpora require (60 in its
+    # first versions, 10 in some of its docs).
+    idle_gap_cap_s: float | None = None
     # Closed clients: simulated seconds before the measured stage; None: WARMUP_S for xPyD on a synthesized
     # workload, else 0. The simulator starts from an empty cluster with every client joining
     # at once, cold: a burst of full-context prefills that no stage of the reference's

@@ -27,8 +27,16 @@ What it does, read from AIPerf's source (`timing/strategies/agentic_replay.py`,
 - Output lengths are the recorded ones (`ignore_eos`, `max_tokens = out`).
 - A prompt the server rejects as too long ends its trajectory (AIPerf's terminal overflow).
 
-Not modelled: the scenario's system-wide cap (when no request is in flight anywhere, pending
-gaps are cut to 10 s); at the reference's concurrencies the cluster is never idle.
+Idle-gap caps, by AIPerf version: the first scenario versions capped each trace's idle gaps at
+60 s, some docs state 10 s, both as `--trace-idle-gap-cap-seconds` (`compress_idle_gaps`,
+`SimConfig.idle_gap_cap_s`; off by default); the versions that load the dated corpora forbid
+that cap and keep a system-wide one instead (when no request is in flight anywhere, pending
+gaps are cut to 10 s), not modelled: at the reference's concurrencies the cluster is never idle.
+
+Not modelled either: AIPerf's flattened-agent detection (`weka_trace.md`, "Flattened-Agent
+Detection"), which splits a recorded stream whose requests do not extend one another's hash
+ids into child streams dispatched at their recorded offsets. A synthesized session has no such
+streams: each of its agents extends its own context.
 """
 
 from __future__ import annotations
@@ -64,9 +72,11 @@ class Child:
 
 
 class Tree:
-    """A session as the replay sees it: the main stream and its sub-agent streams."""
+    """A session as the replay sees it: the main stream and its sub-agent streams.
+    `idle_cap` (s): AIPerf's per-trace idle-gap cap (`--trace-idle-gap-cap-seconds`), see
+    `compress_idle_gaps`; None leaves the recorded timeline as it is."""
 
-    def __init__(self, s: Session) -> None:
+    def __init__(self, s: Session, idle_cap: float | None = None) -> None:
         self.id, self.block_size = s.id, s.block_size
         self.main: list[Call] = []
         self.children: list[Child] = []
@@ -78,13 +88,34 @@ class Tree:
                 self.children.append(Child(calls, len(self.main) - 1, None))
         for c in self.children:  # the next main call waits for the sub-agents before it
             c.join = c.spawn + 1 if c.spawn + 1 < len(self.main) else None
+        if idle_cap is not None:
+            compress_idle_gaps(self.main + [x for c in self.children for x in c.calls], idle_cap)
         ts = [c.t for c in self.main] + [x.t for c in self.children for x in c.calls]
         self.span = (min(ts), max(ts)) if ts else (0.0, 0.0)
 
 
-def trees(sessions: Iterable[Session]) -> Iterator[Tree]:
+def trees(sessions: Iterable[Session], idle_cap: float | None = None) -> Iterator[Tree]:
     """The sessions as trees, those without a request left out."""
-    return (t for t in map(Tree, sessions) if t.main or t.children)
+    return (t for t in (Tree(s, idle_cap) for s in sessions) if t.main or t.children)
+
+
+def compress_idle_gaps(calls: list[Call], cap: float) -> None:
+    """AIPerf's per-trace idle-gap cap, in place: on the trace's request-start timeline (main
+    and sub-agent calls together), every gap between consecutive starts above `cap` shrinks
+    to `cap` and everything after it moves earlier by the excess; each call keeps its
+    recorded duration, and end-to-start delays are then taken on the new timeline
+    (`weka_trace._build_trace_idle_timing`: "compress any gap between consecutive starts
+    above cap_seconds, then derive parent and child conversation delays from that adjusted
+    timeline"). A main call can so start before a sub-agent it joins has ended: it waits for
+    the join, as AIPerf's does."""
+    if cap < 0:
+        raise ValueError(f"an idle-gap cap must be >= 0 s, got {cap}")
+    shift, prev = 0.0, None
+    for c in sorted(calls, key=lambda c: c.t):
+        if prev is not None:
+            shift += max(0.0, c.t - prev - cap)
+        prev = c.t
+        c.t, c.end = c.t - shift, c.end - shift
 
 
 def _call(t: float, r: TraceRequest, turn: int, agent: str) -> Call:

@@ -345,7 +345,7 @@ class Simulation:
     def _run_agentx(self) -> dict:
         """Warm-up (the lanes' primers), then `duration` s of profiling and AIPerf's grace."""
         cfg = self.cfg
-        source = trees(self.source)
+        source = trees(self.source, cfg.idle_gap_cap_s)
         if cfg.workload not in SYNTH or isinstance(self.source, (list, tuple)):
             source = itertools.cycle(source)  # a finite corpus is replayed round-robin (AIPerf)
 
