@@ -40,6 +40,9 @@ def register(app: typer.Typer) -> None:
                                     "(no think time; default for aggregated engines)"),
         gap_cap_s: float = typer.Option(None, help="agentx: cap on each replayed think time, s "
                                         "(default: as recorded)"),
+        prefix_index: str = typer.Option("precise", help="how the prefill picker sees prefixes: "
+                                         "precise (the pools' contents) or approx (llm-d's "
+                                         "approximate producers, as the reference's router ran)"),
         idle_gap_cap_s: float = typer.Option(None, help="agentx: AIPerf's per-trace idle-gap cap, "
                                              "s: consecutive request starts of a trace at most "
                                              "this far apart (default: off)"),
@@ -64,7 +67,7 @@ def register(app: typer.Typer) -> None:
                             workload=workload, duration=duration,
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
                             replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
-                            idle_gap_cap_s=idle_gap_cap_s)
+                            idle_gap_cap_s=idle_gap_cap_s, prefix_index=prefix_index)
             s = simulate(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))

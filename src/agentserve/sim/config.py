@@ -46,6 +46,11 @@ class SimConfig:
     # rank at random, a counterfactual with no return to a client's previous rank
     # (benchmarks/sim_decode_locality.py).
     decode_scorers: dict[str, float] | None = None
+    # How the prefill profile's two prefix scorers see the ranks. "precise": the pools' actual
+    # contents (GPU, then GPU or CPU). "approx": llm-d's approx-prefix-cache-producers, which the
+    # reference's router overrides configure: the picker's own records of the prompt heads it
+    # routed, per rank, blind to evictions (approx_prefix.py).
+    prefix_index: str = "precise"
     # The load generator. "agentx": AIPerf's agentic replay, as the reference ran every published
     # figure (`aiperf profile --scenario inferencex-agentx-mvp`; lanes.py): each of the
     # `concurrency` lanes replays a session tree with its recorded think times, sub-agents in

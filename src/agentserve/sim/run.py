@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from agentserve.kv.manager import cdiv
+from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
 from agentserve.sim.config import SimConfig, parse_topology
 from agentserve.sim.decode import DecodeInstance
@@ -50,6 +51,8 @@ class Simulation:
             raise ValueError(f"--clients must be agentx or closed, got {cfg.clients!r}")
         if cfg.cpu_store_on not in ("fill", "evict"):
             raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
+        if cfg.prefix_index not in ("precise", "approx"):
+            raise ValueError(f"--prefix-index must be precise or approx, got {cfg.prefix_index!r}")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
         self.router = Router(cfg.seed, cfg.decode_scorers)
@@ -81,6 +84,8 @@ class Simulation:
         cpu_blocks = int(cfg.cpu_offload_gib * GiB / m.kv_bytes_per_token()) // cfg.block_size
         self.p_ranks = [Rank(i, pm.kv_blocks, cpu_blocks, cfg.block_size)
                         for i in range(cfg.prefill * cfg.prefill_width)]
+        if cfg.prefix_index == "approx":  # the reference picker's own records (approx_prefix.py)
+            self.router = ApproxRouter(cfg.seed, self.p_ranks, cfg.block_size, cfg.decode_scorers)
         self.d_ranks = [Rank(i, dm.kv_blocks, 0, cfg.block_size)
                         for i in range(cfg.decode * cfg.decode_width)]
         self.pperf, self.dperf = PerfModel(m, hw, pt), PerfModel(m, hw, dt)
