@@ -7,9 +7,10 @@ scheduling, and streaming the first token back. This script measures that on vll
 checkpoint, 64-token blocks as the reference runs, prefix caching on) for prompts of 2K-100K
 tokens, sent as chat text (as AIPerf sends) and as token ids, and fits `fixed + per_token x
 tokens` to the chat path. The text is English prose at the density of AIPerf's prompts
-(`--text prose`, ~3.3 characters a token; `--text random`: random words, ~1.4, as until stop 29). The simulator charges it on its H200 P/D deployments (sim/perf.py
-`VLLM_REQUEST_PATH`), twice: llm-d's sidecar sends the whole prompt to a prefill and then a
-decode vLLM, each of which does all of the above before its engine sees the request.
+(`--text prose`, ~3.3 characters a token; `--text random`: random words, ~1.4, as until stop
+29). The simulator charges it on its H200 P/D deployments (sim/perf.py `VLLM_REQUEST_PATH`),
+twice: llm-d's sidecar sends the whole prompt to a prefill and then a decode vLLM, each of
+which does all of the above before its engine sees the request.
 
     .venv/bin/python benchmarks/vllm_request_path.py --out benchmarks/results/vllm_request_path.json
 """

@@ -64,3 +64,6 @@ def test_simulation_runs_with_approximate_records() -> None:
     assert hit["approx"] > 0.5 and hit["approx"] == pytest.approx(hit["precise"], abs=0.05)
     with pytest.raises(ValueError, match="prefix-index"):
         Simulation(SimConfig(prefix_index="exact", **base), sessions)
+    with pytest.raises(ValueError, match="aggregated"):
+        Simulation(SimConfig(prefix_index="approx", **{**base, "prefill": 0, "aggregated": 2}),
+                   sessions)

@@ -22,9 +22,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from agentserve.router.picker import MaxScorePicker
-from agentserve.router.scorers import Candidate, build_scorers, weighted_scores
-from agentserve.sim.cluster import DECODE_SCORERS, PREFILL_SCORERS, Rank, Router, SimRequest, _cands
+from agentserve.router.scorers import Candidate, weighted_scores
+from agentserve.sim.cluster import Rank, Router, SimRequest, _cands
 
 __all__ = ["ApproxIndex", "ApproxRouter"]
 
@@ -71,9 +70,7 @@ class ApproxRouter(Router):
 
     def __init__(self, seed: int, p_ranks: list[Rank], block_size: int,
                  decode_scorers: dict[str, float] | None = None) -> None:
-        self.prefill = build_scorers(PREFILL_SCORERS)
-        self.decode = build_scorers(DECODE_SCORERS if decode_scorers is None else decode_scorers)
-        self.picker = MaxScorePicker(seed=seed)
+        super().__init__(seed, decode_scorers)
         self.pos = {id(r): k for k, r in enumerate(p_ranks)}
         blocks = p_ranks[0].pool.num_blocks if p_ranks else 1
         cpu_head = max(1, MAX_PREFIX_BLOCKS * CPU_BLOCK_TOKENS // block_size)

@@ -53,6 +53,9 @@ class Simulation:
             raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
         if cfg.prefix_index not in ("precise", "approx"):
             raise ValueError(f"--prefix-index must be precise or approx, got {cfg.prefix_index!r}")
+        if cfg.prefix_index == "approx" and cfg.aggregated:
+            raise ValueError("--prefix-index approx is the P/D prefill picker's; aggregated engines "
+                             "route with our router's own policy")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
         self.router = Router(cfg.seed, cfg.decode_scorers)
