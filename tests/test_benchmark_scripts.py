@@ -148,8 +148,11 @@ def test_sim_decode_locality_brackets_placement(tmp_path: Path) -> None:
 @pytest.mark.slow
 @pytest.mark.interop
 def test_vllm_request_path_runs(tmp_path: Path) -> None:
-    """A real vLLM, two prompt sizes: a cached prompt's time to first token grows with its length."""
-    res = _run("vllm_request_path.py", "--words", "300,6000", "--reps", "3", out=tmp_path / "path.json")
+    """A real vLLM, two prompt sizes of prose: a cached prompt's time to first token grows with
+    its length, and the prose has AIPerf's density (~3.3 characters a token)."""
+    res = _run("vllm_request_path.py", "--sizes", "1500,30000", "--reps", "3", "--repeat", "1",
+               out=tmp_path / "path.json")
     small, large = res["rows"]
     assert large["prompt_tokens"] > 5 * small["prompt_tokens"]
+    assert 2.5 < res["chars_per_token"] < 4.5
     assert res["chat_per_token_s"] > 0 and large["warm_chat_s"] > small["warm_chat_s"]
