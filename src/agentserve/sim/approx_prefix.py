@@ -21,8 +21,9 @@ enough other heads are routed there to push it out of the LRU.
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
-from agentserve.router.scorers import Candidate, weighted_scores
+from agentserve.router.scorers import weighted_scores
 from agentserve.sim.cluster import Rank, Router, SimRequest, _cands
 
 __all__ = ["ApproxIndex", "ApproxRouter"]
@@ -30,6 +31,7 @@ __all__ = ["ApproxIndex", "ApproxRouter"]
 MAX_PREFIX_BLOCKS = 256  # llm-d approximateprefix DefaultMaxPrefixBlocks
 CPU_LRU_BLOCKS = 200_000  # the overrides' lruCapacityPerServer for the CPU producer
 CPU_BLOCK_TOKENS = 16  # DefaultBlockSizeTokens (no autoTune on the CPU producer)
+SCALE = 10**6  # the candidates' common block total the two runs are scaled onto (`pick`)
 
 
 class ApproxIndex:
@@ -87,13 +89,12 @@ class ApproxRouter(Router):
         # matched / total for the GPU scorer and weighted / total for the GPU-or-CPU one, so
         # each run is scaled onto the candidate's common total
         cands = []
-        for c, r in zip(_cands(ranks, req.hashes, 0), ranks):
+        for c, r in zip(_cands(ranks, req.hashes, 0), ranks):  # the load fields, no prefix
             k = self.pos[id(r)]
             g = self.gpu.match(k, hashes) / gh if gh else 0.0
             cpu = self.cpu.match(k, hashes) / ch if ch else 0.0
-            cands.append(Candidate(url=c.url, matched_blocks=round(g * 1e6), total_blocks=10**6,
-                                   weighted_blocks=cpu * 1e6, waiting=c.waiting,
-                                   running=c.running, kv_usage=c.kv_usage, inflight=c.inflight))
+            cands.append(replace(c, matched_blocks=round(g * SCALE), total_blocks=SCALE,
+                                 weighted_blocks=cpu * SCALE))
         i, _ = self.picker.pick(cands, weighted_scores(self.prefill, cands))
         k = self.pos[id(ranks[i])]
         self.gpu.add(k, hashes)
