@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from agentserve.cli_checks import check_flags, fail
+from agentserve.sim.config import check_clients
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
@@ -124,8 +125,10 @@ def register_plan(app: typer.Typer) -> None:
             fail(f"no xPyD configuration of DEP{'/'.join(map(str, width_list))} instances fits "
                  f"{gpus} GPUs of {gpu} (1P1D needs 2 instances whose weights fit a GPU)")
         dur, warm = (600.0, 120.0) if long else (duration, warmup)
-        if clients not in (None, "agentx", "closed"):
-            fail(f"--clients must be agentx or closed, got {clients!r}")
+        try:  # before the workers start, not in each of them
+            check_clients(clients)
+        except ValueError as e:
+            fail(str(e))
         lead = f"{warm:g} s warm-up" if clients == "closed" else "the replay's primers"
         typer.echo(f"simulating {len(cands)} configurations x {len(ladder)} concurrencies, "
                    f"{lead} + {dur:g} s stages, {workers} workers")

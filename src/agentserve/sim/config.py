@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["SimConfig", "parse_topology"]
+__all__ = ["CLIENTS", "SimConfig", "check_clients", "parse_topology"]
+
+CLIENTS = ("agentx", "closed")  # `SimConfig.clients`, besides None (the default for the deployment)
 
 
 @dataclass(slots=True)
@@ -107,6 +109,12 @@ class SimConfig:
     # ... and per prompt token, cached or not (JSON, chat template, tokenizing, block hashing,
     # prefix lookup); None: as above.
     request_overhead_per_token_s: float | None = None
+
+
+def check_clients(clients: str | None) -> None:
+    """Refuse a load generator other than those of `CLIENTS` (None: the deployment's default)."""
+    if clients is not None and clients not in CLIENTS:
+        raise ValueError(f"--clients must be {' or '.join(CLIENTS)}, got {clients!r}")
 
 
 def parse_topology(s: str) -> tuple[int, int]:

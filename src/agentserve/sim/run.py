@@ -22,7 +22,7 @@ import numpy as np
 from agentserve.kv.manager import cdiv
 from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
-from agentserve.sim.config import SimConfig, parse_topology
+from agentserve.sim.config import SimConfig, check_clients, parse_topology
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.memory import Topology, plan_memory
@@ -47,8 +47,7 @@ class Simulation:
     """The deployment, its router and the load generator."""
 
     def __init__(self, cfg: SimConfig, sessions: Iterable[Session]) -> None:
-        if cfg.clients not in (None, "agentx", "closed"):
-            raise ValueError(f"--clients must be agentx or closed, got {cfg.clients!r}")
+        check_clients(cfg.clients)
         if cfg.cpu_store_on not in ("fill", "evict"):
             raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
         if cfg.prefix_index not in ("precise", "approx"):
@@ -58,7 +57,7 @@ class Simulation:
                              "route with our router's own policy")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
-        self.router = Router(cfg.seed, cfg.decode_scorers)
+        self.router: Router | None = None  # the P/D picker (`_route_prefill`); aggregated: `policy`
         self.aggs: list = []
         self.prefills, self.decodes, self.p_ranks, self.d_ranks = [], [], [], []
         fixed, per_token = self._request_path(cfg, hw)
@@ -87,8 +86,9 @@ class Simulation:
         cpu_blocks = int(cfg.cpu_offload_gib * GiB / m.kv_bytes_per_token()) // cfg.block_size
         self.p_ranks = [Rank(i, pm.kv_blocks, cpu_blocks, cfg.block_size)
                         for i in range(cfg.prefill * cfg.prefill_width)]
-        if cfg.prefix_index == "approx":  # the reference picker's own records (approx_prefix.py)
-            self.router = ApproxRouter(cfg.seed, self.p_ranks, cfg.block_size, cfg.decode_scorers)
+        self.router = (ApproxRouter(cfg.seed, self.p_ranks, cfg.block_size, cfg.decode_scorers)
+                       if cfg.prefix_index == "approx"  # the reference picker's own records
+                       else Router(cfg.seed, cfg.decode_scorers))
         self.d_ranks = [Rank(i, dm.kv_blocks, 0, cfg.block_size)
                         for i in range(cfg.decode * cfg.decode_width)]
         self.pperf, self.dperf = PerfModel(m, hw, pt), PerfModel(m, hw, dt)
@@ -248,6 +248,7 @@ class Simulation:
         """Pick the prefill and the decode rank at once, as llm-d's P/D picker runs both
         profiles on arrival (the decode rank's sidecar then drives the prefill leg); the
         prompt reaches the prefill rank's queue after that leg's API server has taken it in."""
+        assert self.router is not None  # built with the P/D pools
         r = self.router.pick(self.p_ranks, req, decode=False)
         req.rank = req.p_rank = r
         req.t_route = self.clock.now
