@@ -135,6 +135,21 @@ def test_sim_clients_compares_the_load_generators(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_sim_lane_duty_rises_with_a_tighter_gap_cap(tmp_path: Path) -> None:
+    """A short c16 stage with and without AIPerf's 10 s idle-gap cap: capped lanes wait less
+    between requests, so more of their time has a request in flight; the Little's-law estimate
+    tracks the time-averaged count, and the published rows are carried through."""
+    res = _run("sim_lane_duty.py", "--concurrency", "16", "--duration", "120", "--seeds", "1",
+               "--caps", "none,10 s", out=tmp_path / "duty.json")
+    sim = {r["cap"]: r for r in res["simulated"]}
+    assert sim["10 s"]["in_flight_per_lane"] > sim["none"]["in_flight_per_lane"] > 0
+    for r in sim.values():
+        assert abs(r["lane_duty"] - r["in_flight_per_lane"]) < 0.25 * r["in_flight_per_lane"]
+    ref = next(r for r in res["published"] if r["source"].startswith("reference") and r["concurrency"] == 128)
+    assert abs(ref["lane_duty"] - (6281 / 128 * 0.0191 + 6242 / 900 / 128 * 2.18)) < 1e-9
+
+
+@pytest.mark.slow
 def test_sim_decode_locality_brackets_placement(tmp_path: Path) -> None:
     """A short stage, both decode placements: ranks drawn at random hold less of the prompt
     than the reference's picker, which sends a client back to its rank."""
