@@ -99,20 +99,27 @@ def main() -> None:
     ap.add_argument("--replay-run", type=int, default=None,
                     help="turns per replayed run (default: the simulator's REPLAY_RUN); a larger "
                     "value starts fewer cold conversations: how the TTFT tail moves ITL and output")
+    ap.add_argument("--idle-gap-cap-s", type=float, default=None,
+                    help="AIPerf's per-trace idle-gap cap (SimConfig.idle_gap_cap_s; default off)")
     a = ap.parse_args()
     if a.trends:
         return trends(a)
     seeds = range(a.seed, a.seed + a.seeds)
     with Pool(2) as pool:
         over = {} if a.replay_run is None else {"replay_run": a.replay_run}
+        if a.idle_gap_cap_s is not None:
+            over["idle_gap_cap_s"] = a.idle_gap_cap_s
         runs = pool.map(point, [(c, a.duration, sd, a.warmup, over) for c in (128, 64, 16) for sd in seeds])
     rows = [_mean([r for r in runs if r["concurrency"] == c]) for c in (16, 64, 128)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"duration": a.duration, "warmup": a.warmup, "seeds": list(seeds),
-                                      "replay_run": a.replay_run, "rows": rows,
+                                      "replay_run": a.replay_run,
+                                      "idle_gap_cap_s": a.idle_gap_cap_s, "rows": rows,
                                       "reference": REFERENCE},
                                       indent=2))
     rr = "" if a.replay_run is None else f", runs of {a.replay_run} turns"
+    if a.idle_gap_cap_s is not None:
+        rr += f", idle-gap cap {a.idle_gap_cap_s:g} s"
     t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds{rr}")
     keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out",
             "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user", "prompt_tokens_in_flight")

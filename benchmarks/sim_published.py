@@ -94,10 +94,10 @@ METRICS = ("out", "itl", "ttft", "e2e", "per_user", "restore", "dlocal")
 
 
 def run(args: tuple) -> dict:
-    name, duration, seed, prefix_index = args
+    name, duration, seed, prefix_index, idle_cap = args
     over, c, _ = POINTS[name]
     s = simulate(SimConfig(concurrency=c, duration=duration, seed=seed, prefix_index=prefix_index,
-                           **over))
+                           idle_gap_cap_s=idle_cap, **over))
     return {"name": name, "seed": seed, "out": s["output_tok_s"], "itl": s["itl_ms"]["p50"],
             "ttft": s["ttft_s"]["p50"], "e2e": s["e2e_s"]["p50"],
             "per_user": s["output_tok_s_per_user"]["mean"], "restore": s["cpu_restore_gib"],
@@ -109,12 +109,14 @@ def run(args: tuple) -> dict:
 
 def parse_args(description: str | None, out: str, points, prefix_index: bool = False
                ) -> tuple[argparse.Namespace, list[str]]:
-    """The flags every published-point script takes (`prefix_index`: and `--prefix-index`),
-    and the point names `--only` keeps."""
+    """The flags every published-point script takes (`prefix_index`: and `--prefix-index`,
+    `--idle-gap-cap-s`), and the point names `--only` keeps."""
     ap = argparse.ArgumentParser(description=description)
     if prefix_index:
         ap.add_argument("--prefix-index", choices=("precise", "approx"), default="precise",
                         help="the prefill picker's prefix view (SimConfig.prefix_index)")
+        ap.add_argument("--idle-gap-cap-s", type=float, default=None,
+                        help="AIPerf's per-trace idle-gap cap (SimConfig.idle_gap_cap_s; default off)")
     ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated substrings of point names")
@@ -125,7 +127,7 @@ def parse_args(description: str | None, out: str, points, prefix_index: bool = F
 
 def main() -> None:
     a, names = parse_args(__doc__, "benchmarks/results/sim_published.json", POINTS, prefix_index=True)
-    jobs = [(n, a.duration, sd, a.prefix_index) for n in names for sd in range(a.seeds)]
+    jobs = [(n, a.duration, sd, a.prefix_index, a.idle_gap_cap_s) for n in names for sd in range(a.seeds)]
     with Pool(2) as pool:
         runs = pool.map(run, jobs)
     rows = {}
@@ -134,9 +136,11 @@ def main() -> None:
         rows[n] = {k: sum(r[k] for r in rr) / len(rr) for k in rr[0] if k not in ("name", "seed")}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds,
-                                       "prefix_index": a.prefix_index, "rows": rows,
+                                       "prefix_index": a.prefix_index,
+                                       "idle_gap_cap_s": a.idle_gap_cap_s, "rows": rows,
                                        "published": {n: POINTS[n][2] for n in names}}, indent=2))
-    t = Table(title=f"simulated vs published, {a.duration:.0f} simulated s, {a.seeds} seed(s)")
+    cap = "" if a.idle_gap_cap_s is None else f", idle-gap cap {a.idle_gap_cap_s:g} s"
+    t = Table(title=f"simulated vs published, {a.duration:.0f} simulated s, {a.seeds} seed(s){cap}")
     for col in ("point",) + METRICS + ("TTFT p90", "prefill busy"):
         t.add_column(col, justify="right")
     for n in names:
