@@ -22,6 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from agentserve.sim.config import IDLE_GAP_CAP_S, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, simulate
 
 # SPEC.md "Reference scale", calibration run (None: not published)
@@ -99,16 +100,15 @@ def main() -> None:
     ap.add_argument("--replay-run", type=int, default=None,
                     help="turns per replayed run (default: the simulator's REPLAY_RUN); a larger "
                     "value starts fewer cold conversations: how the TTFT tail moves ITL and output")
-    ap.add_argument("--idle-gap-cap-s", type=float, default=None,
-                    help="AIPerf's per-trace idle-gap cap (SimConfig.idle_gap_cap_s; default off)")
+    ap.add_argument("--idle-gap-cap-s", type=parse_idle_gap_cap, default=IDLE_GAP_CAP_S,
+                    help="AIPerf's per-trace idle-gap cap, s or off (SimConfig.idle_gap_cap_s)")
     a = ap.parse_args()
     if a.trends:
         return trends(a)
     seeds = range(a.seed, a.seed + a.seeds)
     with Pool(2) as pool:
         over = {} if a.replay_run is None else {"replay_run": a.replay_run}
-        if a.idle_gap_cap_s is not None:
-            over["idle_gap_cap_s"] = a.idle_gap_cap_s
+        over["idle_gap_cap_s"] = a.idle_gap_cap_s
         runs = pool.map(point, [(c, a.duration, sd, a.warmup, over) for c in (128, 64, 16) for sd in seeds])
     rows = [_mean([r for r in runs if r["concurrency"] == c]) for c in (16, 64, 128)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
@@ -118,8 +118,7 @@ def main() -> None:
                                       "reference": REFERENCE},
                                       indent=2))
     rr = "" if a.replay_run is None else f", runs of {a.replay_run} turns"
-    if a.idle_gap_cap_s is not None:
-        rr += f", idle-gap cap {a.idle_gap_cap_s:g} s"
+    rr += ", no idle-gap cap" if a.idle_gap_cap_s is None else f", idle-gap cap {a.idle_gap_cap_s:g} s"
     t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds{rr}")
     keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out",
             "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user", "prompt_tokens_in_flight")

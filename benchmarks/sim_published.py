@@ -30,6 +30,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from agentserve.sim.config import IDLE_GAP_CAP_S, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, simulate
 
 FULL = {"prefill_width": 16, "decode_width": 16}
@@ -115,8 +116,8 @@ def parse_args(description: str | None, out: str, points, prefix_index: bool = F
     if prefix_index:
         ap.add_argument("--prefix-index", choices=("precise", "approx"), default="precise",
                         help="the prefill picker's prefix view (SimConfig.prefix_index)")
-        ap.add_argument("--idle-gap-cap-s", type=float, default=None,
-                        help="AIPerf's per-trace idle-gap cap (SimConfig.idle_gap_cap_s; default off)")
+        ap.add_argument("--idle-gap-cap-s", type=parse_idle_gap_cap, default=IDLE_GAP_CAP_S,
+                        help="AIPerf's per-trace idle-gap cap, s or off (SimConfig.idle_gap_cap_s)")
     ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated substrings of point names")
@@ -139,7 +140,7 @@ def main() -> None:
                                        "prefix_index": a.prefix_index,
                                        "idle_gap_cap_s": a.idle_gap_cap_s, "rows": rows,
                                        "published": {n: POINTS[n][2] for n in names}}, indent=2))
-    cap = "" if a.idle_gap_cap_s is None else f", idle-gap cap {a.idle_gap_cap_s:g} s"
+    cap = ", no idle-gap cap" if a.idle_gap_cap_s is None else f", idle-gap cap {a.idle_gap_cap_s:g} s"
     t = Table(title=f"simulated vs published, {a.duration:.0f} simulated s, {a.seeds} seed(s){cap}")
     for col in ("point",) + METRICS + ("TTFT p90", "prefill busy"):
         t.add_column(col, justify="right")

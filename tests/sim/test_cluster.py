@@ -361,13 +361,13 @@ def test_pd_pull_starts_at_a_step_and_is_seen_at_a_step_end() -> None:
     inst, seen = sim.decodes[0], []
     receive = inst.receive
 
-    def spy(req, dt, landed):
+    def spy(req, dt, landed, post=0.0):
         t0, busy = sim.clock.now, inst.busy
 
         def wrapped():
             seen.append((t0, dt, sim.clock.now, busy))
             landed()
-        receive(req, dt, wrapped)
+        receive(req, dt, wrapped, post)
     inst.receive = spy
     s = sim.run()
     assert s["requests_ok"] == 12 and len(seen) == 12
@@ -380,6 +380,25 @@ def test_pd_pull_starts_at_a_step_and_is_seen_at_a_step_end() -> None:
             assert t1 == pytest.approx(t0 + dt) or t1 in ends
     assert {b for *_, b in seen} == {True, False}  # both paths taken
     assert any(busy and t1 > t0 + dt + 1e-9 for t0, dt, t1, busy in seen)  # alignment costs time
+
+
+def test_pull_posting_holds_the_lockstep_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode rank's worker posts its pulls' descriptors on its own thread: a step that
+    starts a pull cannot end before the posting does, and the lockstep instance waits for its
+    slowest rank. With a posting cost far above the step time, decode slows and the stall is
+    counted; without one nothing is."""
+    import agentserve.sim.transfer as transfer
+
+    def run(post: float) -> tuple[dict, float]:
+        monkeypatch.setattr(transfer, "NIXL_POST_S", post)
+        sim = sim_run.Simulation(_cfg(concurrency=2), [_session(i, turns=4) for i in range(2)])
+        return sim.run(), sim.decodes[0].post_stall_s
+
+    base, stall0 = run(0.0)
+    slow, stall = run(5e-3)  # 40+ blocks x a few regions: ~1 s of posting per pull
+    assert stall0 == 0.0 and stall > 0.5
+    assert slow["requests_ok"] == base["requests_ok"] == 8
+    assert slow["e2e_s"]["p50"] > base["e2e_s"]["p50"]
 
 
 def test_warmup_excludes_requests_before_the_stage() -> None:

@@ -94,6 +94,20 @@ def test_transfer_and_restore() -> None:
     assert DEC.kv_transfer_time(100_000) == pytest.approx(moved / 4.3e9, rel=0.01)
 
 
+def test_pull_posting_counts_blocks_times_regions() -> None:
+    """The decode worker posts a descriptor per pulled block per registered KV region: GLM-5.2's
+    78 layers' latent caches, the MTP layer's and the 21 indexer-key caches (~100, vllm#55434
+    counts 101 for GLM-5.3); a partial block is one block, nothing pulled posts nothing."""
+    from agentserve.sim.transfer import NIXL_POST_S
+
+    assert DEC.kv_regions() == 78 + 1 + 21
+    assert DEC.kv_post_time(100_000, 64) == pytest.approx(1563 * 100 * NIXL_POST_S)
+    assert DEC.kv_post_time(1, 64) == pytest.approx(100 * NIXL_POST_S)
+    assert DEC.kv_post_time(0, 64) == 0.0
+    # the posting stays a small share of the pull it starts (vllm#55434: ~15% on IB rc_x)
+    assert 0.05 < DEC.kv_post_time(64_000, 64) / DEC.kv_transfer_time(64_000) < 0.2
+
+
 def test_reference_cost_method() -> None:
     """SPEC calibration: 3P1D DEP16, 431K input and 6,281 output tok/s -> $0.08 / $1.92 per M."""
     c = pool_cost(48, 16, 431_000, 6_281, 2.71)

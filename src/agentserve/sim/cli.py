@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from agentserve.cli_checks import check_flags, fail
-from agentserve.sim.config import check_clients
+from agentserve.sim.config import IDLE_GAP_CAP_S, check_clients, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
@@ -44,9 +44,9 @@ def register(app: typer.Typer) -> None:
         prefix_index: str = typer.Option("precise", help="how the prefill picker sees prefixes: "
                                          "precise (the pools' contents) or approx (llm-d's "
                                          "approximate producers, as the reference's router ran)"),
-        idle_gap_cap_s: float = typer.Option(None, help="agentx: AIPerf's per-trace idle-gap cap, "
-                                             "s: consecutive request starts of a trace at most "
-                                             "this far apart (default: off)"),
+        idle_gap_cap_s: str = typer.Option(str(IDLE_GAP_CAP_S), help="agentx: AIPerf's per-trace "
+                                           "idle-gap cap, s: consecutive request starts of a trace "
+                                           "at most this far apart; off for none"),
         warmup: float = typer.Option(None, help="closed clients: simulated seconds before the "
                                      "stage (default: 120 for xPyD on a synthesized workload, else 0)"),
         replay_run: int = typer.Option(None, help="closed clients, synthesized xPyD stages: turns a client replays "
@@ -59,8 +59,9 @@ def register(app: typer.Typer) -> None:
         check_flags(prefill_width=(prefill_width, 1), decode_width=(decode_width, 1),
                      concurrency=(concurrency, 1), cpu_offload_gib=(cpu_offload_gib, 0),
                      duration=(duration, 1), warmup=(warmup, 0), replay_run=(replay_run, 1),
-                     gap_cap_s=(gap_cap_s, 0), idle_gap_cap_s=(idle_gap_cap_s, 0))
+                     gap_cap_s=(gap_cap_s, 0))
         try:
+            idle_cap = parse_idle_gap_cap(idle_gap_cap_s)
             p, d = parse_topology(topology)
             cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
                             decode_width=decode_width, concurrency=concurrency, mtp=mtp,
@@ -68,7 +69,7 @@ def register(app: typer.Typer) -> None:
                             workload=workload, duration=duration,
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
                             replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
-                            idle_gap_cap_s=idle_gap_cap_s, prefix_index=prefix_index)
+                            idle_gap_cap_s=idle_cap, prefix_index=prefix_index)
             s = simulate(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))

@@ -77,8 +77,13 @@ class DecodeInstance(Instance):
         # waits for the next step's schedule to start its READ (`incoming`); a READ's
         # completion is seen after a step's forward (`get_finished`), and the request is
         # scheduled in the step after that (`pulling`: (done at, request, landed callback)).
-        self.incoming: list[tuple[SimRequest, float, Callable[[], None]]] = []
+        self.incoming: list[tuple[SimRequest, float, float, Callable[[], None]]] = []
         self.pulling: list[tuple[float, SimRequest, Callable[[], None]]] = []
+        # The worker that pulls posts the READ descriptors on its own thread (transfer.py,
+        # `NIXL_POST_S`): rank -> when its posting is done. A step cannot end on a rank before
+        # that, and the lockstep instance waits for its slowest rank.
+        self.post_until: dict[int, float] = {}
+        self.post_stall_s = 0.0  # step time the posting added (diagnostic)
 
     def local_prefix(self, r: Rank, req: SimRequest) -> int:
         """Prompt tokens this rank already holds (so need not be pulled); by bisection, as the
@@ -196,20 +201,25 @@ class DecodeInstance(Instance):
         self._schedule_grow(req)
 
     # -- P->D pulls --------------------------------------------------------------------------------
-    def receive(self, req: SimRequest, transfer_s: float, landed: Callable[[], None]) -> None:
-        """`req` reached the instance; its KV takes `transfer_s` to pull. `landed` runs when the
-        pull is seen done (it queues the request on its rank). An idle instance starts the
-        pull at once and sees it done when it is (its loop polls); a stepping one starts it at
-        the next step and sees it done at the end of a step."""
-        self.incoming.append((req, transfer_s, landed))
+    def receive(self, req: SimRequest, transfer_s: float, landed: Callable[[], None],
+                post_s: float = 0.0) -> None:
+        """`req` reached the instance; its KV takes `transfer_s` to pull, and its rank's worker
+        `post_s` to post the pull. `landed` runs when the pull is seen done (it queues the
+        request on its rank). An idle instance starts the pull at once and sees it done when
+        it is (its loop polls); a stepping one starts it at the next step and sees it done at
+        the end of a step."""
+        self.incoming.append((req, transfer_s, post_s, landed))
         if not self.busy:
             self._start_pulls()
 
     def _start_pulls(self) -> None:
         now = self.clock.now
-        for req, dt, landed in self.incoming:
+        for req, dt, post, landed in self.incoming:
             self.pulling.append((now + dt, req, landed))
             self.clock.at(now + dt, self._poll)
+            if post > 0 and req.d_rank is not None:
+                i = req.d_rank.idx
+                self.post_until[i] = max(now, self.post_until.get(i, now)) + post
         self.incoming = []
 
     def _poll(self) -> None:
@@ -251,6 +261,12 @@ class DecodeInstance(Instance):
             self.busy = False
             return
         dt = self.perf.decode_step_agg(loads, self.draft)
+        if self.post_until:
+            post = max(self.post_until.values()) - self.clock.now
+            self.post_until = {}  # what is left runs under this step
+            if post > dt:
+                self.post_stall_s += post - dt
+                dt = post
         if self.recompute:
             dt += self.perf.recompute_time([self.recompute.get(r.idx, []) for r in self.ranks])
             self.recompute = {}

@@ -29,9 +29,10 @@ What it does, read from AIPerf's source (`timing/strategies/agentic_replay.py`,
 
 Idle-gap caps, by AIPerf version: the first scenario versions capped each trace's idle gaps at
 60 s, some docs state 10 s, both as `--trace-idle-gap-cap-seconds` (`compress_idle_gaps`,
-`SimConfig.idle_gap_cap_s`; off by default); the versions that load the dated corpora forbid
-that cap and keep a system-wide one instead (when no request is in flight anywhere, pending
-gaps are cut to 10 s), not modelled: at the reference's concurrencies the cluster is never idle.
+`SimConfig.idle_gap_cap_s`; 10 s by default since stop 30, `config.IDLE_GAP_CAP_S`); the
+versions that load the dated corpora forbid that cap and keep a system-wide one instead (when
+no request is in flight anywhere, pending gaps are cut to 10 s), not modelled: at the
+reference's concurrencies the cluster is never idle.
 
 Not modelled either: AIPerf's flattened-agent detection (`weka_trace.md`, "Flattened-Agent
 Detection"), which splits a recorded stream whose requests do not extend one another's hash

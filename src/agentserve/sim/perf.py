@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from agentserve.sim.memory import Topology
 from agentserve.sim.specs import HardwareSpec, ModelSpec
+from agentserve.sim.transfer import TransferModel
 
 # What a calibrated cpu-local profile's `attn_prefill_s` measures: the engine's prefill over a
 # cached prefix reads the prefix in place, unmasked (engine/paged_prefix.py). A profile
@@ -75,10 +76,6 @@ MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (uncond
 # (`benchmarks/vllm_request_path.py`; a 2-core Xeon VM and the tiny checkpoint's BPE: a serving
 # host's cores differ). Until stop 29: random words at 1.4 characters a token, 23.8 ms + 3.05 us.
 VLLM_REQUEST_PATH = (0.0154, 3.96e-6)
-# NIXL's achieved rate for one P->D pull: 167 MB in 38.7 ms (6.7 ms posting 1,785 descriptors) on
-# a vLLM 3P1D NIXL deployment, vllm#50913; hardware not stated. GLM's layout needs more descriptors
-# (~100K for a 4.9 GB GLM-5.3 pull, vllm#55434): not optimistic. Until stop 25: IB line rate.
-NIXL_TRANSFER_BW = 4.3e9
 # Indexer decode kernel (DeepGEMM fp8_paged_mqa_logits) scores at most 2 query tokens of a
 # request per pass (`DG_HOST_ASSERT(next_n == 1 or next_n == 2)`); a wider MTP verify window
 # (1 + 3 drafts) is flattened to one query token per row (SGLang: "the next_n dim is 1 now"),
@@ -102,8 +99,9 @@ def mtp_tokens_per_step(accept: tuple[float, ...] = MTP_ACCEPT) -> float:
 
 
 @dataclass(slots=True)
-class PerfModel:
-    """Step times for `model` on `hw` with instance topology `topo`."""
+class PerfModel(TransferModel):
+    """Step times for `model` on `hw` with instance topology `topo`; KV transfers from
+    `TransferModel` (transfer.py)."""
 
     model: ModelSpec
     hw: HardwareSpec
@@ -382,17 +380,3 @@ class PerfModel:
             return step + interp(curve, decode_n) + m["attn_decode_s"] * (decode_ctx - decode_n * ref)
         return (step + m["step_overhead_s"] + (m["per_seq_s"] + m["tok_s"]) * decode_n
                 + m["attn_decode_s"] * decode_ctx)
-
-    # -- transfers -------------------------------------------------------------------------------
-    def kv_transfer_time(self, tokens: int) -> float:
-        """P->D KV pull of `tokens` by NIXL at its measured rate per transfer
-        (`NIXL_TRANSFER_BW`); every cache the decode side needs moves: the latent KV of each
-        layer and of the MTP layer, and the indexer's keys."""
-        m = self.model
-        per_token = (m.kv_bytes_per_token() * (m.layers + m.mtp_layers) / m.layers
-                     + m.indexer_bytes_per_token())
-        return 2 * self.eff.a2a_latency_s + tokens * per_token / NIXL_TRANSFER_BW
-
-    def cpu_restore_time(self, tokens: int) -> float:
-        """CPU -> GPU restore at the measured rate (SPEC.md: ~26 ms per GB)."""
-        return tokens * self.model.kv_bytes_per_token() / 1e9 * self.hw.cpu_restore_s_per_gb

@@ -291,7 +291,9 @@ class Simulation:
             local = inst.local_prefix(d, req)
             inst.queried_tokens += req.n_in
             inst.local_hit_tokens += local
-            inst.receive(req, self.dperf.kv_transfer_time(req.n_in - local), landed)
+            pull = req.n_in - local
+            inst.receive(req, self.dperf.kv_transfer_time(pull), landed,
+                         self.dperf.kv_post_time(pull, self.cfg.block_size))
         self._api(d, req, reach)
 
     @property
