@@ -22,6 +22,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from agentserve.sim.config import IDLE_GAP_CAP_S, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, Simulation, session_stream
 
 # SPEC.md, calibration run; requests from the guide's table (900 s profiled); None: not published
@@ -32,16 +33,18 @@ SPEC_INPUT_P50 = (47_000, 57_000)  # "median input 47K-57K" over the stage's req
 CLIENTS = ("agentx", "closed")
 
 
-def run(args: tuple[int, str, float, int]) -> dict:
-    c, clients, duration, seed = args
-    cfg = SimConfig(concurrency=c, duration=duration, seed=seed, clients=clients)
+def run(args: tuple[int, str, float, int, float | None]) -> dict:
+    c, clients, duration, seed, idle_cap = args
+    cfg = SimConfig(concurrency=c, duration=duration, seed=seed, clients=clients,
+                    idle_gap_cap_s=idle_cap)
     sim = Simulation(cfg, session_stream(cfg.workload, max(8, 2 * c), seed))
     s = sim.run()
     ins = [r.input_tokens for r in sim.records if sim.counted(r.start, r.end)]
     return {"concurrency": c, "clients": clients, "seed": seed, "requests": s["requests_ok"],
             "input_tok_s": s["input_tok_s"], "output_tok_s": s["output_tok_s"],
             "input_p50": float(np.median(ins)) if ins else 0.0,
-            "ttft_p50_s": s["ttft_s"]["p50"], "itl_p50_ms": s["itl_ms"]["p50"]}
+            "ttft_p50_s": s["ttft_s"]["p50"], "itl_p50_ms": s["itl_ms"]["p50"],
+            "in_flight_per_client": s["requests_in_flight"] / c}
 
 
 def main() -> None:
@@ -49,12 +52,15 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--concurrency", default="16,64,128", help="comma-separated, of 16, 64, 128")
+    ap.add_argument("--idle-gap-cap-s", type=parse_idle_gap_cap, default=IDLE_GAP_CAP_S,
+                    help="the replay's per-trace idle-gap cap, s or off (SimConfig.idle_gap_cap_s)")
     ap.add_argument("--out", default="benchmarks/results/sim_clients.json")
     a = ap.parse_args()
     conc = [int(c) for c in a.concurrency.split(",")]
     if not set(conc) <= set(REFERENCE):
         ap.error(f"--concurrency: the reference published 16, 64 and 128, got {a.concurrency}")
-    jobs = [(c, k, a.duration, sd) for c in conc for k in CLIENTS for sd in range(a.seeds)]
+    jobs = [(c, k, a.duration, sd, a.idle_gap_cap_s) for c in conc for k in CLIENTS
+            for sd in range(a.seeds)]
     with Pool(2) as pool:
         runs = pool.map(run, jobs)
     rows = []
@@ -65,13 +71,14 @@ def main() -> None:
                          **{m: sum(r[m] for r in rr) / len(rr) for m in rr[0]
                             if m not in ("concurrency", "clients", "seed")}})
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds, "rows": rows,
+    Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds,
+                                       "idle_gap_cap_s": a.idle_gap_cap_s, "rows": rows,
                                        "reference": REFERENCE, "spec_input_p50": SPEC_INPUT_P50},
                                       indent=2))
     t = Table(title=f"load generators on the calibration deployment, {a.duration:.0f} simulated s, "
                     f"{a.seeds} seed(s) (reference)")
     for col in ("c", "clients", "requests", "input tok/s", "input p50", "output tok/s",
-                "TTFT p50 s", "ITL p50 ms"):
+                "TTFT p50 s", "ITL p50 ms", "in flight / client"):
         t.add_column(col, justify="right")
     for r in rows:
         ref = REFERENCE[r["concurrency"]]
@@ -81,7 +88,7 @@ def main() -> None:
         t.add_row(str(r["concurrency"]), r["clients"], cell("requests", r["requests"]),
                   cell("input_tok_s", r["input_tok_s"]),
                   f"{r['input_p50'] / 1e3:.0f}K (47-57K)", cell("output_tok_s", r["output_tok_s"]),
-                  f"{r['ttft_p50_s']:.2f}", f"{r['itl_p50_ms']:.1f}")
+                  f"{r['ttft_p50_s']:.2f}", f"{r['itl_p50_ms']:.1f}", f"{r['in_flight_per_client']:.2f}")
     Console(width=160).print(t)
 
 

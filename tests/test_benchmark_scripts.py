@@ -126,12 +126,13 @@ def test_sim_published_runs(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_sim_clients_compares_the_load_generators(tmp_path: Path) -> None:
     """A short c16 stage under both load generators: the closed loop, with no think time,
-    sends more input per second than AIPerf's replay on the same corpus."""
+    sends more input per second than AIPerf's replay with the recorded think times (no
+    idle-gap cap) on the same corpus."""
     res = _run("sim_clients.py", "--concurrency", "16", "--duration", "60",
-               out=tmp_path / "clients.json")
+               "--idle-gap-cap-s", "off", out=tmp_path / "clients.json")
     rows = {r["clients"]: r for r in res["rows"]}
     assert rows["closed"]["input_tok_s"] > rows["agentx"]["input_tok_s"] > 0
-    assert res["reference"]["16"]["input_tok_s"] == 86_000
+    assert res["idle_gap_cap_s"] is None and res["reference"]["16"]["input_tok_s"] == 86_000
 
 
 @pytest.mark.slow
