@@ -11,11 +11,12 @@ it from any run's published figures:
 Medians stand in for means, so both are estimates; the script prints, for the simulator, the
 estimate beside its time-averaged requests in flight per lane, which measures the bias.
 
-The published rows are every AgentX run at hand with throughput, ITL, TTFT and request rate:
-the reference (SPEC.md's calibration table, request counts from the guide's table), and the
-ROCm ATOM project's DeepSeek-V4-Pro agentic recipe on 8 MI355X (ATOM PR 1640, the same scenario
-on the dated corpus `semianalysis_cc_traces_weka_062126`, 3,600 s stages; its vLLM rows, one
-of them from InferenceX CI run 28911223583). Nothing here sets a constant.
+The published rows are the AgentX runs at hand with throughput, ITL and TTFT: the reference
+(SPEC.md's calibration table, request counts from the guide's table); the ROCm ATOM project's
+DeepSeek-V4-Pro agentic recipe on 8 MI355X (ATOM PR 1640, the same scenario on the dated corpus
+`semianalysis_cc_traces_weka_062126`, 3,600 s stages; its vLLM rows, one of them from
+InferenceX CI run 28911223583); and InferenceX PR 2275's GLM-5.2 H200 P/D sweep (SGLang, full
+context; mean TPOT and TTFT, no request rate, so decode duty only). Nothing here sets a constant.
 
     .venv/bin/python benchmarks/sim_lane_duty.py --duration 900 --out benchmarks/results/sim_lane_duty.json
 """
@@ -43,6 +44,11 @@ PUBLISHED = [
     ("ATOM PR1640 DSv4-Pro MI355X TP8", 48, 680.4, 54.7, 1.99, 0.776),
     ("vLLM DSv4-Pro MI355X TP8, util 0.9", 48, 549.8, 89.0, 0.89, 0.658),
     ("vLLM DSv4-Pro MI355X TP8, InferenceX CI", 48, 197.6, 155.0, 1.60, 0.291),
+    # GLM-5.2 on H200, P/D (8 PCP prefill + 16 TP decode GPUs, SGLang), full context; mean TPOT
+    # in place of ITL p50, mean TTFT; request rate not published (InferenceX PR 2275)
+    ("SGLang GLM-5.2 H200 P/D, InferenceX PR 2275", 1, 45.90, 19.85, 3.59, None),
+    ("SGLang GLM-5.2 H200 P/D, InferenceX PR 2275", 2, 95.33, 21.91, 2.88, None),
+    ("SGLang GLM-5.2 H200 P/D, InferenceX PR 2275", 3, 128.95, 22.12, 3.82, None),
 ]
 CAPS = {"none": None, "60 s": 60.0, "10 s": 10.0}  # AIPerf's per-trace idle-gap cap, by version
 
