@@ -100,6 +100,27 @@ def test_idle_gap_cap_compresses_the_trace_start_timeline() -> None:
         Tree(session(), idle_cap=-1.0)
 
 
+def test_replay_caps_idle_gaps_at_10_s_unless_told_off() -> None:
+    """The replay's default is AIPerf's 10 s per-trace cap (stop 30); `off` is no cap. Two
+    calls recorded 300 s apart, the first taking 2 s: capped, their starts are 10 s apart, so
+    the second waits 8 s after the first is answered (at 1 s here); uncapped, 298 s."""
+    from agentserve.sim.config import IDLE_GAP_CAP_S, parse_idle_gap_cap
+
+    assert SimConfig().idle_gap_cap_s == IDLE_GAP_CAP_S == 10.0
+    assert parse_idle_gap_cap("off") is None and parse_idle_gap_cap("60") == 60.0
+    sent = {}
+    for cap in (SimConfig().idle_gap_cap_s, parse_idle_gap_cap("off")):
+        clock = Clock()
+        srv = _Server(clock)
+        session = Session("a", 64, [_req(0.0, 2.0), _req(300.0, 2.0)])
+        Lane(clock, srv.send, iter([Tree(session, cap)]), itertools.count(1),
+             np.random.default_rng(0)).start()
+        clock.run(1000.0)
+        sent[cap] = [t for t, *_ in srv.log]
+    assert sent[10.0] == pytest.approx([0.0, 9.0])  # answered at 1, then 10 - 2 = 8 s
+    assert sent[None] == pytest.approx([0.0, 299.0])
+
+
 def test_lane_joins_a_trace_at_a_uniform_instant_after_its_primers() -> None:
     """A lane joins at t* uniform over the trace's span: its warm-up primer is the last call
     before t*, its first pending call (t* -> first call at or after it) fires at once and the
