@@ -12,10 +12,10 @@ CLIENTS = ("agentx", "closed")  # `SimConfig.clients`, besides None (the default
 # AIPerf's per-trace idle-gap cap as some of its docs state it (`--trace-idle-gap-cap-seconds
 # 10`), the replay's default. Which rule the reference's AIPerf image applied is not known; with
 # this one the synthesized corpus's lanes hold a request in flight as much of the time as the
-# reference's and as every other published AgentX run at hand (~1, `benchmarks/sim_lane_duty.py`),
-# where uncapped they idle 26-37% of it (sim README, "Stop 30"). The synthesized think times
-# come from SPEC's study of production sessions, whose idle tail (p99 11.4 min) the replayed
-# corpus does not show.
+# reference's and every other published AgentX run at hand (~1, `benchmarks/sim_lane_duty.py`);
+# uncapped, 0.67-0.85 of the time (sim README, "Stop 30"). The synthesized think times come
+# from SPEC's study of production sessions, whose idle tail (p99 11.4 min) the replayed corpus
+# does not show.
 IDLE_GAP_CAP_S = 10.0
 
 
