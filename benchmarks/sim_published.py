@@ -108,12 +108,12 @@ def run(args: tuple) -> dict:
             "rejected": s["rejected_share"] or 0.0}
 
 
-def parse_args(description: str | None, out: str, points, prefix_index: bool = False
+def parse_args(description: str | None, out: str, points, model_flags: bool = False
                ) -> tuple[argparse.Namespace, list[str]]:
-    """The flags every published-point script takes (`prefix_index`: and `--prefix-index`,
+    """The flags every published-point script takes (`model_flags`: also `--prefix-index` and
     `--idle-gap-cap-s`), and the point names `--only` keeps."""
     ap = argparse.ArgumentParser(description=description)
-    if prefix_index:
+    if model_flags:
         ap.add_argument("--prefix-index", choices=("precise", "approx"), default="precise",
                         help="the prefill picker's prefix view (SimConfig.prefix_index)")
         ap.add_argument("--idle-gap-cap-s", type=parse_idle_gap_cap, default=IDLE_GAP_CAP_S,
@@ -127,7 +127,7 @@ def parse_args(description: str | None, out: str, points, prefix_index: bool = F
 
 
 def main() -> None:
-    a, names = parse_args(__doc__, "benchmarks/results/sim_published.json", POINTS, prefix_index=True)
+    a, names = parse_args(__doc__, "benchmarks/results/sim_published.json", POINTS, model_flags=True)
     jobs = [(n, a.duration, sd, a.prefix_index, a.idle_gap_cap_s) for n in names for sd in range(a.seeds)]
     with Pool(2) as pool:
         runs = pool.map(run, jobs)
