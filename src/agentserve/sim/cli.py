@@ -9,12 +9,12 @@ from pathlib import Path
 import typer
 
 from agentserve.cli_checks import check_flags, fail
-from agentserve.sim.config import IDLE_GAP_CAP_S, check_clients, parse_idle_gap_cap
+from agentserve.sim.config import IDLE_GAP_CAP_S, ROUTE_MISS, check_clients, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
         "gpus", "cost_per_m_input", "cost_per_m_output", "cpu_restore_gib", "prefill_gpu_hit_rate",
-        "decode_local_hit_rate", "rejected_share")
+        "captured_reuse", "decode_local_hit_rate", "rejected_share")
 
 
 def register(app: typer.Typer) -> None:
@@ -44,6 +44,10 @@ def register(app: typer.Typer) -> None:
         prefix_index: str = typer.Option("precise", help="how the prefill picker sees prefixes: "
                                          "precise (the pools' contents) or approx (llm-d's "
                                          "approximate producers, as the reference's router ran)"),
+        route_miss: float = typer.Option(ROUTE_MISS, help="xPyD: share of requests the prefill "
+                                         "picker routes on load alone, as when its prefix view "
+                                         "holds nothing for them (0: never; the default gives "
+                                         "the reference's published 96-97%% capture)"),
         idle_gap_cap_s: str = typer.Option(str(IDLE_GAP_CAP_S), help="agentx: AIPerf's per-trace "
                                            "idle-gap cap, s: consecutive request starts of a trace "
                                            "at most this far apart; off for none"),
@@ -69,7 +73,8 @@ def register(app: typer.Typer) -> None:
                             workload=workload, duration=duration,
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
                             replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
-                            idle_gap_cap_s=idle_cap, prefix_index=prefix_index)
+                            idle_gap_cap_s=idle_cap, prefix_index=prefix_index,
+                            route_miss=route_miss)
             s = simulate(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))

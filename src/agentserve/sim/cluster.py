@@ -37,6 +37,8 @@ from agentserve.workload.record import RequestRecord
 # the whole prompt unless it happens to hold it.
 PREFILL_SCORERS = {"gpu_prefix": 5.0, "prefix": 2.0, "active": 1.0}
 DECODE_SCORERS = {"active": 3.0}
+# The prefill profile without its prefix scorers: a pick on load alone (`Router.pick_blind`)
+BLIND_PREFILL_SCORERS = {k: w for k, w in PREFILL_SCORERS.items() if "prefix" not in k}
 CPU_TIER_WEIGHT = 0.8  # our router's tier weight for CPU-resident blocks (policy_router.py)
 _REF_CNT = attrgetter("ref_cnt")  # C-level attribute read for the free-hit count in `fits`
 
@@ -153,7 +155,15 @@ class Router:
     def __init__(self, seed: int, decode_scorers: dict[str, float] | None = None) -> None:
         self.prefill = build_scorers(PREFILL_SCORERS)
         self.decode = build_scorers(DECODE_SCORERS if decode_scorers is None else decode_scorers)
+        self.blind = build_scorers(BLIND_PREFILL_SCORERS)
         self.picker = MaxScorePicker(seed=seed)
+
+    def pick_blind(self, ranks: list[Rank]) -> Rank:
+        """A prefill pick on load alone, as when the picker's prefix view holds nothing for the
+        request (`SimConfig.route_miss`): the request then lands where its prefix rarely is."""
+        cands = _cands(ranks, [], 0)
+        i, _ = self.picker.pick(cands, weighted_scores(self.blind, cands))
+        return ranks[i]
 
     def pick(self, ranks: list[Rank], req: SimRequest, decode: bool) -> Rank:
         n = max(0, (req.n_in - 1) // ranks[0].pool.block_size)

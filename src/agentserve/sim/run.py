@@ -22,7 +22,7 @@ import numpy as np
 from agentserve.kv.manager import cdiv
 from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
-from agentserve.sim.config import SimConfig, check_clients, parse_topology
+from agentserve.sim.config import SimConfig, check_clients, check_route_miss, parse_topology
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.memory import Topology, plan_memory
@@ -48,6 +48,7 @@ class Simulation:
 
     def __init__(self, cfg: SimConfig, sessions: Iterable[Session]) -> None:
         check_clients(cfg.clients)
+        check_route_miss(cfg.route_miss)
         if cfg.cpu_store_on not in ("fill", "evict"):
             raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
         if cfg.prefix_index not in ("precise", "approx"):
@@ -56,6 +57,7 @@ class Simulation:
             raise ValueError("--prefix-index approx is the P/D prefill picker's; aggregated engines "
                              "route with our router's own policy")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
+        self.miss_rng = np.random.default_rng([cfg.seed, 1])  # own stream: 0 changes no other draw
         m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
         self.router: Router | None = None  # the P/D picker (`_route_prefill`); aggregated: `policy`
         self.aggs: list = []
@@ -249,7 +251,8 @@ class Simulation:
         profiles on arrival (the decode rank's sidecar then drives the prefill leg); the
         prompt reaches the prefill rank's queue after that leg's API server has taken it in."""
         assert self.router is not None  # built with the P/D pools
-        r = self.router.pick(self.p_ranks, req, decode=False)
+        miss = self.cfg.route_miss > 0 and self.miss_rng.random() < self.cfg.route_miss
+        r = self.router.pick_blind(self.p_ranks) if miss else self.router.pick(self.p_ranks, req, False)
         req.rank = req.p_rank = r
         req.t_route = self.clock.now
         r.active += 1
