@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.sim.config import IDLE_GAP_CAP_S, parse_idle_gap_cap
+from agentserve.sim.config import IDLE_GAP_CAP_S, ROUTE_MISS, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, simulate
 
 # SPEC.md "Reference scale", calibration run (None: not published)
@@ -59,7 +59,7 @@ def point(args: tuple) -> dict:
             "itl_token_mean_ms": s["itl_token_ms"]["mean"], "cost_in": s["cost_per_m_input"],
             "cost_out": s["cost_per_m_output"], "decode_busy_frac": s["decode_busy_frac"],
             "prefill_busy_frac": s["prefill_busy_frac"], "prefill_gpu_hit_rate": s["prefill_gpu_hit_rate"],
-            "mean_input": s["input_tokens"] / max(1, s["requests_ok"]),
+            "captured_reuse": s["captured_reuse"], "mean_input": s["input_tokens"] / max(1, s["requests_ok"]),
             "mean_output": s["output_tokens"] / max(1, s["requests_ok"]),
             "cpu_write_tb": s.get("cpu_write_tb"),
             "itl_p90_ms": s["itl_ms"]["p90"], "e2e_p50_s": s["e2e_s"]["p50"],
@@ -102,6 +102,8 @@ def main() -> None:
                     "value starts fewer cold conversations: how the TTFT tail moves ITL and output")
     ap.add_argument("--idle-gap-cap-s", type=parse_idle_gap_cap, default=IDLE_GAP_CAP_S,
                     help="AIPerf's per-trace idle-gap cap, s or off (SimConfig.idle_gap_cap_s)")
+    ap.add_argument("--route-miss", type=float, default=ROUTE_MISS,
+                    help="share of prefill picks made on load alone (SimConfig.route_miss)")
     a = ap.parse_args()
     if a.trends:
         return trends(a)
@@ -109,16 +111,19 @@ def main() -> None:
     with Pool(2) as pool:
         over = {} if a.replay_run is None else {"replay_run": a.replay_run}
         over["idle_gap_cap_s"] = a.idle_gap_cap_s
+        over["route_miss"] = a.route_miss
         runs = pool.map(point, [(c, a.duration, sd, a.warmup, over) for c in (128, 64, 16) for sd in seeds])
     rows = [_mean([r for r in runs if r["concurrency"] == c]) for c in (16, 64, 128)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"duration": a.duration, "warmup": a.warmup, "seeds": list(seeds),
                                       "replay_run": a.replay_run,
-                                      "idle_gap_cap_s": a.idle_gap_cap_s, "rows": rows,
+                                      "idle_gap_cap_s": a.idle_gap_cap_s,
+                                      "route_miss": a.route_miss, "rows": rows,
                                       "reference": REFERENCE},
                                       indent=2))
     rr = "" if a.replay_run is None else f", runs of {a.replay_run} turns"
     rr += ", no idle-gap cap" if a.idle_gap_cap_s is None else f", idle-gap cap {a.idle_gap_cap_s:g} s"
+    rr += f", route miss {a.route_miss:g}"
     t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds{rr}")
     keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out",
             "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user", "prompt_tokens_in_flight")
@@ -129,7 +134,7 @@ def main() -> None:
         t.add_row(str(r["concurrency"]), *[f"{r[k]:,.3g} ({_err(r[k], ref.get(k))})" for k in keys])
     Console(width=220).print(t)
     for r in rows:
-        print({k: r[k] for k in ("concurrency", "mean_input", "mean_output", "prefill_gpu_hit_rate",
+        print({k: r[k] for k in ("concurrency", "mean_input", "mean_output", "prefill_gpu_hit_rate", "captured_reuse",
                                  "decode_busy_frac", "prefill_busy_frac", "cpu_write_tb", "decode_preemptions")})
         print("  TTFT phases (mean / p50 s):", {k: (round(v["mean"], 3), round(v["p50"], 3))
                                                 for k, v in r["ttft_phases_s"].items()})

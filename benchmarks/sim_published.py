@@ -30,7 +30,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.sim.config import IDLE_GAP_CAP_S, parse_idle_gap_cap
+from agentserve.sim.config import IDLE_GAP_CAP_S, ROUTE_MISS, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, simulate
 
 FULL = {"prefill_width": 16, "decode_width": 16}
@@ -40,7 +40,9 @@ P8D16 = {"workload": "sweep-limited", "prefill": 1, "prefill_width": 8, "decode"
 # name -> (SimConfig overrides, concurrency, published figures). Keys: out (output tok/s),
 # itl (ITL p50 ms), ttft (TTFT p50 s), e2e (turn completion p50 s), per_user (end-to-end output
 # tok/s per user, mean), restore (CPU -> GPU GiB over the stage), dlocal (decode-local prefix
-# hit rate: prompt tokens a decode rank already held). Sources: blog sections "Splitting prefill
+# hit rate: prompt tokens a decode rank already held), hit (prefill GPU prefix hit rate: "GPU
+# memory supplies about 90-92% of reusable prefill prefixes across the DEP16 1P1D and 2P1D runs
+# through concurrency 128", a version of the write-up at 26398d1). Sources: blog sections "Splitting prefill
 # from decode", "Sizing prefill and decode capacity", "Speculative Decoding", "Where the
 # bottleneck moves", "Tiered prefix cache", "Routing turns back to their cache".
 POINTS: dict[str, tuple[dict, int, dict]] = {
@@ -53,19 +55,20 @@ POINTS: dict[str, tuple[dict, int, dict]] = {
     "full 2P2D c128": ({**FULL, "prefill": 2, "decode": 2}, 128,
                        {"out": 6781, "itl": 15.4, "ttft": 2.70, "per_user": 40.9, "restore": 759}),
     "lim 1P1D MTP c32": ({**LIM, "prefill": 1}, 32, {"out": 2159, "itl": 13.5, "ttft": 1.3,
-                                                    "per_user": 51.5}),
+                                                    "per_user": 51.5, "hit": 0.91}),
     "lim 1P1D MTP c64": ({**LIM, "prefill": 1}, 64, {"out": 3788, "itl": 14.7, "ttft": 1.6,
-                                                    "per_user": 45.1, "dlocal": 0.513}),
+                                                    "per_user": 45.1, "dlocal": 0.513,
+                                                    "hit": 0.91}),
     "lim 1P1D MTP c128": ({**LIM, "prefill": 1}, 128, {"out": 5647, "itl": 17.1, "ttft": 2.38,
                                                       "per_user": 35.0, "restore": 50,
-                                                      "dlocal": 0.446}),
+                                                      "dlocal": 0.446, "hit": 0.91}),
     "lim 1P1D no-MTP c32": ({**LIM, "prefill": 1, "mtp": False}, 32,
                             {"out": 1145, "itl": 28.6, "ttft": 1.1, "per_user": 28.7}),
     "lim 1P1D no-MTP c64": ({**LIM, "prefill": 1, "mtp": False}, 64,
                             {"out": 2178, "itl": 30.7, "ttft": 1.3, "per_user": 25.9}),
     "lim 1P1D no-MTP c128": ({**LIM, "prefill": 1, "mtp": False}, 128,
                              {"out": 3505, "itl": 35.1, "ttft": 1.6, "per_user": 21.6}),
-    "lim 2P1D c128": ({**LIM, "prefill": 2}, 128, {"out": 6647, "ttft": 1.59}),
+    "lim 2P1D c128": ({**LIM, "prefill": 2}, 128, {"out": 6647, "ttft": 1.59, "hit": 0.91}),
     "lim 2P1D no-MTP no-CPU c128": ({**LIM, "prefill": 2, "mtp": False, "cpu_offload_gib": 0.0},
                                     128, {"ttft": 1.26}),
     "lim P8/D16 c128": (P8D16, 128, {"out": 3233, "ttft": 20.9, "restore": 7229}),
@@ -91,14 +94,14 @@ RATIOS = [
     ("lim 1P1D MTP c128", "lim 2P1D no-MTP no-CPU c128", "out", 0.54),
 ]
 
-METRICS = ("out", "itl", "ttft", "e2e", "per_user", "restore", "dlocal")
+METRICS = ("out", "itl", "ttft", "e2e", "per_user", "restore", "dlocal", "hit")
 
 
 def run(args: tuple) -> dict:
-    name, duration, seed, prefix_index, idle_cap = args
+    name, duration, seed, prefix_index, idle_cap, route_miss = args
     over, c, _ = POINTS[name]
     s = simulate(SimConfig(concurrency=c, duration=duration, seed=seed, prefix_index=prefix_index,
-                           idle_gap_cap_s=idle_cap, **over))
+                           idle_gap_cap_s=idle_cap, route_miss=route_miss, **over))
     return {"name": name, "seed": seed, "out": s["output_tok_s"], "itl": s["itl_ms"]["p50"],
             "ttft": s["ttft_s"]["p50"], "e2e": s["e2e_s"]["p50"],
             "per_user": s["output_tok_s_per_user"]["mean"], "restore": s["cpu_restore_gib"],
@@ -110,14 +113,16 @@ def run(args: tuple) -> dict:
 
 def parse_args(description: str | None, out: str, points, model_flags: bool = False
                ) -> tuple[argparse.Namespace, list[str]]:
-    """The flags every published-point script takes (`model_flags`: also `--prefix-index` and
-    `--idle-gap-cap-s`), and the point names `--only` keeps."""
+    """The flags every published-point script takes (`model_flags`: also `--prefix-index`,
+    `--idle-gap-cap-s` and `--route-miss`), and the point names `--only` keeps."""
     ap = argparse.ArgumentParser(description=description)
     if model_flags:
         ap.add_argument("--prefix-index", choices=("precise", "approx"), default="precise",
                         help="the prefill picker's prefix view (SimConfig.prefix_index)")
         ap.add_argument("--idle-gap-cap-s", type=parse_idle_gap_cap, default=IDLE_GAP_CAP_S,
                         help="AIPerf's per-trace idle-gap cap, s or off (SimConfig.idle_gap_cap_s)")
+        ap.add_argument("--route-miss", type=float, default=ROUTE_MISS,
+                        help="share of prefill picks made on load alone (SimConfig.route_miss)")
     ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated substrings of point names")
@@ -128,7 +133,8 @@ def parse_args(description: str | None, out: str, points, model_flags: bool = Fa
 
 def main() -> None:
     a, names = parse_args(__doc__, "benchmarks/results/sim_published.json", POINTS, model_flags=True)
-    jobs = [(n, a.duration, sd, a.prefix_index, a.idle_gap_cap_s) for n in names for sd in range(a.seeds)]
+    jobs = [(n, a.duration, sd, a.prefix_index, a.idle_gap_cap_s, a.route_miss)
+            for n in names for sd in range(a.seeds)]
     with Pool(2) as pool:
         runs = pool.map(run, jobs)
     rows = {}
@@ -138,9 +144,11 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds,
                                        "prefix_index": a.prefix_index,
-                                       "idle_gap_cap_s": a.idle_gap_cap_s, "rows": rows,
+                                       "idle_gap_cap_s": a.idle_gap_cap_s,
+                                       "route_miss": a.route_miss, "rows": rows,
                                        "published": {n: POINTS[n][2] for n in names}}, indent=2))
     cap = ", no idle-gap cap" if a.idle_gap_cap_s is None else f", idle-gap cap {a.idle_gap_cap_s:g} s"
+    cap += f", route miss {a.route_miss:g}"
     t = Table(title=f"simulated vs published, {a.duration:.0f} simulated s, {a.seeds} seed(s){cap}")
     for col in ("point",) + METRICS + ("TTFT p90", "prefill busy"):
         t.add_column(col, justify="right")

@@ -121,6 +121,7 @@ def test_sim_published_runs(tmp_path: Path) -> None:
     row = res["rows"]["lim 1P1D no-MTP c32"]
     assert row["out"] > 0 and row["itl"] > 0 and row["ttft"] > 0
     assert res["published"]["lim 1P1D no-MTP c32"]["itl"] == 28.6
+    assert 0 < row["hit"] <= 1 and res["route_miss"] == 0.04
 
 
 @pytest.mark.slow
