@@ -47,7 +47,7 @@ def register(app: typer.Typer) -> None:
         route_miss: float = typer.Option(ROUTE_MISS, help="xPyD: share of requests the prefill "
                                          "picker routes on load alone, as when its prefix view "
                                          "holds nothing for them (0: never; the default gives "
-                                         "the reference's published 96-97%% capture)"),
+                                         "the reference's published 96-97% capture)"),
         idle_gap_cap_s: str = typer.Option(str(IDLE_GAP_CAP_S), help="agentx: AIPerf's per-trace "
                                            "idle-gap cap, s: consecutive request starts of a trace "
                                            "at most this far apart; off for none"),
