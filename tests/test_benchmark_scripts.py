@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from agentserve.sim.config import ROUTE_MISS
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -121,7 +123,7 @@ def test_sim_published_runs(tmp_path: Path) -> None:
     row = res["rows"]["lim 1P1D no-MTP c32"]
     assert row["out"] > 0 and row["itl"] > 0 and row["ttft"] > 0
     assert res["published"]["lim 1P1D no-MTP c32"]["itl"] == 28.6
-    assert 0 < row["hit"] <= 1 and res["route_miss"] == 0.04
+    assert 0 < row["hit"] <= 1 and res["route_miss"] == ROUTE_MISS
 
 
 @pytest.mark.slow

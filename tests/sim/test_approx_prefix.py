@@ -49,6 +49,20 @@ def test_router_follows_its_records_not_the_pools() -> None:
     assert all(r.pool.num_free_blocks == 1000 for r in ranks)  # nothing was ever cached
 
 
+def test_blind_pick_goes_by_load_and_still_records_the_head() -> None:
+    """A pick on load alone (`SimConfig.route_miss`) ignores the records: it takes the rank with
+    the fewest requests in flight though another holds the head; and, as llm-d's picker records
+    every head it routes, the next turn then scores the rank it landed on."""
+    ranks = [Rank(i, 1000, 0, 64) for i in range(3)]
+    router = ApproxRouter(0, ranks, 64)
+    home = router.pick(ranks, _req(list(range(100, 140))), decode=False)
+    idle = next(r for r in ranks if r is not home)
+    for r in ranks:
+        r.active = 0 if r is idle else 5
+    assert router.pick_blind(ranks, _req(list(range(100, 150)))) is idle
+    assert router.gpu.match(router.pos[id(idle)], list(range(100, 150))) == 50
+
+
 def test_simulation_runs_with_approximate_records() -> None:
     """With room for every head, the records send each session back to the rank holding its
     prefix, as the pools' contents would."""

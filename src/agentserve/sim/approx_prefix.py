@@ -96,7 +96,17 @@ class ApproxRouter(Router):
             cands.append(replace(c, matched_blocks=round(g * SCALE), total_blocks=SCALE,
                                  weighted_blocks=cpu * SCALE))
         i, _ = self.picker.pick(cands, weighted_scores(self.prefill, cands))
-        k = self.pos[id(ranks[i])]
+        self._record(ranks[i], hashes)
+        return ranks[i]
+
+    def pick_blind(self, ranks: list[Rank], req: SimRequest) -> Rank:
+        """A pick on load alone (`SimConfig.route_miss`); the picker still records the head it
+        routed to the rank it chose (`PreRequest`)."""
+        r = super().pick_blind(ranks, req)
+        self._record(r, req.hashes[: max(0, (req.n_in - 1) // ranks[0].pool.block_size)])
+        return r
+
+    def _record(self, r: Rank, hashes: list[int]) -> None:
+        k = self.pos[id(r)]
         self.gpu.add(k, hashes)
         self.cpu.add(k, hashes)
-        return ranks[i]

@@ -158,7 +158,7 @@ class Router:
         self.blind = build_scorers(BLIND_PREFILL_SCORERS)
         self.picker = MaxScorePicker(seed=seed)
 
-    def pick_blind(self, ranks: list[Rank]) -> Rank:
+    def pick_blind(self, ranks: list[Rank], req: SimRequest) -> Rank:
         """A prefill pick on load alone, as when the picker's prefix view holds nothing for the
         request (`SimConfig.route_miss`): the request then lands where its prefix rarely is."""
         cands = _cands(ranks, [], 0)

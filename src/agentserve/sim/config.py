@@ -22,9 +22,9 @@ IDLE_GAP_CAP_S = 10.0
 # prefix (SPEC; llm-d's GLM-5.2 write-up: 91.4% prefill hits against a 93.9% ceiling at DEP8
 # 1P1D c64, and "GPU memory supplies about 90-92%" on the DEP16 1P1D and 2P1D runs); the
 # simulator's picker, with an exact view, captured 99.8%. Why the reference's picker misses is
-# not published. 4% reproduces the published capture (0.955-0.97 on the calibration run, GPU
-# hits 0.92 on limited 1P1D c64); it was set from that statistic, not from a latency (sim
-# README, "Stop 31").
+# not published. 4% reproduces the published capture (0.957-0.960 on the calibration run, GPU
+# hits 0.913-0.925 on the four limited DEP16 points; 3 seeds); it was set from that statistic,
+# not from a latency (sim README, "Stop 31").
 ROUTE_MISS = 0.04
 
 

@@ -252,7 +252,7 @@ class Simulation:
         prompt reaches the prefill rank's queue after that leg's API server has taken it in."""
         assert self.router is not None  # built with the P/D pools
         miss = self.cfg.route_miss > 0 and self.miss_rng.random() < self.cfg.route_miss
-        r = self.router.pick_blind(self.p_ranks) if miss else self.router.pick(self.p_ranks, req, False)
+        r = self.router.pick_blind(self.p_ranks, req) if miss else self.router.pick(self.p_ranks, req, False)
         req.rank = req.p_rank = r
         req.t_route = self.clock.now
         r.active += 1
