@@ -22,6 +22,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
+from _seeds import seed_mean
+
 from agentserve.sim.config import IDLE_GAP_CAP_S, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, Simulation, session_stream
 
@@ -66,10 +68,8 @@ def main() -> None:
     rows = []
     for c in conc:
         for k in CLIENTS:
-            rr = [r for r in runs if r["concurrency"] == c and r["clients"] == k]
             rows.append({"concurrency": c, "clients": k,
-                         **{m: sum(r[m] for r in rr) / len(rr) for m in rr[0]
-                            if m not in ("concurrency", "clients", "seed")}})
+                         **seed_mean(runs, concurrency=c, clients=k)})
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds,
                                        "idle_gap_cap_s": a.idle_gap_cap_s, "rows": rows,

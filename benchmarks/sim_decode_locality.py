@@ -26,6 +26,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from _seeds import seed_mean
 from sim_published import POINTS, parse_args
 
 from agentserve.sim.run import SimConfig, simulate
@@ -55,9 +56,7 @@ def main() -> None:
     rows: dict[str, dict[str, dict]] = {}
     for n in names:
         for p in PICKERS:
-            rr = [r for r in runs if r["name"] == n and r["picker"] == p]
-            rows.setdefault(n, {})[p] = {k: sum(r[k] for r in rr) / len(rr)
-                                         for k in rr[0] if k not in ("name", "picker", "seed")}
+            rows.setdefault(n, {})[p] = seed_mean(runs, name=n, picker=p)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds, "rows": rows,
                                        "published": {n: POINTS[n][2] for n in names}}, indent=2))

@@ -31,6 +31,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from _seeds import seed_mean
+
 from agentserve.sim.run import SimConfig, simulate
 
 # (source, lanes, output tok/s, ITL p50 ms, TTFT p50 s, requests/s or None)
@@ -87,9 +89,7 @@ def main() -> None:
     sim = []
     for k in caps:
         for c in cs:
-            rs = [r for r in runs if r["cap"] == k and r["concurrency"] == c]
-            sim.append({**{f: sum(r[f] for r in rs) / len(rs) for f in rs[0] if f not in ("cap", "seed")},
-                        "concurrency": c, "cap": k})
+            sim.append({**seed_mean(runs, cap=k, concurrency=c), "concurrency": c, "cap": k})
     pub = []
     for src, c, out, itl, ttft, rps in PUBLISHED:
         dd, ld = duty(c, out, itl, ttft, rps)

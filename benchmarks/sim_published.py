@@ -30,6 +30,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from _seeds import seed_mean
+
 from agentserve.sim.config import IDLE_GAP_CAP_S, ROUTE_MISS, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, simulate
 
@@ -137,10 +139,7 @@ def main() -> None:
             for n in names for sd in range(a.seeds)]
     with Pool(2) as pool:
         runs = pool.map(run, jobs)
-    rows = {}
-    for n in names:
-        rr = [r for r in runs if r["name"] == n]
-        rows[n] = {k: sum(r[k] for r in rr) / len(rr) for k in rr[0] if k not in ("name", "seed")}
+    rows = {n: seed_mean(runs, name=n) for n in names}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"duration": a.duration, "seeds": a.seeds,
                                        "prefix_index": a.prefix_index,
