@@ -82,8 +82,8 @@ class ApproxRouter(Router):
     def pick(self, ranks: list[Rank], req: SimRequest, decode: bool) -> Rank:
         if decode:
             return super().pick(ranks, req, decode)
-        n = max(0, (req.n_in - 1) // ranks[0].pool.block_size)
-        hashes = req.hashes[:n]
+        hashes = self._prompt_hashes(ranks, req)
+        n = len(hashes)
         gh, ch = min(n, self.gpu.head), min(n, self.cpu.head)
         # the two scorers' values are their records' runs over their heads; `_cands` reads
         # matched / total for the GPU scorer and weighted / total for the GPU-or-CPU one, so
@@ -103,8 +103,13 @@ class ApproxRouter(Router):
         """A pick on load alone (`SimConfig.route_miss`); the picker still records the head it
         routed to the rank it chose (`PreRequest`)."""
         r = super().pick_blind(ranks, req)
-        self._record(r, req.hashes[: max(0, (req.n_in - 1) // ranks[0].pool.block_size)])
+        self._record(r, self._prompt_hashes(ranks, req))
         return r
+
+    @staticmethod
+    def _prompt_hashes(ranks: list[Rank], req: SimRequest) -> list[int]:
+        """The prompt's full blocks but the one holding its last token (vLLM computes that)."""
+        return req.hashes[: max(0, (req.n_in - 1) // ranks[0].pool.block_size)]
 
     def _record(self, r: Rank, hashes: list[int]) -> None:
         k = self.pos[id(r)]
