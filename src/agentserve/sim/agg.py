@@ -50,7 +50,7 @@ class AggInstance(Instance):
 
     def _hits(self, req: SimRequest) -> list:
         bs = self.rank.pool.block_size
-        hits = self.rank.pool.match_prefix(req.hashes[: max(0, (req.n_in - 1) // bs)])
+        hits = self.rank.pool.match_prefix(req.hashes[: req.head_blocks(bs)])
         if self.engine_block > bs:  # the engine reuses whole blocks of its own size only
             hits = hits[: len(hits) * bs // self.engine_block * self.engine_block // bs]
         return hits
@@ -62,7 +62,7 @@ class AggInstance(Instance):
             return None
         bs = self.rank.pool.block_size
         leader, n = None, 0
-        for h in req.hashes[hit_blocks:max(hit_blocks, (req.n_in - 1) // bs)]:
+        for h in req.hashes[hit_blocks:max(hit_blocks, req.head_blocks(bs))]:
             owner = self._owner.get(h)
             if owner is None or owner is req or (leader is not None and owner is not leader):
                 break

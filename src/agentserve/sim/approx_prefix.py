@@ -109,7 +109,7 @@ class ApproxRouter(Router):
     @staticmethod
     def _prompt_hashes(ranks: list[Rank], req: SimRequest) -> list[int]:
         """The prompt's full blocks but the one holding its last token (vLLM computes that)."""
-        return req.hashes[: max(0, (req.n_in - 1) // ranks[0].pool.block_size)]
+        return req.hashes[: req.head_blocks(ranks[0].pool.block_size)]
 
     def _record(self, r: Rank, hashes: list[int]) -> None:
         k = self.pos[id(r)]

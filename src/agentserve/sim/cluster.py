@@ -80,6 +80,11 @@ class SimRequest:
     t_dadmit: float = -1.0
     preempted: bool = False  # its decode KV was freed: re-admission recomputes it (decode.py)
 
+    def head_blocks(self, block_size: int) -> int:
+        """Full blocks of the prompt but its last token's: what a prefix lookup may match
+        (vLLM computes the last prompt token even on a full hit, to sample from it)."""
+        return max(0, (self.n_in - 1) // block_size)
+
 
 class Rank:
     """One data-parallel rank: its KV pools and queues."""
@@ -166,7 +171,7 @@ class Router:
         return ranks[i]
 
     def pick(self, ranks: list[Rank], req: SimRequest, decode: bool) -> Rank:
-        n = max(0, (req.n_in - 1) // ranks[0].pool.block_size)
+        n = req.head_blocks(ranks[0].pool.block_size)
         cands = _cands(ranks, req.hashes, n)
         i, _ = self.picker.pick(cands, weighted_scores(self.decode if decode else self.prefill,
                                                        cands))

@@ -88,7 +88,7 @@ class DecodeInstance(Instance):
     def local_prefix(self, r: Rank, req: SimRequest) -> int:
         """Prompt tokens this rank already holds (so need not be pulled); by bisection, as the
         router's view (held blocks form a prefix: a request's blocks are freed tail first)."""
-        n = max(0, (req.n_in - 1) // r.pool.block_size)
+        n = req.head_blocks(r.pool.block_size)
         return _bisect_prefix(r.pool.cached, req.hashes, 0, n) * r.pool.block_size
 
     # -- per-request bookkeeping ---------------------------------------------------------------
@@ -121,7 +121,7 @@ class DecodeInstance(Instance):
     def _admit(self, r: Rank, req: SimRequest) -> bool:
         """Prefix hits + room for the next step; draw the segment's acceptances; schedule events."""
         bs = r.pool.block_size
-        hits = r.pool.match_prefix(req.hashes[: max(0, (req.n_in - 1) // bs)])
+        hits = r.pool.match_prefix(req.hashes[: req.head_blocks(bs)])
         need = cdiv(req.n_in + req.out_done + self.q, bs) - len(hits)
         if not fits(r.pool, hits, need):
             return False

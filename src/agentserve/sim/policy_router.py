@@ -68,7 +68,7 @@ class PolicyRouter:
     def route(self, req: SimRequest, now: float) -> Rank:
         """Pick a rank for `req` and book it there (call `first_byte` and `finish`)."""
         bs = self.ranks[0].pool.block_size
-        n = max(0, (req.n_in - 1) // bs)
+        n = req.head_blocks(bs)
         session = req.rec.session_id or None
         mine = self.liveness.rate(session, now) if self.rates and session else 0.0
         window, busy, tau = self.liveness.limit_s(), self.liveness.busy, self.opts.recent_requests_s

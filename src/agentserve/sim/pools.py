@@ -101,7 +101,7 @@ class PrefillInstance(Instance):
         (restored asynchronously: blocks for it only) or the first chunk. Returns the chunk to
         run now (0 while restoring), or None when the pool is too full."""
         bs = r.pool.block_size
-        n = max(0, (req.n_in - 1) // bs)
+        n = req.head_blocks(bs)
         hits = r.pool.match_prefix(req.hashes[:n])
         g = len(hits)
         c = 0
