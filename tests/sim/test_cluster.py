@@ -477,7 +477,7 @@ def _corpus_ceiling(sessions: list[Session]) -> float:
             k = next((i for i, h in enumerate(r.hash_ids) if h not in seen), len(r.hash_ids))
             seen.update(r.hash_ids)
             tot += r.input_tokens
-            reu += min(64 * k, r.input_tokens)
+            reu += min(s.block_size * k, r.input_tokens)
     return reu / tot
 
 
