@@ -47,7 +47,10 @@ engine), not the trace the simulator is then checked against:
   prefix `chunk`;
 - `request_overhead_s`: TTFT of a 16-token prompt minus one modelled step;
   `request_overhead_per_token_s`: (TTFT of a fully cached `4 x chunk`-token prompt - TTFT
-  of 16 tokens) per prompt token - what a cached prefix still costs outside the model.
+  of 16 tokens) per prompt token - what a cached prefix still costs outside the model;
+  `request_overhead_busy_s` (server calibration): what a 16-token request takes beyond that
+  overhead, half a step and its own step while its engine decodes (the API server shares the
+  engine process with the core thread).
 
     .venv/bin/python benchmarks/sim_calibrate_cpu.py --out benchmarks/results/sim_cpu_profile.json
     .venv/bin/python benchmarks/sim_calibrate_cpu.py --through-server --out ...
@@ -227,6 +230,29 @@ async def _repeat(url: str, model: str, prompt: list[int]) -> float:
         return (await _stream(session, url, model, prompt, 1))[1][0]
 
 
+async def _probe_busy(url: str, model: str, batch: int, probes: int, rng: random.Random
+                      ) -> tuple[list[float], bool]:
+    """TTFTs of `probes` 16-token requests sent one at a time (a random 0-20 ms apart, so they
+    land anywhere in a step) while `2 x batch` 256-token streams decode; and whether every
+    stream was still decoding when the last probe's first token came."""
+    import aiohttp
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        t0 = time.perf_counter()
+        bg = [asyncio.create_task(_stream(session, url, model,
+                                          [rng.randrange(16, 4000) for _ in range(256)], 30 * probes))
+              for _ in range(2 * batch)]
+        await asyncio.sleep(1.0)  # their prefills done, every engine decoding its batch
+        ttfts = []
+        for _ in range(probes):
+            await asyncio.sleep(rng.uniform(0.0, 0.02))
+            prompt = [rng.randrange(16, 4000) for _ in range(16)]
+            ttfts.append((await _stream(session, url, model, prompt, 1))[1][0])
+        last = time.perf_counter() - t0
+        streams = await asyncio.gather(*bg)
+        return ttfts, all(times[-1] > last for _, times in streams)
+
+
 def _itl(wave: list[tuple[str, list[float]]], batch: int) -> tuple[float, float] | None:
     """(mean gap between tokens, mean output tokens so far) while each engine decodes its
     whole batch: per engine, after its last first token (its prefills done) and before its
@@ -328,6 +354,19 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     attn_p = fit_cached(t_p1, chunk, intercept + per_seq, tok, attn_c, attn_d)
     one_step = intercept + per_seq + tok * 16 + attn_c * 16 * 16 / 2
 
+    # Our engine's API server shares its process (and the GIL) with the engine-core thread, so
+    # while that thread steps, a request's own handling waits for it: probe 16-token requests
+    # while each engine decodes 4 streams. What they take beyond the idle overhead, the mean wait
+    # for the step in flight (half a step) and their own step is the busy engine's extra.
+    busy = []
+    for _ in range(reps):
+        ttfts, throughout = asyncio.run(_probe_busy(url, model, 4, 12, rng))
+        if throughout:  # each engine decoded its batch while every probe ran
+            busy.append(statistics.median(ttfts))
+    step4 = dec[4] - attn_d * 4 * (prompt - 256) + tok * 16
+    busy_extra = (max(statistics.median(busy) - (ttft[16] - one_step) - 1.5 * step4, 0.0)
+                  if busy else 0.0)
+
     m = model_spec("tiny")
     return {
         "model": "tiny", "prompt": prompt, "chunk": chunk, "source": "server",
@@ -346,6 +385,7 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         "cached_prompt_ttft_s": {str(len(long)): statistics.median(cached)},
         "request_overhead_per_token_s": max((statistics.median(cached) - ttft[16])
                                             / (len(long) - 16), 0.0),
+        "request_overhead_busy_s": busy_extra, "busy_probe_ttft_s": busy,
         "flops": 2 * chunk / (t_p0 + t_p1) * 2 * m.total_params(),
         "mem_bw": (m.total_params() * m.weight_bytes + prompt * m.kv_bytes_per_token()) / dec[1],
         "per_request_s": max(slope, 0.0),

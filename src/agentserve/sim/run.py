@@ -66,6 +66,7 @@ class Simulation:
         self.overhead = fixed if cfg.request_overhead_s is None else cfg.request_overhead_s
         self.overhead_per_token = (per_token if cfg.request_overhead_per_token_s is None
                                    else cfg.request_overhead_per_token_s)
+        self.busy_extra = float((hw.measured or {}).get("request_overhead_busy_s", 0.0))
         self.source = sessions
         # closed clients' sessions, and their run sampler (`_closed_clients`); the replay reads
         # `source` as session trees instead (`_run_agentx`)
@@ -223,10 +224,10 @@ class Simulation:
                 or cdiv(n_in + n_out + q, bs) > self.d_ranks[0].pool.num_blocks)
 
     def _route_agg(self, req: SimRequest) -> None:
-        r = self.policy.route(req, self.clock.now)
-        req.rank = r
-        r.waiting.append(req)
-        self.aggs[self.p_ranks.index(r)].kick()
+        r = req.rank = self.policy.route(req, self.clock.now)
+        join = lambda: (r.waiting.append(req), self.aggs[self.p_ranks.index(r)].kick())  # noqa: E731
+        # our engine's API server shares its process with the core thread: slower while it steps
+        self.clock.at(self.clock.now + self.busy_extra, join) if self.busy_extra and r.running else join()
 
     def _finished(self, req: SimRequest) -> None:
         self.records.append(req.rec)
