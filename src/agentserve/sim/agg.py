@@ -48,6 +48,17 @@ class AggInstance(Instance):
         self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
         self._join_base: dict[int, int] = {}  # id(parked request) -> its hit when it first parked
 
+    def arrive(self, req: SimRequest, busy_extra: float = 0.0) -> None:
+        """Queue `req` on this engine; `busy_extra` s later while the engine has requests
+        running: our engine's API server shares its process (and the GIL) with the core thread,
+        so a request's own handling waits while that thread steps (the cpu-local profile's
+        `request_overhead_busy_s`)."""
+        if busy_extra and self.rank.running:
+            self.clock.at(self.clock.now + busy_extra, lambda: self.arrive(req))
+            return
+        self.rank.waiting.append(req)
+        self.kick()
+
     def _hits(self, req: SimRequest) -> list:
         bs = self.rank.pool.block_size
         hits = self.rank.pool.match_prefix(req.hashes[: req.head_blocks(bs)])

@@ -225,9 +225,7 @@ class Simulation:
 
     def _route_agg(self, req: SimRequest) -> None:
         r = req.rank = self.policy.route(req, self.clock.now)
-        join = lambda: (r.waiting.append(req), self.aggs[self.p_ranks.index(r)].kick())  # noqa: E731
-        # our engine's API server shares its process with the core thread: slower while it steps
-        self.clock.at(self.clock.now + self.busy_extra, join) if self.busy_extra and r.running else join()
+        self.aggs[self.p_ranks.index(r)].arrive(req, self.busy_extra)
 
     def _finished(self, req: SimRequest) -> None:
         self.records.append(req.rec)
