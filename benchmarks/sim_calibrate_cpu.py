@@ -356,8 +356,9 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
 
     # Our engine's API server shares its process (and the GIL) with the engine-core thread, so
     # while that thread steps, a request's own handling waits for it: probe 16-token requests
-    # while each engine decodes 4 streams. What they take beyond the idle overhead, the mean wait
-    # for the step in flight (half a step) and their own step is the busy engine's extra.
+    # while 8 streams decode (4 an engine when the router splits them evenly; not checked here,
+    # unlike `_itl`). What they take beyond the idle overhead, the mean wait for the step in
+    # flight (half a step) and their own step is the busy engine's extra.
     busy = []
     for _ in range(reps):
         ttfts, throughout = asyncio.run(_probe_busy(url, model, 4, 12, rng))
