@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0, help="first seed")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per point (a 600 s stage's heavy-tailed "
-                    "inputs move output tok/s by ~5% from seed to seed); the table shows their mean")
+                    "inputs move output tok/s by ~5%% from seed to seed); the table shows their mean")
     ap.add_argument("--warmup", type=float, default=None, help="simulated s before the stage (None: the default)")
     ap.add_argument("--out", default="benchmarks/results/sim_calibration.json")
     ap.add_argument("--trends", action="store_true", help="run TRENDS at c64/c128 instead")
