@@ -126,6 +126,36 @@ def test_sim_published_runs(tmp_path: Path) -> None:
     assert 0 < row["hit"] <= 1 and res["route_miss"] == ROUTE_MISS
 
 
+def test_sim_published_counts_figures_in_their_bands() -> None:
+    """The band count reads the published figures a results file carries: a figure at the
+    edge of its band counts, one past it is a miss, the calibration run is not held back, and
+    unbanded figures (restored GiB) are not counted."""
+    from sim_published import band_count
+
+    rows = {"full 3P1D c16": {"out": 110.0, "ttft": 1.3},
+            "lim P8/D16 c128": {"out": 200.0, "ttft": 1.0, "restore": 1.0}}
+    published = {"full 3P1D c16": {"out": 100.0, "ttft": 1.0},
+                 "lim P8/D16 c128": {"out": 100.0, "ttft": 1.0, "restore": 100.0}}
+    c = band_count(rows, published)
+    assert (c["figures"], c["in_band"], c["held_back"], c["held_back_in_band"]) == (4, 2, 2, 1)
+    assert [(n, m) for n, m, _ in c["misses"]] == [("full 3P1D c16", "ttft"), ("lim P8/D16 c128", "out")]
+
+
+def test_sim_published_reports_a_results_file_without_simulating(tmp_path: Path) -> None:
+    doc = {"duration": 900.0, "seeds": 1, "idle_gap_cap_s": 10.0, "route_miss": ROUTE_MISS,
+           "rows": {"lim 1P1D no-MTP c32": {"out": 1145.0, "itl": 40.0, "ttft": 1.1, "e2e": 9.0,
+                                            "per_user": 28.7, "restore": 0.0, "dlocal": 0.0,
+                                            "hit": 0.9, "ttft_p90": 2.0, "prefill_busy": 0.5}},
+           "published": {"lim 1P1D no-MTP c32": {"out": 1145, "itl": 28.6, "ttft": 1.1}}}
+    f = tmp_path / "published.json"
+    f.write_text(json.dumps(doc))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "sim_published.py"), "--report", str(f)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "in band: 2 of 3 published figures" in r.stdout
+    assert "miss: lim 1P1D no-MTP c32 itl +40%" in r.stdout
+
+
 @pytest.mark.slow
 def test_sim_clients_compares_the_load_generators(tmp_path: Path) -> None:
     """A short c16 stage under both load generators: the closed loop, with no think time,
