@@ -13,7 +13,7 @@ CLIENTS = ("agentx", "closed")  # `SimConfig.clients`, besides None (the default
 # 10`), the replay's default. Which rule the reference's AIPerf image applied is not known; with
 # this one the synthesized corpus's lanes hold a request in flight as much of the time as the
 # reference's and every other published AgentX run at hand (~1, `benchmarks/sim_lane_duty.py`);
-# uncapped, 0.67-0.85 of the time (sim README, "Stop 30"). The synthesized think times come
+# uncapped, 0.67-0.85 of the time (sim NOTEBOOK.md, "Stop 30"). The synthesized think times come
 # from SPEC's study of production sessions, whose idle tail (p99 11.4 min) the replayed corpus
 # does not show.
 IDLE_GAP_CAP_S = 10.0
@@ -24,7 +24,7 @@ IDLE_GAP_CAP_S = 10.0
 # simulator's picker, with an exact view, captured 99.8%. Why the reference's picker misses is
 # not published. 4% reproduces the published capture (0.957-0.960 on the calibration run, GPU
 # hits 0.913-0.925 on the four limited DEP16 points; 3 seeds); it was set from that statistic,
-# not from a latency (sim README, "Stop 31"). With stop 32's sweep (more new input a turn):
+# not from a latency (sim NOTEBOOK.md, "Stop 31"). With stop 32's sweep (more new input a turn):
 # capture 0.949-0.961, those hits 0.897-0.904.
 ROUTE_MISS = 0.04
 

@@ -74,7 +74,7 @@ class PrefillInstance(Instance):
     # connector loads asynchronously); its chunks take blocks as they run. So a rank admits
     # more prompts than it can finish at once, and under pressure restores a prefix again after
     # preempting it (the reference's small ranks restored more tokens than they served; this
-    # alone does not reproduce that: sim/README, stop 26).
+    # alone does not reproduce that: sim/NOTEBOOK.md, stop 26).
     def _grow(self, r: Rank, req: SimRequest, upto: int) -> bool:
         """Blocks for the request's first `upto` tokens; False when the pool lacks them."""
         need = cdiv(upto, r.pool.block_size) - len(req.blocks)
