@@ -9,6 +9,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from agentserve.kv.manager import cdiv
 from agentserve.kv.pool import BlockPool
 from agentserve.sim import cli as sim_cli
 from agentserve.sim import run as sim_run
@@ -213,11 +214,12 @@ def test_decode_local_hit_rate_follows_decode_placement() -> None:
     assert hit({}) < 0.6
 
 
-def test_prefill_takes_blocks_per_chunk_and_preempts_the_newest() -> None:
-    """vLLM's scheduler on a prefill rank: a request is admitted with blocks for its first
-    chunk only, so a rank admits more than it can finish; when a running request's next chunk
-    finds the pool empty the newest running request is preempted (blocks freed, still cached;
-    back to the queue head), and it starts over with what it computed as a prefix hit."""
+def test_prefill_admits_a_prompt_only_when_all_of_it_fits() -> None:
+    """vLLM's scheduler on a prefill rank (`scheduler_reserve_full_isl`, its default): a waiting
+    prompt is admitted only when the free blocks hold all of it, not just its first chunk, so a
+    rank does not take on more than it can finish and nothing is preempted. Two 5-block prompts
+    on an 8-block rank: B's first chunk would fit beside A, but B waits until A's KV has been
+    pulled and its blocks are free; each prompt is counted once."""
     from agentserve.sim.fastpool import SimBlockPool
 
     sim = sim_run.Simulation(_cfg(prefill_width=1, decode_width=1, chunk=256,
@@ -225,24 +227,30 @@ def test_prefill_takes_blocks_per_chunk_and_preempts_the_newest() -> None:
                              [_session(i, turns=1, blocks=5) for i in range(2)])
     (rank,) = sim.p_ranks
     rank.pool, rank.cpu = SimBlockPool(8, 64), None  # room for one and a half prompts
-    s = sim.run()
     inst = sim.prefills[0]
-    # step 1: A's first 256 tokens; step 2: A's last 64 and B's first 192 (8 of 8 blocks);
-    # step 3: B's next chunk finds no block while A waits to be pulled: B preempts itself
-    assert s["requests_ok"] == 2 and inst.preemptions == 1
-    assert inst.prompt_tokens == 3 * 320  # B looked up twice
-    assert inst.hit_tokens == 192  # the second time, what it had computed was still cached
+    seen, handoff = [], inst.handoff
+
+    def spy(req) -> None:
+        seen.append(req)
+        handoff(req)
+    inst.handoff = spy
+    s = sim.run()
+    a, b = seen
+    assert s["requests_ok"] == 2 and inst.preemptions == 0 and inst.unjams == 0
+    assert b.t_admit >= a.t_arrive  # admitted only once A's blocks came back
+    assert inst.prompt_tokens == 2 * 320 and inst.hit_tokens == 0
     assert rank.pool.num_free_blocks == 8 and rank.pinned == 0  # nothing leaked
 
 
 def test_prefill_under_pressure_finishes_everything_and_leaks_no_block() -> None:
     """Random small prefill pools (room for one to one and a half of the longest prompt), chunk
-    sizes, CPU tier on or off, several clients: preemptions and restores churn, yet every request
-    finishes and at the end every prefill block is back in the free queue (none held, none
-    pinned). 40 random deployments; together they preempt (the path is exercised)."""
+    sizes, CPU tier on or off, several clients: prompts wait for room and restores come and go,
+    yet every request finishes and at the end every prefill block is back in the free queue (none
+    held, none pinned, no load outstanding). 40 random deployments; some of them restore (the
+    path is exercised)."""
     from agentserve.sim.fastpool import SimBlockPool
 
-    preempted = 0
+    restored = 0
     for seed in range(40):
         rng = np.random.default_rng(seed)
         clients = int(rng.integers(3, 8))
@@ -260,64 +268,122 @@ def test_prefill_under_pressure_finishes_everything_and_leaks_no_block() -> None
         s = sim.run()
         assert s["requests_ok"] == clients * turns and s["requests_failed"] == 0, seed
         assert rank.pool.num_free_blocks == rank.pool.num_blocks and rank.pinned == 0, seed
-        assert not rank.waiting and not rank.running, seed
+        assert not rank.waiting and not rank.running and not rank.holding, seed
+        assert not rank.loading, seed  # every load marked on the rank was seen done
         assert all(r.active == 0 for r in sim.p_ranks + sim.d_ranks), seed
-        preempted += sim.prefills[0].preemptions
-    assert preempted > 0
+        restored += sim.prefills[0].cpu_restore_bytes > 0
+    assert restored > 0
 
 
-def test_restore_takes_blocks_for_the_restored_prefix_and_registers_them_once_loaded() -> None:
-    """A prompt whose prefix only the CPU tier holds takes blocks for that part (the connector
-    loads asynchronously) and runs its chunk once the restore is done; the restored blocks join
-    the prefix map only then, so nobody hits blocks still in flight."""
+def _restore_rank(blocks: int, prompts: int, tokens: int = 300):
+    """An instance over one prefill rank of `blocks` blocks whose CPU tier holds the first 4
+    blocks of each of `prompts` prompts of `tokens` tokens, queued; (sim, rank, inst, reqs, done)."""
     from agentserve.sim.cluster import Rank, SimRequest
     from agentserve.sim.pools import PrefillInstance
     from agentserve.workload.record import RequestRecord
 
     sim = sim_run.Simulation(_cfg(), [_session(0)])
-    r = Rank(0, 16, 16, 64)
-    hashes = list(range(100, 106))
-    store_cpu(r.cpu, hashes[:4])
-    inst = PrefillInstance(sim.clock, sim.pperf, [r], 2048, lambda q: None)
-    req = SimRequest(RequestRecord("r", "s", 0, "main", start=0.0, input_tokens=384, max_tokens=1),
-                     hashes, 384, 1, lambda q: None)
-    r.waiting.append(req)
-    assert inst._plan(r) == []  # restoring: nothing to run yet
-    assert len(req.blocks) == 4 and req.computed == 256 and req.ready_at > 0
-    assert not any(h in r.pool.cached for h in hashes)
-    sim.clock.run(req.ready_at)
-    assert inst._plan(r) == [(req, 128)]  # the rest of the prompt
-    assert all(h in r.pool.cached for h in hashes[:4]) and len(req.blocks) == 6
-
-
-def test_restored_prompts_that_fill_the_pool_do_not_wedge_the_rank() -> None:
-    """Two prompts whose prefixes the CPU tier holds each take blocks for their restore (4 + 4 of
-    8): restored, the queue head needs one more block for its last tokens and none is free, and
-    nothing runs, restores or waits to be pulled. vLLM would wait forever; the simulator's bound
-    hands the second prompt's blocks back, so the head runs, then the second starts over."""
-    from agentserve.sim.cluster import Rank, SimRequest
-    from agentserve.sim.pools import PrefillInstance
-    from agentserve.workload.record import RequestRecord
-
-    sim = sim_run.Simulation(_cfg(), [_session(0)])
-    r = Rank(0, 8, 16, 64)
+    r = Rank(0, blocks, 256, 64)
     done: list[SimRequest] = []
     inst = PrefillInstance(sim.clock, sim.pperf, [r], 2048, done.append)
     reqs = []
-    for i in range(2):
-        hashes = list(range(100 * (i + 1), 100 * (i + 1) + 5))
+    for i in range(prompts):
+        hashes = list(range(100 * (i + 1), 100 * (i + 1) + cdiv(tokens, 64)))
         store_cpu(r.cpu, hashes[:4])
-        rec = RequestRecord(f"r{i}", f"s{i}", 0, "main", start=0.0, input_tokens=300, max_tokens=1)
-        reqs.append(SimRequest(rec, hashes, 300, 1, lambda q: None, rank=r))
+        rec = RequestRecord(f"r{i}", f"s{i}", 0, "main", start=0.0, input_tokens=tokens, max_tokens=1)
+        reqs.append(SimRequest(rec, hashes, tokens, 1, lambda q: None, rank=r))
         r.waiting.append(reqs[-1])
+    return sim, r, inst, reqs, done
+
+
+def test_restore_takes_blocks_for_the_restored_prefix_and_registers_them_once_loaded() -> None:
+    """A prompt whose prefix only the CPU tier holds takes blocks for that part and waits
+    among the requests holding blocks while the connector loads it (on the rank's copy stream,
+    at the restore rate); it runs its last chunk once the load is seen done, and the restored
+    blocks join the prefix map only then, so nobody hits blocks still in flight."""
+    sim, r, inst, (req,), done = _restore_rank(16, 1, tokens=384)
     inst.kick()
-    assert [len(q.blocks) for q in reqs] == [4, 4] and r.pool.num_free_blocks == 0
+    assert r.holding[0] is req and not r.running  # loading: nothing to run yet
+    assert len(req.blocks) == 4 and req.computed == 256 and set(r.loading) == set(req.hashes[:4])
+    assert req.ready_at == pytest.approx(sim.pperf.cpu_restore_time(256))
+    assert not any(h in r.pool.cached for h in req.hashes)
+    sim.clock.run(req.ready_at)  # seen at once (the idle engine polls): its last chunk runs
+    assert r.running == [req] and not r.holding and not r.loading
+    assert len(req.blocks) == cdiv(384, 64) and all(h in r.pool.cached for h in req.hashes[:4])
+    sim.clock.run(req.ready_at + 10.0)
+    assert done == [req]
+
+
+def test_loads_share_the_copy_stream_and_are_seen_a_step_late_while_the_rank_steps() -> None:
+    """Two restores admitted in one step, beside a long cold prompt: the connector issues them
+    when that step's forward ends, one after the other on the rank's copy stream. They finish
+    during the next step, whose output async scheduling reads only after planning the step
+    after it: the restored prompts run two steps later, not one. A third prompt over the same
+    CPU blocks as the first is not loaded a second time: it waits, then hits them on the GPU."""
+    from agentserve.sim.cluster import SimRequest
+    from agentserve.workload.record import RequestRecord
+
+    sim, r, inst, (a, b), done = _restore_rank(256, 2)
+    dup = SimRequest(RequestRecord("d", "sd", 0, "main", start=0.0, input_tokens=300, max_tokens=1),
+                     list(a.hashes), 300, 1, lambda q: None, rank=r)
+    cold = SimRequest(RequestRecord("c", "sc", 0, "main", start=0.0, input_tokens=6000, max_tokens=1),
+                      list(range(10**6, 10**6 + 94)), 6000, 1, lambda q: None, rank=r)
+    r.waiting.extend([dup, cold])
+    ran: dict[str, int] = {}
+    promote = inst._promote
+
+    def spy(rank, req, budget):
+        n = promote(rank, req, budget)
+        if n is not None:
+            ran[req.rec.request_id] = inst.step_no
+        return n
+    inst._promote = spy
+    inst.kick()  # step 1: a and b start loading, dup waits behind a's load, cold runs 2,048
+    assert list(r.holding) == [a, b] and list(r.waiting) == [dup] and r.running == [cold]
+    step1 = sim.pperf.prefill_step([[(2048, 0)]])
+    d = sim.pperf.cpu_restore_time(256)
+    assert a.ready_at == pytest.approx(step1 + d) and b.ready_at == pytest.approx(step1 + 2 * d)
+    sim.clock.run(30.0)
+    assert ran == {"r0": 4, "r1": 4}  # loaded during step 2, seen after step 3 was planned
+    assert dup in done and dup.restored == 0 and dup.cached == 256  # a's blocks, on the GPU
+    assert inst.cpu_restore_bytes == pytest.approx(2 * 256 * sim.pperf.model.kv_bytes_per_token())
+
+
+def test_a_second_restore_leaves_the_first_room_to_finish() -> None:
+    """Two prompts whose prefixes the CPU tier holds, on an 8-block rank: the first takes 4 blocks
+    for its restore and still needs 1 to finish; the second's 4 would leave it none, so the
+    second is not loaded (vLLM's in-flight reservation) until the first has run and been pulled.
+    Nothing is preempted and the simulator's wedge bound is never needed."""
+    sim, r, inst, reqs, done = _restore_rank(8, 2)
+    inst.kick()
+    assert [len(q.blocks) for q in reqs] == [4, 0] and list(r.waiting) == [reqs[1]]
     sim.clock.run(1.0)
-    assert done == [reqs[0]]  # the head ran once the second gave its blocks back
-    assert inst.preemptions == 1 and r.pinned == 1
-    inst.release(reqs[0])  # the decode side pulled it: the second now fits and runs
+    assert done == [reqs[0]] and r.pinned == 1 and not reqs[1].blocks
+    inst.release(reqs[0])  # the decode side pulled it: the second loads and runs
     sim.clock.run(2.0)
-    assert done == reqs and not r.waiting and not r.running
+    assert done == reqs and not r.waiting and not r.running and not r.holding
+    assert inst.preemptions == 0 and inst.unjams == 0
+
+
+def test_restored_prompts_that_fill_the_pool_do_not_wedge_the_rank() -> None:
+    """Two restored prompts hold 4 + 4 blocks of an 8-block rank and each needs one more to run:
+    nothing runs, loads or waits to be pulled. vLLM would wait forever (its reservation keeps
+    this from arising; the state is built by hand here); the simulator's bound hands the second
+    prompt's blocks back, so the first runs, then the second starts over."""
+    sim, r, inst, reqs, done = _restore_rank(8, 2)
+    for q in reqs:  # as if both had been loaded: blocks held, seen done
+        r.waiting.remove(q)
+        q.blocks = r.pool.allocate(4)
+        q.computed = q.cached = q.restored = 256
+        q.restore_from, q.ready_step = 0, 0
+        r.loading.update(dict.fromkeys(q.hashes[:4], 1))
+        r.holding.append(q)
+    inst.kick()
+    sim.clock.run(1.0)
+    assert done == [reqs[0]] and inst.unjams == 1 and r.pinned == 1
+    inst.release(reqs[0])
+    sim.clock.run(2.0)
+    assert done == reqs and not r.waiting and not r.running and not r.holding and not r.loading
 
 
 def test_a_rank_api_server_takes_prompts_one_after_another() -> None:

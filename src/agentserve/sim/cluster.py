@@ -57,8 +57,10 @@ class SimRequest:
     cached: int = 0  # prompt tokens served from cache (GPU + CPU) at prefill
     restored: int = 0  # of them, tokens restored from CPU
     out_done: int = 0
-    ready_at: float = 0.0
+    ready_at: float = 0.0  # when its CPU restore finished loading
+    ready_step: int = -1  # restoring: the first prefill step that may run it (-1: loading)
     restore_from: int = -1  # first restored block, registered in the prefix map once loaded
+    counted: bool = False  # its prompt is in the prefill pool's token counts (first admission)
     rank: Rank | None = None
     p_rank: Rank | None = None  # prefill rank, picked on arrival
     d_rank: Rank | None = None  # decode rank, picked with the prefill rank on arrival (llm-d)
@@ -95,6 +97,12 @@ class Rank:
         self.cpu: BlockPool | None = SimBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        # prefill ranks: requests holding blocks before they run (restoring from CPU, or
+        # restored), served ahead of `waiting` (vLLM's `kv_holding_waiting`); the blocks being
+        # loaded (hash -> loads); when the rank's host-to-device copy stream is next free
+        self.holding: deque[SimRequest] = deque()
+        self.loading: dict[int, int] = {}
+        self.copy_free = 0.0
         self.active = 0  # requests routed here whose response has not ended (the picker's count)
         self.api_free = 0.0  # when this rank's API server is done with the prompts it has
         self.pinned = 0  # prefilled requests whose KV the decode side has not pulled yet
@@ -148,7 +156,7 @@ def _cands(ranks: list[Rank], hashes: list[int], n: int) -> list[Candidate]:
     for r in ranks:
         g, c = r.prefix_blocks(hashes, n)
         out.append(Candidate(url=str(r.idx), matched_blocks=g, total_blocks=n,
-                             weighted_blocks=g + c, waiting=len(r.waiting),
+                             weighted_blocks=g + c, waiting=len(r.waiting) + len(r.holding),
                              running=len(r.running), kv_usage=r.pool.usage,
                              inflight=r.active))
     return out
@@ -202,11 +210,11 @@ def store_cpu(cpu: BlockPool | None, hashes: list[int]) -> int:
     return len(new)
 
 
-def fits(pool: BlockPool, hits: list[Block], need: int) -> bool:
-    """Can `need` new blocks be taken after touching `hits` (free hits leave the free queue)?
-    The scan of the hits is skipped when even all of them being free would fit, or when the
-    new blocks alone do not."""
-    free = pool.num_free_blocks
+def fits(pool: BlockPool, hits: list[Block], need: int, reserved: int = 0) -> bool:
+    """Can `need` new blocks be taken after touching `hits` (free hits leave the free queue),
+    leaving `reserved` free? The scan of the hits is skipped when even all of them being free
+    would fit, or when the new blocks alone do not."""
+    free = pool.num_free_blocks - reserved
     if need + len(hits) <= free:
         return True
     if need > free:  # fails even if no hit is free: skip the scan

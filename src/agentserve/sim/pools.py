@@ -7,6 +7,7 @@ lasts as long as `PerfModel` says its slowest rank plus the shared MoE work take
 from __future__ import annotations
 
 import abc
+import itertools
 from collections.abc import Callable
 
 from agentserve.kv.manager import cdiv
@@ -19,6 +20,10 @@ from agentserve.sim.cluster import (
     store_cpu,
 )
 from agentserve.sim.perf import PerfModel
+
+# Steps from the one a finished load is reported in to the first that may run its request:
+# vLLM's async scheduling (on by default) plans step N+1 before it reads step N's output.
+ASYNC_SCHEDULING_LAG = 2
 
 
 class Instance(abc.ABC):
@@ -53,8 +58,11 @@ class PrefillInstance(Instance):
         self.chunk, self.handoff = chunk, handoff
         self.cpu_restore_bytes = 0.0
         self.cpu_store_blocks = 0  # blocks written to the CPU tier (SPEC: ~5 TB in 24 min at c128)
-        self.hit_tokens = self.cpu_hit_tokens = self.prompt_tokens = 0
+        self.hit_tokens = self.cpu_hit_tokens = self.prompt_tokens = 0  # first admissions only
         self.preemptions = 0  # running prefills preempted for want of blocks (recomputed)
+        self.unjams = 0  # times the simulator's bound (`_unjam`) freed a wedged rank
+        self.step_no = 0  # steps planned so far (a finished load is seen by step number)
+        self._loads: list[tuple[Rank, SimRequest, float]] = []  # admitted this plan, not issued
         self.write_back = write_back
         if write_back:
             for r in ranks:
@@ -66,15 +74,20 @@ class PrefillInstance(Instance):
             self.cpu_store_blocks += store_cpu(r.cpu, [h for h, _ in evicted])
         return store
 
-    # vLLM's V1 scheduler, per rank and step: running requests first, each taking the blocks
-    # its next chunk needs (a full pool preempts the newest running request: its blocks are
-    # freed, still cached, and it goes back to the head of the queue to start over); then, if
-    # nobody was preempted, the waiting queue in order. A waiting request whose prefix the CPU
-    # tier holds takes blocks for that part only and waits for the restore (the offloading
-    # connector loads asynchronously); its chunks take blocks as they run. So a rank admits
-    # more prompts than it can finish at once, and under pressure restores a prefix again after
-    # preempting it (the reference's small ranks restored more tokens than they served; this
-    # alone does not reproduce that: sim/NOTEBOOK.md, stop 26).
+    # vLLM's V1 scheduler (0.32, `v1/core/sched/scheduler.py`) with the CPU offloading connector,
+    # per rank and step: running requests first, each taking the blocks its next chunk needs (a
+    # full pool preempts the newest running request: its blocks are freed, still cached, and it
+    # goes back to the head of the queue to start over). Then, if nobody was preempted, the
+    # requests holding KV blocks (restoring, or restored and waiting to run) ahead of the
+    # waiting queue, in order. A request is admitted only if its whole remaining prompt fits in
+    # the free blocks (`scheduler_reserve_full_isl`, on by default since vLLM #37307), not just
+    # its first chunk; the first that does not fit stops the scan. A prompt whose prefix the CPU
+    # tier holds takes blocks for that part only, and only if they fit beside what every
+    # in-flight prefill still needs (vLLM #44560's reservation); the load is issued when the
+    # step's forward ends, after the rank's earlier loads (one copy stream per direction), and
+    # is seen done at the end of the step it finishes in: one step later again under async
+    # scheduling (vLLM's default), the request may run. Two prompts never load the same block
+    # at once: the second waits for the first (the connector defers it), then hits it.
     def _grow(self, r: Rank, req: SimRequest, upto: int) -> bool:
         """Blocks for the request's first `upto` tokens; False when the pool lacks them."""
         need = cdiv(upto, r.pool.block_size) - len(req.blocks)
@@ -89,6 +102,7 @@ class PrefillInstance(Instance):
         progress: it starts over from a fresh lookup."""
         r.pool.free(list(reversed(req.blocks)))
         req.blocks, req.computed, req.cached, req.restored, req.restore_from = [], 0, 0, 0, -1
+        req.ready_step = -1
         self.preemptions += 1
 
     def _preempt(self, r: Rank, req: SimRequest) -> None:
@@ -96,10 +110,19 @@ class PrefillInstance(Instance):
         self._drop(r, req)
         r.waiting.appendleft(req)
 
+    @staticmethod
+    def _reserved(r: Rank) -> int:
+        """Blocks the rank's in-flight prefills (running, restoring, restored) still need to
+        hold their whole prompts: what a new restore must leave free."""
+        bs = r.pool.block_size
+        return sum(cdiv(q.n_in, bs) - len(q.blocks) for q in itertools.chain(r.running, r.holding))
+
     def _lookup(self, r: Rank, req: SimRequest, budget: int) -> int | None:
         """Admit a request with no blocks: GPU prefix hits, then the CPU tier's continuation
-        (restored asynchronously: blocks for it only) or the first chunk. Returns the chunk to
-        run now (0 while restoring), or None when the pool is too full."""
+        (a load: blocks for it only, the request joins `r.holding`) or the first chunk.
+        Returns the chunk to run now (0 when a load started), None when the whole prompt does
+        not fit (the scan stops) and -1 when a block it would restore is being loaded for
+        another request (it keeps its place; the scan goes on)."""
         bs = r.pool.block_size
         n = req.head_blocks(bs)
         hits = r.pool.match_prefix(req.hashes[:n])
@@ -108,11 +131,15 @@ class PrefillInstance(Instance):
         if r.cpu is not None:
             while g + c < n and req.hashes[g + c] in r.cpu.cached:
                 c += 1
-        chunk = 0 if c else min(budget, req.n_in - g * bs)
-        need = c if c else cdiv(g * bs + chunk, bs) - g
-        if not fits(r.pool, hits, need):
+        if c and any(h in r.loading for h in req.hashes[g:g + c]):
+            return -1
+        if not fits(r.pool, hits, cdiv(req.n_in, bs) - g):  # the whole prompt must fit
             return None
+        if c and not fits(r.pool, hits, c, self._reserved(r)):
+            return None
+        chunk = 0 if c else min(budget, req.n_in - g * bs)
         r.pool.touch(hits)
+        need = c if c else cdiv(g * bs + chunk, bs) - g
         if c and self.write_back:  # pinned first, as the engine does: the allocation's
             src = [r.cpu.cached[h] for h in req.hashes[g:g + c]]  # evictions are stored
             r.cpu.touch(src)  # into the tier and must not evict what this restores
@@ -123,18 +150,35 @@ class PrefillInstance(Instance):
         req.computed = req.cached = (g + c) * bs
         req.restored = c * bs
         req.t_admit = self.clock.now
-        self.hit_tokens += g * bs
-        self.cpu_hit_tokens += c * bs
-        self.prompt_tokens += req.n_in
-        if c:  # restore overlaps other ranks' work; the request waits for its bytes
+        if not req.counted:  # a prompt counts once, however often it is preempted
+            req.counted = True
+            self.hit_tokens += g * bs
+            self.cpu_hit_tokens += c * bs
+            self.prompt_tokens += req.n_in
+        if c:  # the load is issued when this step's forward ends (`_issue_loads`)
             req.restore_from = g  # its blocks are registered once loaded (vLLM delays caching)
             self.cpu_restore_bytes += c * bs * self.perf.model.kv_bytes_per_token()
-            req.ready_at = self.clock.now + self.perf.cpu_restore_time(c * bs)
-            self.clock.at(req.ready_at, self.kick)
+            for h in req.hashes[g:g + c]:
+                r.loading[h] = r.loading.get(h, 0) + 1
+            self._loads.append((r, req, self.perf.cpu_restore_time(c * bs)))
+            r.holding.append(req)
         return chunk
 
+    def _promote(self, r: Rank, req: SimRequest, budget: int) -> int | None:
+        """A restored request's next chunk, if its whole remaining prompt fits (vLLM runs it
+        through the same admission gate); None otherwise."""
+        if req.restore_from >= 0:  # restored: now its blocks can be hit
+            self._unmark(r, req)
+            cache_computed(r.pool, req, req.restore_from, req.computed // r.pool.block_size)
+            req.restore_from = -1
+        if cdiv(req.n_in, r.pool.block_size) - len(req.blocks) > r.pool.num_free_blocks:
+            return None
+        n = min(budget, req.n_in - req.computed)
+        self._grow(r, req, req.computed + n)
+        return n
+
     def _plan(self, r: Rank) -> list[tuple[SimRequest, int]]:
-        budget, out, now, preempted = self.chunk, [], self.clock.now, False
+        budget, out, preempted = self.chunk, [], False
         i = 0
         while i < len(r.running) and budget > 0:
             req = r.running[i]
@@ -151,55 +195,102 @@ class PrefillInstance(Instance):
                 i += 1
                 continue
             break
-        k = 0
-        while not preempted and k < len(r.waiting) and budget > 0:
-            req = r.waiting[k]
-            if req.ready_at > now:  # restoring from CPU: skipped, keeps its place
+        stop = preempted
+        k = 0  # requests holding blocks first: restoring ones keep their place
+        while not stop and k < len(r.holding) and budget > 0:
+            req = r.holding[k]
+            if req.ready_step < 0 or req.ready_step > self.step_no:
                 k += 1
                 continue
-            if req.restore_from >= 0:  # restored: now its blocks can be hit
-                cache_computed(r.pool, req, req.restore_from, req.computed // r.pool.block_size)
-                req.restore_from = -1
-            if req.blocks:  # restored earlier: its next chunk
-                n = min(budget, req.n_in - req.computed)
-                if not self._grow(r, req, req.computed + n):
-                    break
-            else:
-                got = self._lookup(r, req, budget)
-                if got is None:
-                    break
-                if not got:  # restoring
-                    k += 1
-                    continue
-                n = got
-            del r.waiting[k]
+            n = self._promote(r, req, budget)
+            if n is None:
+                stop = True
+                break
+            del r.holding[k]
             r.running.append(req)
             out.append((req, n))
             budget -= n
-        if not out and not r.running and r.pinned == 0 and r.waiting:
-            self._unjam(r, now)
+        k = 0
+        while not stop and k < len(r.waiting) and budget > 0:
+            req = r.waiting[k]
+            got = self._lookup(r, req, budget)
+            if got is None:
+                break
+            if got < 0:  # deferred behind another request's load of the same blocks
+                k += 1
+                continue
+            del r.waiting[k]
+            if not got:  # restoring: it joined `r.holding`
+                continue
+            r.running.append(req)
+            out.append((req, got))
+            budget -= got
+        if not out and not r.running and r.pinned == 0 and (r.waiting or r.holding):
+            self._unjam(r)
         return out
 
-    def _unjam(self, r: Rank, now: float) -> None:
-        """Nothing runs, nothing is being restored or pulled, and the queue head cannot get
-        blocks because requests behind it hold restored prefixes: vLLM would wait forever. The
-        simulator's bound: those requests give their blocks back (as a preemption would) and
-        keep their places; the head then fits, as every admitted prompt fits an empty rank."""
-        if any(q.ready_at > now for q in r.waiting):
-            return
-        held = [q for q in list(r.waiting)[1:] if q.blocks]
-        for q in held:
+    def _unjam(self, r: Rank) -> None:
+        """Nothing runs, loads or waits to be pulled, and the head of the queue cannot get its
+        blocks because restored requests hold them (vLLM's reservation makes this rare; were it
+        to happen, vLLM would wait forever). The simulator's bound: every restored request but
+        the first gives its blocks back (as a preemption would) and returns to the queue head;
+        then the rest fits, as every admitted prompt fits an empty rank."""
+        if any(q.ready_step < 0 or q.ready_step > self.step_no for q in r.holding):
+            return  # a load is in flight or not yet seen: the rank is not wedged
+        held = list(r.holding)[1:]
+        for q in reversed(held):
+            r.holding.remove(q)
+            self._unmark(r, q)
             self._drop(r, q)
+            r.waiting.appendleft(q)
         if held:
-            self.clock.at(now, self.kick)
+            self.unjams += 1
+            self.clock.at(self.clock.now, self.kick)
+
+    def _issue_loads(self, at: float) -> None:
+        """Start this plan's loads on each rank's copy stream at `at` (when the step's forward
+        ends, or now if no step runs), one after another."""
+        for r, req, d in self._loads:
+            r.copy_free = max(at, r.copy_free) + d
+            req.ready_at = r.copy_free
+            self.clock.at(r.copy_free, lambda r=r, req=req: self._loaded(r, req))
+        self._loads = []
+
+    def _loaded(self, r: Rank, req: SimRequest) -> None:
+        """A load finished: the worker reports it at the end of the step running now, which
+        async scheduling reads after planning the next; an idle engine polls at once."""
+        req.ready_step = self.step_no + (ASYNC_SCHEDULING_LAG if self.busy else 1)
+        self.kick()
+
+    @staticmethod
+    def _unmark(r: Rank, req: SimRequest) -> None:
+        """The scheduler has seen the request's load done: its blocks are no longer being
+        loaded (from now on a lookup finds them on the GPU once the request is promoted)."""
+        for h in req.hashes[req.restore_from:req.computed // r.pool.block_size]:
+            left = r.loading.pop(h) - 1
+            if left:
+                r.loading[h] = left
 
     def _step(self) -> None:
+        self.step_no += 1
         plan = [self._plan(r) for r in self.ranks]
         if not any(plan):
+            self._issue_loads(self.clock.now)
+            if any(q.ready_step > self.step_no for r in self.ranks for q in r.holding):
+                # restored requests not yet seen: the engine keeps polling with empty steps
+                # (not counted as busy time)
+                self.busy = True
+                self.clock.at(self.clock.now + self.perf.eff.step_overhead_s, self._idle_step)
+                return
             self.busy = False
             return
         dt = self.perf.prefill_step([[(n, q.computed) for q, n in p] for p in plan])
+        self._issue_loads(self.clock.now + dt)
         self._run(dt, lambda: self._done(plan))
+
+    def _idle_step(self) -> None:
+        self.busy = False
+        self._step()
 
     def _done(self, plan: list[list[tuple[SimRequest, int]]]) -> None:
         bs = self.ranks[0].pool.block_size

@@ -326,6 +326,7 @@ class Simulation:
                 "store": sum(p.cpu_store_blocks for p in ps), "prompt": sum(p.prompt_tokens for p in ps),
                 "hit": sum(p.hit_tokens for p in ps), "cpu_hit": sum(p.cpu_hit_tokens for p in ps),
                 "preempt": sum(d.preemptions for d in ds),
+                "p_preempt": sum(p.preemptions for p in ps), "unjam": sum(p.unjams for p in ps),
                 "recomp": sum(d.recomputed_tokens for d in ds),
                 "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds)}
 

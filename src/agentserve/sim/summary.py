@@ -83,9 +83,11 @@ def stage_summary(sim: Simulation) -> dict:
         "prefill_gpu_hit_rate": _share(d["hit"], d["prompt"]),
         "prefill_cpu_hit_rate": _share(d["cpu_hit"], d["prompt"]),
         "decode_local_hit_rate": _share(d["d_hit"], d["d_query"]),
-        "prefill_queue": sum(len(r.waiting) for r in sim.p_ranks),
+        "prefill_queue": sum(len(r.waiting) + len(r.holding) for r in sim.p_ranks),
         "decode_queue": sum(len(r.waiting) for r in sim.d_ranks),
         "decode_preemptions": d["preempt"],
+        "prefill_preemptions": d["p_preempt"],
+        "prefill_unjams": d["unjam"],  # the simulator's wedge bound (pools.py `_unjam`): ~never
         "decode_recomputed_tokens": d["recomp"],
         "prefill_busy_frac": d["busy_p"] / cfg.duration / cfg.prefill,
         "decode_busy_frac": d["busy_d"] / cfg.duration / cfg.decode,
