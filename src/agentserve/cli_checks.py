@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import NoReturn
 
 import typer
@@ -9,13 +10,21 @@ import typer
 POSITIVE = 1e-9  # as a minimum: the flag must be > 0 ("must be positive")
 
 
-def flag_range_error(**flags: tuple[float | None, float]) -> str | None:
-    """The message for the first flag below its minimum, else None; flags are given as
-    name=(value, minimum) and unset (None) values pass."""
-    for name, (value, low) in flags.items():
-        if value is not None and value < low:
+def flag_range_error(**flags: tuple[float | None, ...]) -> str | None:
+    """The message for the first flag out of its range, else None. Flags are given as
+    name=(value, minimum) or name=(value, minimum, maximum); unset (None) values pass, NaN
+    and infinities do not (a sweep of infinite length is a hang, not a result)."""
+    for name, (value, low, *high) in flags.items():
+        if value is None:
+            continue
+        flag = f"--{name.replace('_', '-')}"
+        if not math.isfinite(value):
+            return f"{flag} must be a finite number, got {value}"
+        if value < low:
             what = "positive" if low == POSITIVE else f">= {low:g}"
-            return f"--{name.replace('_', '-')} must be {what}, got {value:g}"
+            return f"{flag} must be {what}, got {value:g}"
+        if high and value > high[0]:
+            return f"{flag} must be <= {high[0]:g}, got {value:g}"
     return None
 
 
@@ -25,8 +34,8 @@ def fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def check_flags(**flags: tuple[float | None, float]) -> None:
-    """`fail` on the first flag below its minimum (see `flag_range_error`)."""
+def check_flags(**flags: tuple[float | None, ...]) -> None:
+    """`fail` on the first flag out of its range (see `flag_range_error`)."""
     message = flag_range_error(**flags)
     if message is not None:
         fail(message)

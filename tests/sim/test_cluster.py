@@ -96,7 +96,24 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
 
 @pytest.mark.parametrize("args, message", [
     (["sim", "--model", "nope"], "unknown model 'nope'"),
-    (["sim", "--topology", "3X1D"], "expected xPyD"),
+    (["sim", "--topology", "3X1D"], "--topology must look like 3P1D"),
+    (["sim", "--topology", "P1D"], "--topology must look like 3P1D"),
+    (["sim", "--topology", "1P1P1D"], "--topology must look like 3P1D"),
+    (["sim", "--topology", "0P1D"], "needs at least one prefill and one decode"),
+    (["sim", "--topology", "3P0D"], "needs at least one prefill and one decode"),
+    (["sim", "--topology", "100000P1D"], "at most 1024 instances"),
+    (["sim", "--topology", "1000P1000D"], "the simulator takes at most 16384"),
+    (["sim", "--duration", "nan"], "--duration must be a finite number"),
+    (["sim", "--duration", "inf"], "--duration must be a finite number"),
+    (["sim", "--duration", "1e12"], "--duration must be <= 86400"),
+    (["sim", "--warmup", "1e12"], "--warmup must be <= 86400"),
+    (["sim", "--concurrency", "1000000"], "--concurrency must be <= 10000"),
+    (["sim", "--prefill-width", "1000000"], "--prefill-width must be <= 1024"),
+    (["sim", "--cpu-offload-gib", "inf"], "--cpu-offload-gib must be a finite number"),
+    (["sim", "--cpu-offload-gib", "nan"], "--cpu-offload-gib must be a finite number"),
+    (["sim", "--gap-cap-s", "nan"], "--gap-cap-s must be a finite number"),
+    (["sim", "--seed", "-1"], "--seed must be >= 0"),
+    (["sim", "--workload", ""], "--workload is empty"),
     (["sim", "--concurrency", "-4"], "--concurrency must be >= 1"),
     (["sim", "--duration", "0"], "--duration must be >= 1"),
     (["sim", "--replay-run", "0"], "--replay-run must be >= 1"),
@@ -112,6 +129,12 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     (["plan", "--widths", "a"], "comma-separated integers"),
     (["plan", "--clients", "open"], "--clients must be agentx or closed"),
     (["plan", "--gpus", "8", "--widths", "16"], "fits 8 GPUs"),
+    (["plan", "--gpus", "1000000000000"], "--gpus must be <= 16384"),
+    (["plan", "--price", "nan"], "--price must be a finite number"),
+    (["plan", "--min-tok-s-per-user", "nan"], "--min-tok-s-per-user must be a finite number"),
+    (["plan", "--duration", "nan"], "--duration must be a finite number"),
+    (["plan", "--concurrency", "64,1000000"], "--concurrency must be <= 10000"),
+    (["plan", "--workload", ""], "--workload is empty"),
 ])
 def test_cli_bad_flags_are_one_line_errors(args: list[str], message: str) -> None:
     app = typer.Typer()
@@ -119,6 +142,65 @@ def test_cli_bad_flags_are_one_line_errors(args: list[str], message: str) -> Non
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 2 and message in res.output, res.output
     assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def _bad_traces(tmp_path) -> dict[str, tuple[object, str]]:
+    """Trace files a simulation cannot use, and what its error must say."""
+    import gzip
+
+    good = json.dumps({"id": "s", "block_size": 64, "requests": [
+        {"t": 0, "type": "n", "in": 128, "out": 8, "hash_ids": [1, 2]}]})
+    blob = gzip.compress((good + "\n").encode())
+    files = {
+        "empty.jsonl": (b"", "holds no requests"),
+        "no_requests.jsonl": (json.dumps({"id": "s", "block_size": 64, "requests": []}).encode(),
+                              "holds no requests"),
+        "trunc.jsonl.gz": (blob[: len(blob) // 2], "cannot read the trace"),
+        "notgz.jsonl.gz": (good.encode(), "cannot read the trace"),
+        "short_hashes.jsonl": (good.replace("[1, 2]", "[1]").encode(), "has 1 hash ids"),
+        "mooncake.jsonl": (json.dumps({"timestamp": 0, "input_length": 128, "output_length": 8,
+                                       "hash_ids": [1, 2]}).encode(), "is a mooncake trace"),
+    }
+    out = {}
+    for name, (data, message) in files.items():
+        (tmp_path / name).write_bytes(data)
+        out[str(tmp_path / name)] = message
+    return out
+
+
+def test_cli_bad_trace_files_are_one_line_errors_naming_the_file(tmp_path) -> None:
+    """`sim` and `plan` refuse a trace they cannot use up front, with the file's name: plan
+    before starting its sweep (a worker's error used to hang the pool)."""
+    app = typer.Typer()
+    sim_cli.register(app)
+    for path, message in _bad_traces(tmp_path).items():
+        for args in (["sim", "--model", "tiny", "--gpu", "cpu-local", "--topology", "1P1D",
+                      "--prefill-width", "1", "--decode-width", "1", "--duration", "5"],
+                     ["plan", "--model", "tiny", "--gpu", "cpu-local", "--gpus", "2",
+                      "--widths", "1", "--out", str(tmp_path / "plan")]):
+            res = CliRunner().invoke(app, args + ["--workload", path])
+            assert res.exit_code == 2 and message in res.output, (args[0], path, res.output)
+            assert path in res.output and "simulating" not in res.output
+            assert res.exception is None or isinstance(res.exception, SystemExit)
+
+
+def test_plan_refuses_an_out_path_that_is_a_file_before_it_simulates(tmp_path) -> None:
+    app = typer.Typer()
+    sim_cli.register(app)
+    f = tmp_path / "afile"
+    f.write_text("x")
+    res = CliRunner().invoke(app, ["plan", "--out", str(f)])
+    assert res.exit_code == 2 and "is a file" in res.output and "simulating" not in res.output
+
+
+def test_a_trace_error_survives_the_process_pool() -> None:
+    """plan's workers send exceptions back pickled: a TraceFormatError must rebuild."""
+    import pickle
+
+    from agentserve.workload.traces import TraceFormatError
+
+    e = pickle.loads(pickle.dumps(TraceFormatError("t.jsonl", 3, "bad")))
+    assert str(e) == "t.jsonl:3: bad" and (e.path, e.line, e.reason) == ("t.jsonl", 3, "bad")
 
 
 def test_decode_preempts_newest_when_blocks_run_out() -> None:

@@ -9,8 +9,10 @@ from pathlib import Path
 import typer
 
 from agentserve.cli_checks import check_flags, fail
-from agentserve.sim.config import IDLE_GAP_CAP_S, ROUTE_MISS, check_clients, parse_idle_gap_cap
+from agentserve.sim.config import (IDLE_GAP_CAP_S, LIMITS, ROUTE_MISS, check_clients,
+                                   parse_idle_gap_cap)
 from agentserve.sim.run import SimConfig, parse_topology, simulate
+from agentserve.sim.workload import SYNTH, load_workload
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
         "gpus", "cost_per_m_input", "cost_per_m_output", "cpu_restore_gib", "prefill_gpu_hit_rate",
@@ -60,13 +62,21 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
-        check_flags(prefill_width=(prefill_width, 1), decode_width=(decode_width, 1),
-                     concurrency=(concurrency, 1), cpu_offload_gib=(cpu_offload_gib, 0),
-                     duration=(duration, 1), warmup=(warmup, 0), replay_run=(replay_run, 1),
-                     gap_cap_s=(gap_cap_s, 0))
+        lim = LIMITS
+        check_flags(prefill_width=(prefill_width, 1, lim["width"]),
+                     decode_width=(decode_width, 1, lim["width"]),
+                     concurrency=(concurrency, 1, lim["concurrency"]),
+                     cpu_offload_gib=(cpu_offload_gib, 0, lim["cpu_offload_gib"]),
+                     duration=(duration, 1, lim["duration"]), warmup=(warmup, 0, lim["duration"]),
+                     replay_run=(replay_run, 1), gap_cap_s=(gap_cap_s, 0, lim["duration"]),
+                     seed=(seed, 0, lim["seed"]))
         try:
             idle_cap = parse_idle_gap_cap(idle_gap_cap_s)
             p, d = parse_topology(topology)
+            n_gpus = p * prefill_width + d * decode_width if p else d
+            if n_gpus > lim["gpus"]:
+                raise ValueError(f"--topology {topology} with these widths is {n_gpus} GPUs; "
+                                 f"the simulator takes at most {lim['gpus']}")
             cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
                             decode_width=decode_width, concurrency=concurrency, mtp=mtp,
                             cpu_offload_gib=cpu_offload_gib, cpu_store_on=cpu_store_on,
@@ -120,9 +130,22 @@ def register_plan(app: typer.Typer) -> None:
         except ValueError:
             fail(f"--widths and --concurrency are comma-separated integers, got {widths!r} and "
                  f"{concurrency!r}")
-        check_flags(gpus=(gpus, 1), min_tok_s_per_user=(min_tok_s_per_user, 0), price=(price, 0),
-                     concurrency=(min(ladder), 1), widths=(min(width_list), 1),
-                     workers=(workers, 1), duration=(duration, 1), warmup=(warmup, 0))
+        lim = LIMITS
+        check_flags(gpus=(gpus, 1, lim["gpus"]), min_tok_s_per_user=(min_tok_s_per_user, 0),
+                     price=(price, 0), concurrency=(min(ladder), 1),
+                     widths=(min(width_list), 1), workers=(workers, 1, 256),
+                     duration=(duration, 1, lim["duration"]), warmup=(warmup, 0, lim["duration"]),
+                     seed=(seed, 0, lim["seed"]))
+        check_flags(concurrency=(max(ladder), 1, lim["concurrency"]),
+                     widths=(max(width_list), 1, lim["width"]))
+        if out.exists() and not out.is_dir():
+            fail(f"--out {out} is a file; plan writes plan.json and frontier.png into a folder")
+        try:  # a bad path or trace fails now, not after the sweep (nor in a worker)
+            out.mkdir(parents=True, exist_ok=True)
+            if workload not in SYNTH:
+                load_workload(workload, 1, seed)
+        except (ValueError, OSError) as e:
+            fail(str(e))
         try:
             cands = pl.candidates(model, gpu, gpus, width_list)
         except ValueError as e:

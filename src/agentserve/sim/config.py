@@ -3,9 +3,10 @@ sim`'s flags, SIM-1), and the topology notation shared with `agentserve up`."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
-__all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "ROUTE_MISS", "SimConfig", "check_clients",
+__all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig", "check_clients",
            "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
 
 CLIENTS = ("agentx", "closed")  # `SimConfig.clients`, besides None (the default for the deployment)
@@ -27,6 +28,11 @@ IDLE_GAP_CAP_S = 10.0
 # not from a latency (sim NOTEBOOK.md, "Stop 31"). With stop 32's sweep (more new input a turn):
 # capture 0.949-0.961, those hits 0.897-0.904.
 ROUTE_MISS = 0.04
+# Bounds of one simulation's flags, far beyond any deployment or stage studied: they keep a typo
+# (1e12 s, a million ranks) from becoming an hour-long run or an exhausted memory.
+MAX_INSTANCES = 1024  # instances of a role in --topology
+LIMITS = {"width": 1024, "gpus": 16_384, "concurrency": 10_000, "duration": 86_400.0,
+          "cpu_offload_gib": 10_000.0, "seed": 2**32 - 1}
 
 
 @dataclass(slots=True)
@@ -160,10 +166,14 @@ def parse_idle_gap_cap(s: str) -> float | None:
 
 def parse_topology(s: str) -> tuple[int, int]:
     """"3P1D" -> (3, 1); "2" (aggregated engines, as `agentserve up`) -> (0, 2)."""
-    u = s.strip().upper()
-    if u.isdigit() and int(u) > 0:
-        return 0, int(u)
-    if not (u.endswith("D") and "P" in u):
-        raise ValueError(f"topology {s!r}: expected xPyD, e.g. 3P1D")
-    p, d = u[:-1].split("P")
-    return int(p), int(d)
+    m = re.fullmatch(r"(\d+)P(\d+)D|(\d+)", s.strip().upper())
+    if m is None:
+        raise ValueError(f"--topology must look like 3P1D (x prefill, y decode instances) or N "
+                         f"(N aggregated engines), got {s!r}")
+    p, d = (0, int(m[3])) if m[3] else (int(m[1]), int(m[2]))
+    if d < 1 or (m[3] is None and p < 1):
+        raise ValueError(f"--topology {s!r}: needs at least one prefill and one decode instance, "
+                         "or N >= 1 aggregated engines")
+    if max(p, d) > MAX_INSTANCES:
+        raise ValueError(f"--topology {s!r}: at most {MAX_INSTANCES} instances of a role")
+    return p, d

@@ -6,6 +6,8 @@ clients of a synthesized sweep stage draw from (see `RunSampler`).
 from __future__ import annotations
 
 import itertools
+import json
+import zlib
 from collections.abc import Iterator
 
 import numpy as np
@@ -69,9 +71,50 @@ def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
         if name == "sweep-limited":
             out = [s for s in out if _peak(s) <= LIMITED_CONTEXT]
         return out
-    from agentserve.workload.traces import load_sessions
+    return _load_trace(name)
 
-    return load_sessions(name).sessions
+
+def _load_trace(name: str) -> list[Session]:
+    """A Weka session trace's sessions, checked for what a simulation needs: at least one
+    request, and a hash id for every full block of each prompt. Errors name the file."""
+    from agentserve.workload.traces import TraceFormatError, load_sessions
+
+    if not name.strip():
+        raise ValueError("--workload is empty: give sweep-full, sweep-limited or a trace FILE")
+    try:
+        sessions = load_sessions(name).sessions
+    except TraceFormatError:
+        if _looks_mooncake(name):
+            raise ValueError(f"{name} is a mooncake trace; the simulator replays Weka sessions: "
+                             "convert it first (agentserve trace convert)") from None
+        raise
+    except (EOFError, OSError, zlib.error) as e:  # a truncated or mislabelled gzip, unreadable
+        raise ValueError(f"{name}: cannot read the trace: {e or type(e).__name__}") from None
+    n = 0
+    for s in sessions:
+        for it in s.items:
+            for r in ([it] if isinstance(it, TraceRequest) else it.requests):
+                n += 1
+                if len(r.hash_ids) < r.input_tokens // s.block_size:
+                    raise ValueError(f"{name}: session {s.id}: a request of {r.input_tokens} input "
+                                     f"tokens has {len(r.hash_ids)} hash ids; at block size "
+                                     f"{s.block_size} it needs {r.input_tokens // s.block_size}")
+    if not n:
+        raise ValueError(f"{name}: the trace holds no requests")
+    return sessions
+
+
+def _looks_mooncake(name: str) -> bool:
+    """Is the file's first line a mooncake_trace record (hash ids, no session id)?"""
+    from agentserve.workload.traces import iter_lines
+
+    try:
+        for _, _, text in iter_lines(name):
+            d = json.loads(text)
+            return isinstance(d, dict) and "hash_ids" in d and "id" not in d
+    except (ValueError, OSError, EOFError, zlib.error):
+        return False
+    return False
 
 
 def session_stream(name: str, batch: int, seed: int) -> Iterator[Session]:

@@ -38,6 +38,9 @@ class TraceFormatError(ValueError):
         self.path, self.line, self.reason = str(path), line, reason
         super().__init__(f"{path}:{line}: {reason}")
 
+    def __reduce__(self):  # rebuilt from its fields: it crosses process pools (`plan`'s workers)
+        return (type(self), (self.path, self.line, self.reason))
+
 
 @dataclass(slots=True)
 class LoadResult:
