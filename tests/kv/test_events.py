@@ -120,21 +120,26 @@ def test_publish_never_blocks_and_drops_oldest(monkeypatch):
     import threading
 
     from agentserve.kv import events as ev_mod
+    from agentserve.kv import zmq_events as zmq_mod
 
-    gate, real = threading.Event(), ev_mod.encode_event_batch
+    gate, taken, real = threading.Event(), threading.Event(), ev_mod.encode_event_batch
 
     def stalled(batch):  # the sender thread blocks here, as on a stuck network
+        taken.set()
         gate.wait(5)
         return real(batch)
 
-    monkeypatch.setattr(ev_mod, "encode_event_batch", stalled)
+    # the sender thread calls zmq_events' own name for the encoder (patching events' did
+    # nothing: the test passed only while the burst outran the thread's 0.1 s wake-ups)
+    monkeypatch.setattr(zmq_mod, "encode_event_batch", stalled)
     pub = KVEventPublisher("tcp://*:0", max_queue=3)
     try:
         t = time.monotonic()
         for i in range(20):
             pub.publish([AllBlocksCleared()], ts=float(i))
-            if i == 0:
-                time.sleep(0.3)  # let the thread take batch 0 and stall on it
+            if i == 0:  # let the thread take batch 0 and stall on it (a wait, not a sleep:
+                assert taken.wait(5)  # on a loaded machine 0.3 s was not always enough)
+                t = time.monotonic()
         assert time.monotonic() - t < 1.5, "publish() blocked the caller"
         assert pub.dropped == 20 - 1 - 3
     finally:
