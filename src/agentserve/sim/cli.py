@@ -140,15 +140,11 @@ def register_plan(app: typer.Typer) -> None:
                      widths=(max(width_list), 1, lim["width"]))
         if out.exists() and not out.is_dir():
             fail(f"--out {out} is a file; plan writes plan.json and frontier.png into a folder")
-        try:  # a bad path or trace fails now, not after the sweep (nor in a worker)
-            out.mkdir(parents=True, exist_ok=True)
+        try:  # a bad trace fails now, not after the sweep (nor in a worker)
             if workload not in SYNTH:
                 load_workload(workload, 1, seed)
-        except (ValueError, OSError) as e:
-            fail(str(e))
-        try:
             cands = pl.candidates(model, gpu, gpus, width_list)
-        except ValueError as e:
+        except (ValueError, OSError) as e:
             fail(str(e))
         if not cands:
             fail(f"no xPyD configuration of DEP{'/'.join(map(str, width_list))} instances fits "
@@ -156,7 +152,8 @@ def register_plan(app: typer.Typer) -> None:
         dur, warm = (600.0, 120.0) if long else (duration, warmup)
         try:  # before the workers start, not in each of them
             check_clients(clients)
-        except ValueError as e:
+            out.mkdir(parents=True, exist_ok=True)  # an unwritable --out fails before the sweep
+        except (ValueError, OSError) as e:
             fail(str(e))
         lead = f"{warm:g} s warm-up" if clients == "closed" else "the replay's primers"
         typer.echo(f"simulating {len(cands)} configurations x {len(ladder)} concurrencies, "

@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig", "check_clients",
-           "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
+__all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig",
+           "check_clients", "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
 
 CLIENTS = ("agentx", "closed")  # `SimConfig.clients`, besides None (the default for the deployment)
 # AIPerf's per-trace idle-gap cap as some of its docs state it (`--trace-idle-gap-cap-seconds
