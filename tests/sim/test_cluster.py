@@ -733,7 +733,10 @@ def test_cpu_write_back_holds_what_the_device_dropped() -> None:
     the device holds mirrors the device's newest blocks and has lost the evicted ones; write-
     back (the engine's `--kv-store-on evict`) stores the blocks the device evicts, and the
     first prompt's evicted half comes back from the CPU tier instead of being recomputed."""
-    assert _prefill_once(write_back=False) == (20, 0, 40 + 40 + 20)
+    # write-through: 40 + 40 as computed, then the third request's 20 computed blocks and its
+    # 20 GPU hits, which the tier had lost and vLLM's connector offers again (it stores a
+    # request that restored nothing from block 0)
+    assert _prefill_once(write_back=False) == (20, 0, 40 + 40 + 20 + 20)
     assert _prefill_once(write_back=True) == (20, 19, 20 + 20)
     with pytest.raises(ValueError, match="fill or evict"):
         sim_run.Simulation(_cfg(cpu_store_on="lru"), [_session(0)])

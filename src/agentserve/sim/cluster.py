@@ -210,6 +210,13 @@ def store_cpu(cpu: BlockPool | None, hashes: list[int]) -> int:
     return len(new)
 
 
+def refresh_cpu(cpu: BlockPool, hashes: list[int]) -> None:
+    """Move the blocks of `hashes` the CPU pool holds to its LRU's newest end; write nothing."""
+    old = [cpu.cached[h] for h in hashes if h in cpu.cached]
+    cpu.touch(old)
+    cpu.free(old)
+
+
 def fits(pool: BlockPool, hits: list[Block], need: int, reserved: int = 0) -> bool:
     """Can `need` new blocks be taken after touching `hits` (free hits leave the free queue),
     leaving `reserved` free? The scan of the hits is skipped when even all of them being free

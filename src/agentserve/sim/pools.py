@@ -17,6 +17,7 @@ from agentserve.sim.cluster import (
     SimRequest,
     cache_computed,
     fits,
+    refresh_cpu,
     store_cpu,
 )
 from agentserve.sim.perf import PerfModel
@@ -303,12 +304,29 @@ class PrefillInstance(Instance):
                 if not self.write_back:
                     self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[before:full])
                 if req.computed >= req.n_in:
+                    if not self.write_back:
+                        self._offer_cpu(r, req, bs)
                     r.running.remove(req)
                     r.pinned += 1  # held until the decode side has pulled it
                     req.t_pdone = self.clock.now
                     self.handoff(req)
         self.busy = False
         self._step()
+
+    def _offer_cpu(self, r: Rank, req: SimRequest, bs: int) -> None:
+        """What vLLM's offloading connector does with a prefilled request's prefix besides
+        storing the blocks it computed: a request that restored nothing offers its GPU hits
+        too, so those the CPU tier has lost are written back; one that restored refreshes the
+        restored blocks' place in the tier's LRU (vLLM 0.32 `offloading/scheduler.py`, stores
+        from the end of the loaded hit, else from block 0; `kv_offload/cpu/manager.py`
+        refreshes a request's blocks when it finishes)."""
+        if r.cpu is None:
+            return
+        hit = req.cached // bs
+        if req.restored:
+            refresh_cpu(r.cpu, req.hashes[hit - req.restored // bs:hit])
+        elif hit:
+            self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[:hit])
 
     def release(self, req: SimRequest) -> None:
         """After the decode side pulled the KV: free the prefill blocks into the LRU."""
