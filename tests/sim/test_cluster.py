@@ -431,6 +431,31 @@ def test_loads_share_the_copy_stream_and_are_seen_a_step_late_while_the_rank_ste
     assert inst.cpu_restore_bytes == pytest.approx(2 * 256 * sim.pperf.model.kv_bytes_per_token())
 
 
+def test_a_restored_prefix_is_refreshed_in_the_cpu_tier_when_its_request_finishes() -> None:
+    """vLLM's CPU tier moves the blocks a request loaded to the new end of its LRU when the
+    request finishes, so the next stores evict older blocks first: prompt X restored from a
+    9-block tier that also holds Y, then 4 new blocks are stored: Y goes, X stays."""
+    from agentserve.sim.cluster import Rank, SimRequest
+    from agentserve.sim.pools import PrefillInstance
+    from agentserve.workload.record import RequestRecord
+
+    sim = sim_run.Simulation(_cfg(), [_session(0)])
+    r = Rank(0, 16, 9, 64)
+    x, y, z = list(range(100, 105)), list(range(200, 204)), list(range(300, 304))
+    store_cpu(r.cpu, x[:4])
+    store_cpu(r.cpu, y)  # the tier: X (older), Y, one block free
+    done: list[SimRequest] = []
+    inst = PrefillInstance(sim.clock, sim.pperf, [r], 2048, done.append)
+    req = SimRequest(RequestRecord("a", "s", 0, "main", start=0.0, input_tokens=320, max_tokens=1),
+                     x, 320, 1, lambda q: None, rank=r)
+    r.waiting.append(req)
+    inst.kick()
+    sim.clock.run(10.0)
+    assert done == [req] and req.restored == 256
+    store_cpu(r.cpu, z)
+    assert all(h in r.cpu.cached for h in x) and not any(h in r.cpu.cached for h in y)
+
+
 def test_a_second_restore_leaves_the_first_room_to_finish() -> None:
     """Two prompts whose prefixes the CPU tier holds, on an 8-block rank: the first takes 4 blocks
     for its restore and still needs 1 to finish; the second's 4 would leave it none, so the
