@@ -267,6 +267,8 @@ class PrefillInstance(Instance):
     def _unmark(r: Rank, req: SimRequest) -> None:
         """The scheduler has seen the request's load done: its blocks are no longer being
         loaded (from now on a lookup finds them on the GPU once the request is promoted)."""
+        if req.restore_from < 0:  # already unmarked at an earlier promotion attempt
+            return
         for h in req.hashes[req.restore_from:req.computed // r.pool.block_size]:
             left = r.loading.pop(h) - 1
             if left:
