@@ -198,9 +198,7 @@ def store_cpu(cpu: BlockPool | None, hashes: list[int]) -> int:
     if cpu is None or not hashes:
         return 0
     new = [h for h in hashes if h not in cpu.cached]
-    old = [cpu.cached[h] for h in hashes if h in cpu.cached]
-    cpu.touch(old)
-    cpu.free(old)  # to the LRU tail
+    refresh_cpu(cpu, hashes)  # the ones it holds, to the LRU tail
     new = new[: cpu.num_free_blocks]
     if new:
         blocks = cpu.allocate(len(new))
