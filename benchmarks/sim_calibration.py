@@ -30,10 +30,12 @@ REFERENCE = {
     16: {"output_tok_s": 1167, "itl_p50_ms": 11.7, "ttft_p50_s": 1.5, "input_tok_s": 86_000,
          "ttft_p90_s": 4.3, "itl_p90_ms": 14.4},
     64: {"output_tok_s": 3679, "itl_p50_ms": 15.5, "ttft_p50_s": 1.71, "input_tok_s": None,
-         "ttft_p90_s": 6.36, "itl_p90_ms": 18.9, "e2e_p50_s": 9.6},
+         "ttft_p90_s": 6.36, "itl_p90_ms": 18.9, "e2e_p50_s": 9.6, "requests": 3543,
+         "out_per_request": 935},
     128: {"output_tok_s": 6281, "itl_p50_ms": 19.1, "ttft_p50_s": 2.18, "input_tok_s": 431_000,
           "cost_in": 0.08, "cost_out": 1.92, "ttft_p90_s": 15.82, "itl_p90_ms": 23.1,
-          "e2e_p50_s": 14.0, "output_tok_s_per_user": 36.6, "prompt_tokens_in_flight": 14.1e6},
+          "e2e_p50_s": 14.0, "output_tok_s_per_user": 36.6, "prompt_tokens_in_flight": 14.1e6,
+          "requests": 6242, "out_per_request": 906},
 }
 
 
@@ -61,6 +63,9 @@ def point(args: tuple) -> dict:
             "prefill_busy_frac": s["prefill_busy_frac"], "prefill_gpu_hit_rate": s["prefill_gpu_hit_rate"],
             "captured_reuse": s["captured_reuse"], "mean_input": s["input_tokens"] / max(1, s["requests_ok"]),
             "mean_output": s["output_tokens"] / max(1, s["requests_ok"]),
+            # the reference's table: answered requests, and output tok/s x the stage / requests
+            "requests": s["requests_ok"],
+            "out_per_request": s["output_tok_s"] * duration / max(1, s["requests_ok"]),
             "cpu_write_tb": s.get("cpu_write_tb"),
             "itl_p90_ms": s["itl_ms"]["p90"], "e2e_p50_s": s["e2e_s"]["p50"],
             "output_tok_s_per_user": s["output_tok_s_per_user"]["mean"],
@@ -126,7 +131,8 @@ def main() -> None:
     rr += f", route miss {a.route_miss:g}"
     t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds{rr}")
     keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out",
-            "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user", "prompt_tokens_in_flight")
+            "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user", "prompt_tokens_in_flight",
+            "requests", "out_per_request")
     for col in ("c",) + keys:
         t.add_column(col, justify="right")
     for r in rows:
