@@ -41,6 +41,17 @@ def test_sim_calibrate_in_process_runs(tmp_path: Path) -> None:
     assert res["prefill_tok_s"] > 0 and set(res["decode_step_s"]) == {"1", "8", "32"}
 
 
+def test_sim_calibration_gives_the_reference_tables_measures(tmp_path: Path) -> None:
+    """Each row carries the requests answered and the output per answered request as the
+    reference's table gives it (output tok/s x the stage / requests), beside SPEC's figures."""
+    res = _run("sim_calibration.py", "--duration", "30", "--seeds", "1", out=tmp_path / "cal.json")
+    assert [r["concurrency"] for r in res["rows"]] == [16, 64, 128]
+    for r in res["rows"]:
+        assert r["requests"] > 0
+        assert r["out_per_request"] == pytest.approx(r["output_tok_s"] * 30 / r["requests"])
+    assert res["reference"]["128"]["out_per_request"] == 906
+
+
 @pytest.mark.slow
 def test_engine_speed_runs(tmp_path: Path) -> None:
     res = _run("engine_speed.py", "--prompt", "256", "--batches", "1,2", "--ctx", "64",
