@@ -99,13 +99,12 @@ def _load_trace(name: str) -> list[Session]:
         raise ValueError(f"{name}: cannot read the trace: {e or type(e).__name__}") from None
     n = 0
     for s in sessions:
-        for it in s.items:
-            for r in ([it] if isinstance(it, TraceRequest) else it.requests):
-                n += 1
-                if len(r.hash_ids) < r.input_tokens // s.block_size:
-                    raise ValueError(f"{name}: session {s.id}: a request of {r.input_tokens} input "
-                                     f"tokens has {len(r.hash_ids)} hash ids; at block size "
-                                     f"{s.block_size} it needs {r.input_tokens // s.block_size}")
+        for _, _, r in flatten(s):
+            n += 1
+            if len(r.hash_ids) < r.input_tokens // s.block_size:
+                raise ValueError(f"{name}: session {s.id}: a request of {r.input_tokens} input "
+                                 f"tokens has {len(r.hash_ids)} hash ids; at block size "
+                                 f"{s.block_size} it needs {r.input_tokens // s.block_size}")
     if not n:
         raise ValueError(f"{name}: the trace holds no requests")
     return sessions
