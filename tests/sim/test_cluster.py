@@ -184,6 +184,24 @@ def test_cli_bad_trace_files_are_one_line_errors_naming_the_file(tmp_path) -> No
             assert res.exception is None or isinstance(res.exception, SystemExit)
 
 
+def test_a_trace_is_parsed_once_per_process_until_the_file_changes(tmp_path) -> None:
+    """plan checks its trace, then forks workers that simulate ~100 stages of it: they reuse
+    the parsed sessions; a rewritten file is read again, and a missing one is a clear error."""
+    from agentserve.sim import workload as wl
+
+    f = tmp_path / "t.jsonl"
+    req = {"t": 0, "type": "n", "in": 128, "out": 8, "hash_ids": [1, 2]}
+    f.write_text(json.dumps({"id": "a", "block_size": 64, "requests": [req]}) + "\n")
+    first = wl.load_workload(str(f), 1, 0)
+    assert wl.load_workload(str(f), 1, 0) is first
+    f.write_text("".join(json.dumps({"id": i, "block_size": 64, "requests": [req]}) + "\n"
+                         for i in ("a", "b")))
+    again = wl.load_workload(str(f), 1, 0)
+    assert again is not first and [s.id for s in again] == ["a", "b"]
+    with pytest.raises(ValueError, match="no such trace file"):
+        wl.load_workload(str(tmp_path / "missing.jsonl"), 1, 0)
+
+
 def test_plan_refuses_an_out_path_that_is_a_file_before_it_simulates(tmp_path) -> None:
     app = typer.Typer()
     sim_cli.register(app)

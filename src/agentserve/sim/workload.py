@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
+import stat
 import zlib
 from collections.abc import Iterator
 
@@ -81,13 +83,36 @@ def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
     return _load_trace(name)
 
 
+# The last trace file read in this process, keyed by its path and stat: `agentserve plan` checks
+# the file up front and then simulates ~100 stages of it in worker processes forked after that
+# check, so they share the parsed sessions instead of each parsing a trace of up to ~1 GB again.
+# Nothing downstream mutates a loaded session (lanes and the stream only read them).
+_TRACE_CACHE: dict[tuple[str, int, int], list[Session]] = {}
+
+
 def _load_trace(name: str) -> list[Session]:
     """A Weka session trace's sessions, checked for what a simulation needs: at least one
-    request, and a hash id for every full block of each prompt. Errors name the file."""
-    from agentserve.workload.traces import TraceFormatError, load_sessions
-
+    request, and a hash id for every full block of each prompt. Errors name the file. A file
+    read before in this process (same path, size and mtime) is not parsed again; a folder always is."""
     if not name.strip():
         raise ValueError("--workload is empty: give sweep-full, sweep-limited or a trace FILE")
+    try:
+        st = os.stat(name)
+    except OSError:
+        st = None
+    if st is None or not stat.S_ISREG(st.st_mode):  # missing (its error), or a folder of files
+        return _parse_trace(name)
+    key = (os.path.abspath(name), st.st_size, st.st_mtime_ns)
+    if key not in _TRACE_CACHE:
+        sessions = _parse_trace(name)
+        _TRACE_CACHE.clear()  # one file at a time: a planner run reads one
+        _TRACE_CACHE[key] = sessions
+    return _TRACE_CACHE[key]
+
+
+def _parse_trace(name: str) -> list[Session]:
+    from agentserve.workload.traces import TraceFormatError, load_sessions
+
     try:
         sessions = load_sessions(name).sessions
     except TraceFormatError:
