@@ -449,6 +449,42 @@ def test_loads_share_the_copy_stream_and_are_seen_a_step_late_while_the_rank_ste
     assert inst.cpu_restore_bytes == pytest.approx(2 * 256 * sim.pperf.model.kv_bytes_per_token())
 
 
+def test_async_scheduling_plans_what_reaches_a_working_rank_two_steps_on() -> None:
+    """vLLM plans step N+1 before it reads step N's output and its input queue: a prompt that
+    reaches a rank with work during step N is planned into N+2, not beside that rank's chunk in
+    N+1; a pulled request's blocks go back to the pool for the same plan. An idle instance
+    sees either at once."""
+    from agentserve.sim.cluster import SimRequest
+    from agentserve.workload.record import RequestRecord
+
+    sim, r, inst, _, done = _restore_rank(256, 0)
+
+    def prompt(name: str, tokens: int, first_hash: int) -> SimRequest:
+        rec = RequestRecord(name, name, 0, "main", start=0.0, input_tokens=tokens, max_tokens=1)
+        return SimRequest(rec, list(range(first_hash, first_hash + cdiv(tokens, 64))), tokens, 1,
+                          lambda q: None, rank=r)
+    cold, late = prompt("cold", 3048, 10**6), prompt("late", 300, 2 * 10**6)
+    inst.arrive(r, cold)  # idle: planned at once; step 1 runs 2,048 of it, step 2 the last 1,000
+    step1 = sim.pperf.prefill_step([[(2048, 0)]])
+    step2 = sim.pperf.prefill_step([[(1000, 2048)]])
+    step3 = sim.pperf.prefill_step([[(300, 0)]])
+    sim.clock.at(step1 / 2, lambda: inst.arrive(r, late))
+    sim.clock.run(step1 + step2 + step3 / 2)
+    assert done == [cold] and late.t_admit == pytest.approx(step1 + step2)  # step 3, not 2
+    assert cold.t_admit == 0.0
+    held = r.pool.num_used_blocks
+    assert held == cdiv(3048, 64) + cdiv(300, 64)
+    inst.release(cold)  # pulled during step 3, while `late` runs: freed for step 5's plan
+    assert r.pool.num_used_blocks == held and r.pinned == 1
+    overhead = inst.perf.eff.step_overhead_s  # step 4 plans nothing: an empty polling step
+    sim.clock.run(step1 + step2 + step3 + overhead / 2)
+    assert done == [cold, late] and r.pool.num_used_blocks == held
+    sim.clock.run(step1 + step2 + step3 + 1.5 * overhead)
+    assert r.pool.num_used_blocks == cdiv(300, 64) and r.pinned == 1
+    inst.release(late)  # the instance is idle: freed at once
+    assert r.pool.num_used_blocks == 0 and r.pinned == 0 and not inst.busy
+
+
 def test_a_restored_prefix_is_refreshed_in_the_cpu_tier_when_its_request_finishes() -> None:
     """vLLM's CPU tier moves the blocks a request loaded to the new end of its LRU when the
     request finishes, so the next stores evict older blocks first: prompt X restored from a

@@ -59,6 +59,7 @@ class SimRequest:
     out_done: int = 0
     ready_at: float = 0.0  # when its CPU restore finished loading
     ready_step: int = -1  # restoring: the first prefill step that may run it (-1: loading)
+    seen_step: int = 0  # the first prefill step whose plan sees it queued (async scheduling)
     restore_from: int = -1  # first restored block, registered in the prefix map once loaded
     counted: bool = False  # its prompt is in the prefill pool's token counts (first admission)
     rank: Rank | None = None

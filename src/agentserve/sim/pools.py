@@ -64,6 +64,7 @@ class PrefillInstance(Instance):
         self.unjams = 0  # times the simulator's bound (`_unjam`) freed a wedged rank
         self.step_no = 0  # steps planned so far (a finished load is seen by step number)
         self._loads: list[tuple[Rank, SimRequest, float]] = []  # admitted this plan, not issued
+        self._frees: list[tuple[int, Rank, list]] = []  # pulled, not yet seen: (step, rank, blocks)
         self.write_back = write_back
         if write_back:
             for r in ranks:
@@ -214,6 +215,9 @@ class PrefillInstance(Instance):
         k = 0
         while not stop and k < len(r.waiting) and budget > 0:
             req = r.waiting[k]
+            if req.seen_step > self.step_no:  # not yet in the scheduler's queue
+                k += 1
+                continue
             got = self._lookup(r, req, budget)
             if got is None:
                 break
@@ -276,12 +280,15 @@ class PrefillInstance(Instance):
 
     def _step(self) -> None:
         self.step_no += 1
+        if self._frees:
+            self._apply_frees()
         plan = [self._plan(r) for r in self.ranks]
         if not any(plan):
             self._issue_loads(self.clock.now)
-            if any(q.ready_step > self.step_no for r in self.ranks for q in r.holding):
-                # restored requests not yet seen: the engine keeps polling with empty steps
-                # (not counted as busy time)
+            if self._frees or any(q.ready_step > self.step_no for r in self.ranks for q in r.holding) \
+                    or any(q.seen_step > self.step_no for r in self.ranks for q in r.waiting):
+                # restored requests, arrivals or pulls not yet seen: the engine keeps polling
+                # with empty steps (not counted as busy time)
                 self.busy = True
                 self.clock.at(self.clock.now + self.perf.eff.step_overhead_s, self._idle_step)
                 return
@@ -330,10 +337,40 @@ class PrefillInstance(Instance):
         elif hit:
             self.cpu_store_blocks += store_cpu(r.cpu, req.hashes[:hit])
 
+    def _seen_step(self, r: Rank) -> int:
+        """The first step whose plan sees what happens on rank `r` now (an arrival, a pull's
+        end). Under async scheduling a rank with requests plans step N+1 before it reads step
+        N's output and its input queue, so what happens during step N is planned into N+2; a
+        rank with none runs the DP wave's dummy batches synchronously and plans it next; an idle
+        instance plans at once."""
+        if not self.busy:
+            return self.step_no + 1
+        has_work = r.running or r.holding or r.waiting
+        return self.step_no + (ASYNC_SCHEDULING_LAG if has_work else 1)
+
+    def arrive(self, r: Rank, req: SimRequest) -> None:
+        """A prompt reaches rank `r`'s engine core from its API server."""
+        req.seen_step = self._seen_step(r)
+        r.waiting.append(req)
+        self.kick()
+
     def release(self, req: SimRequest) -> None:
-        """After the decode side pulled the KV: free the prefill blocks into the LRU."""
+        """The decode side has pulled the KV: the prefill blocks go back into the LRU when the
+        rank's scheduler reads the transfer's end from a step's output (vLLM frees them in
+        `_update_from_kv_xfer_finished`), which async scheduling plans a step late."""
         assert req.rank is not None
-        req.rank.pool.free(list(reversed(req.blocks)))
-        req.rank.pinned -= 1
+        self._frees.append((self._seen_step(req.rank), req.rank, req.blocks))
         req.blocks = []
-        self.kick()  # a rank may have been waiting for these blocks
+        self.kick()  # an idle instance reads it at once
+
+    def _apply_frees(self) -> None:
+        """Free the pulled requests' blocks the plan of step `step_no` sees."""
+        keep = []
+        for item in self._frees:
+            step, r, blocks = item
+            if step > self.step_no:
+                keep.append(item)
+                continue
+            r.pool.free(list(reversed(blocks)))
+            r.pinned -= 1
+        self._frees = keep

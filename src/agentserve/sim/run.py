@@ -259,8 +259,7 @@ class Simulation:
         d.active += 1
 
         def enqueue() -> None:
-            r.waiting.append(req)
-            self._owner(self.p_ranks, self.prefills, r).kick()
+            self._owner(self.p_ranks, self.prefills, r).arrive(r, req)
         self._api(r, req, enqueue)
 
     def _api(self, r: Rank, req: SimRequest, fn: Callable[[], None]) -> None:
