@@ -13,10 +13,12 @@ closed-loop client) goes on.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -146,10 +148,34 @@ class Clock:
         return not self._heap
 
     def run(self, until: float) -> None:
-        while self._heap and self._heap[0][0] <= until:
-            self.now, _, fn = heapq.heappop(self._heap)
-            fn()
+        """Run the events up to `until`, with the cyclic garbage collector relaxed."""
+        with relaxed_gc():
+            heap, pop = self._heap, heapq.heappop
+            while heap and heap[0][0] <= until:
+                self.now, _, fn = pop(heap)
+                fn()
         self.now = until
+
+
+# A 64-GPU deployment creates millions of long-lived KV block objects (the pools fill lazily as
+# the stage runs), linked into free lists. Under the collector's default thresholds (700, 10,
+# 10) every allocation burst triggers young collections and, ~10 times a stage, full ones that
+# walk all of them: 20-30% of a stage's CPU time, for nothing (blocks live as long as their
+# pool; short-lived event objects are freed by reference counting). Young collections every
+# 50,000 allocations and no scheduled full one keep it to a few percent; memory is unchanged
+# (maxrss 1.04 GB either way for 10 simulated minutes of 3P1D c128).
+RELAXED_GC_THRESHOLD = (50_000, 20, 100)
+
+
+@contextlib.contextmanager
+def relaxed_gc() -> Iterator[None]:
+    """Raise the collector's thresholds for the block below, then restore them."""
+    old = gc.get_threshold()
+    gc.set_threshold(*RELAXED_GC_THRESHOLD)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*old)
 
 
 def _cands(ranks: list[Rank], hashes: list[int], n: int) -> list[Candidate]:
