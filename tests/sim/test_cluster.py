@@ -44,6 +44,27 @@ def test_clock_orders_events() -> None:
     assert out == [1] and c.now == 1.5
 
 
+def test_clock_runs_events_with_the_collector_relaxed_and_restores_it() -> None:
+    """Events run under `RELAXED_GC_THRESHOLD` (full collections over millions of pool blocks
+    were a fifth of a stage's time); the caller's thresholds come back, even after an error."""
+    import gc
+
+    from agentserve.sim.cluster import RELAXED_GC_THRESHOLD
+
+    before, seen = gc.get_threshold(), []
+    c = Clock()
+    c.at(1.0, lambda: seen.append(gc.get_threshold()))
+    c.run(2.0)
+    assert seen == [RELAXED_GC_THRESHOLD] and gc.get_threshold() == before
+
+    def boom() -> None:
+        raise RuntimeError("event failed")
+    c.at(3.0, boom)
+    with pytest.raises(RuntimeError, match="event failed"):
+        c.run(4.0)
+    assert gc.get_threshold() == before
+
+
 def test_mtp_acceptance_mean() -> None:
     rng = np.random.default_rng(0)
     mean = np.mean([1 + mtp_accepted(rng, 3) for _ in range(20_000)])
