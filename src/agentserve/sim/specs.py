@@ -149,8 +149,8 @@ class ModelSpec:
         `_is_index_compute_layer`); the rest reuse the indices of the last computing layer."""
         if not self.indexer_heads:
             return 0
-        f, o = max(1, self.index_topk_freq), self.index_skip_offset
-        return sum(1 for n in range(1, self.layers + 1) if n <= o or (n - o) % f == 0)
+        f, o = max(1, self.index_topk_freq), max(0, self.index_skip_offset)
+        return min(o, self.layers) + max(0, self.layers - o) // f  # (in closed form: step-time hot path)
 
     def indexer_bytes_per_token(self) -> float:
         """Indexer key cache: FP8 key plus one fp32 scale per token per indexer layer."""
