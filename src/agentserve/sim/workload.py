@@ -85,7 +85,7 @@ def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
 
 # The last trace file read in this process, keyed by its path and stat: `agentserve plan` checks
 # the file up front and then simulates ~100 stages of it in worker processes forked after that
-# check, so they share the parsed sessions instead of each parsing a trace of up to ~1 GB again.
+# check, so they share the parsed sessions instead of each parsing the file again.
 # Nothing downstream mutates a loaded session (lanes and the stream only read them).
 _TRACE_CACHE: dict[tuple[str, int, int], list[Session]] = {}
 
