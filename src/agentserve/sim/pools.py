@@ -263,8 +263,9 @@ class PrefillInstance(Instance):
 
     def _loaded(self, r: Rank, req: SimRequest) -> None:
         """A load finished: the worker reports it at the end of the step running now, which
-        async scheduling reads after planning the next; an idle engine polls at once."""
-        req.ready_step = self.step_no + (ASYNC_SCHEDULING_LAG if self.busy else 1)
+        async scheduling reads after planning the next; an idle engine polls at once (the
+        rank has work: the loading request holds its blocks)."""
+        req.ready_step = self._seen_step(r)
         self.kick()
 
     @staticmethod
