@@ -636,6 +636,43 @@ def test_pd_pull_starts_at_a_step_and_is_seen_at_a_step_end() -> None:
     assert any(busy and t1 > t0 + dt + 1e-9 for t0, dt, t1, busy in seen)  # alignment costs time
 
 
+def test_async_scheduling_on_decode_starts_and_queues_a_working_rank_s_pulls_a_step_later() -> None:
+    """The decode side plans as the prefill side does: a request reaching a decode rank with
+    requests during step N starts its pull at step N+2 (the rank planned N+1 before reading its
+    input), and a pull found done after step M's forward is queued for M+2; a rank without
+    requests (the DP wave's dummy batches, planned synchronously) starts it at N+1 and queues
+    it for M+1. The prefill side is told the pull is done as soon as the worker finds it."""
+    from agentserve.sim.cluster import SimRequest
+    from agentserve.workload.record import RequestRecord
+
+    sim = sim_run.Simulation(_cfg(decode_width=2), [_session(0)])
+    inst = sim.decodes[0]
+    r0, r1 = inst.ranks
+    pulled: dict[str, float] = {}
+
+    def req(name: str, rank, n_out: int) -> SimRequest:
+        rec = RequestRecord(name, name, 0, "main", start=0.0, input_tokens=128, max_tokens=n_out)
+        first = 1000 * (ord(name) - ord("a") + 1)
+        q = SimRequest(rec, [first, first + 1], 128, n_out, lambda q: None)
+        q.d_rank = rank
+        return q
+
+    def receive(q: SimRequest) -> None:
+        inst.receive(q, 0.0, lambda: pulled.setdefault(q.rec.request_id, sim.clock.now))
+    a, b, c = req("a", r0, 50), req("b", r0, 5), req("c", r1, 5)
+    receive(a)  # an idle instance: pulled, queued and admitted at once, step 0 starts
+    sim.clock.run(1e-9)
+    assert a.t_dadmit == 0.0 and inst.busy and not inst.ends
+    sim.clock.at(1e-6, lambda: (receive(b), receive(c)))  # both reach the instance in step 0
+    sim.clock.run(1.0)
+    e = inst.ends
+    assert len(e) > 5
+    # c (r1 has no requests): pull started at step 1, found done at its end, admitted at step 2
+    assert pulled["c"] == e[1] and c.t_dadmit == e[1]
+    # b (r0 decodes a): pull started at step 2, found done at its end, admitted at step 4
+    assert pulled["b"] == e[2] and b.t_dadmit == e[3]
+
+
 def test_pull_posting_holds_the_lockstep_decode_step(monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode rank's worker posts its pulls' descriptors on its own thread: a step that
     starts a pull cannot end before the posting does, and the lockstep instance waits for its

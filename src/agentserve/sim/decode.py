@@ -16,7 +16,9 @@ recomputes the KV it lost (prompt and output so far, less the prefix blocks stil
 this instance, as vLLM's recompute preemption does (the prefill side has released its copy):
 a prefill that stretches the instance's next step (`PerfModel.recompute_time`). A request's
 chunk times are the ends of the steps it took part in. A P/D request's KV pull follows vLLM's
-NIXL decode side (`receive`): started at a step's schedule, seen done after a step's forward.
+NIXL decode side (`receive`): started at a step's schedule, found done after a step's forward,
+and both seen a step later by a rank with requests, whose async scheduling has planned the next
+step before it reads its input or a step's output.
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from agentserve.sim.cluster import (
     fits,
 )
 from agentserve.sim.perf import MTP_ACCEPT, PerfModel
-from agentserve.sim.pools import Instance
+from agentserve.sim.pools import ASYNC_SCHEDULING_LAG, Instance
+
+_NEVER = 1 << 62  # a step number past any run: "everything pending"
 
 
 class DecodeInstance(Instance):
@@ -74,11 +78,16 @@ class DecodeInstance(Instance):
         # the decode-local prefix hit rate the reference reports (vLLM's prefix-cache counters)
         self.queried_tokens = self.local_hit_tokens = 0
         # P->D pulls as vLLM's NIXL decode side runs them: a request that reaches the instance
-        # waits for the next step's schedule to start its READ (`incoming`); a READ's
-        # completion is seen after a step's forward (`get_finished`), and the request is
-        # scheduled in the step after that (`pulling`: (done at, request, landed callback)).
-        self.incoming: list[tuple[SimRequest, float, float, Callable[[], None]]] = []
+        # waits for the schedule of the first step that sees it to start its READ (`incoming`:
+        # (seen step, request, transfer s, posting s, pulled callback)); the worker finds the
+        # READ done after a step's forward (`get_finished`; `pulling`: (done at, request,
+        # pulled)) and the request joins its rank's queue at the first step whose plan reads
+        # that step's output (`landing`: (seen step, request)). Under async scheduling (vLLM's
+        # default) a rank with requests has planned the next step before it reads its input
+        # or a step's output (`_lag`).
+        self.incoming: list[tuple[int, SimRequest, float, float, Callable[[], None]]] = []
         self.pulling: list[tuple[float, SimRequest, Callable[[], None]]] = []
+        self.landing: list[tuple[int, SimRequest]] = []
         # The worker that pulls posts the READ descriptors on its own thread (transfer.py,
         # `NIXL_POST_S`): rank -> when its posting is done. A step cannot end on a rank before
         # that, and the lockstep instance waits for its slowest rank.
@@ -201,46 +210,87 @@ class DecodeInstance(Instance):
         self._schedule_grow(req)
 
     # -- P->D pulls --------------------------------------------------------------------------------
-    def receive(self, req: SimRequest, transfer_s: float, landed: Callable[[], None],
-                post_s: float = 0.0) -> None:
-        """`req` reached the instance; its KV takes `transfer_s` to pull, and its rank's worker
-        `post_s` to post the pull. `landed` runs when the pull is seen done (it queues the
-        request on its rank). An idle instance starts the pull at once and sees it done when
-        it is (its loop polls); a stepping one starts it at the next step and sees it done at
-        the end of a step."""
-        self.incoming.append((req, transfer_s, post_s, landed))
-        if not self.busy:
-            self._start_pulls()
+    @staticmethod
+    def _lag(r: Rank | None) -> int:
+        """Steps past the next one before a stepping rank's plan sees its input or a step's
+        output: 1 for a rank with requests, whose async scheduling (vLLM's default) planned the
+        next step before reading them; 0 for one running the DP wave's dummy batches, which
+        plans synchronously (`PrefillInstance._seen_step`, the same rule)."""
+        has_work = r is not None and bool(r.running or r.waiting)
+        return ASYNC_SCHEDULING_LAG - 1 if has_work else 0
 
-    def _start_pulls(self) -> None:
-        now = self.clock.now
-        for req, dt, post, landed in self.incoming:
-            self.pulling.append((now + dt, req, landed))
+    def receive(self, req: SimRequest, transfer_s: float, pulled: Callable[[], None],
+                post_s: float = 0.0) -> None:
+        """`req` reached the instance, bound for its rank `req.d_rank`; its KV takes
+        `transfer_s` to pull, and that rank's worker `post_s` to post the pull. `pulled` runs
+        when the worker finds the pull done (the prefill side may free its copy); the request
+        then joins its rank's queue. An idle instance starts the pull at once, finds it done
+        when it is (its loop polls) and queues it at once; a stepping one starts it at the
+        schedule of the first step that sees it, finds it done after a step's forward, and
+        queues it for the first step that reads that step's output (`_lag`)."""
+        seen = self.k + 1 + self._lag(req.d_rank) if self.busy else self.k
+        self.incoming.append((seen, req, transfer_s, post_s, pulled))
+        if not self.busy:
+            self._start_pulls(self.k)
+
+    def _start_pulls(self, upto: int) -> None:
+        """Start the READs of the requests steps up to `upto` have seen."""
+        now, left = self.clock.now, []
+        for item in self.incoming:
+            seen, req, dt, post, pulled = item
+            if seen > upto:
+                left.append(item)
+                continue
+            self.pulling.append((now + dt, req, pulled))
             self.clock.at(now + dt, self._poll)
             if post > 0 and req.d_rank is not None:
                 i = req.d_rank.idx
                 self.post_until[i] = max(now, self.post_until.get(i, now)) + post
-        self.incoming = []
+        self.incoming = left
 
     def _poll(self) -> None:
-        """A pull's transfer time is up: an idle instance sees it now; a stepping one at its
-        step's end (`_done`)."""
+        """A pull's transfer time is up: an idle instance sees it now; a stepping one with
+        its next step's output (`_done`)."""
         if not self.busy:
-            self._land_pulls()
+            self._land_pulls(False)
             self.kick()
 
-    def _land_pulls(self) -> None:
+    def _land_pulls(self, stepped: bool) -> None:
+        """The worker finds the pulls done by now; each request joins its rank's queue at once
+        (an idle instance's poll) or, after a step (`stepped`), at the first step that reads
+        that step's output (`_lag`)."""
         now, left = self.clock.now, []
-        for done_at, req, landed in self.pulling:
-            if done_at <= now:
-                landed()
+        for done_at, req, pulled in self.pulling:
+            if done_at > now:
+                left.append((done_at, req, pulled))
+                continue
+            pulled()
+            if stepped:
+                self.landing.append((self.k + self._lag(req.d_rank), req))
             else:
-                left.append((done_at, req, landed))
+                self._queue(req)
         self.pulling = left
+
+    @staticmethod
+    def _queue(req: SimRequest) -> None:
+        assert req.d_rank is not None
+        req.rank = req.d_rank
+        req.d_rank.waiting.append(req)
+
+    def _land_seen(self, upto: int) -> bool:
+        """Queue the pulled requests the plans of steps up to `upto` see; True if any."""
+        if not self.landing:
+            return False
+        now = [q for s, q in self.landing if s <= upto]
+        self.landing = [(s, q) for s, q in self.landing if s > upto]
+        for req in now:
+            self._queue(req)
+        return bool(now)
 
     # -- stepping ----------------------------------------------------------------------------------
     def _step(self) -> None:
-        self._start_pulls()
+        self._start_pulls(self.k)
+        self._land_seen(self.k)
         for req, gen in self.grow_at.pop(self.k, ()):
             self._grow(req, gen)
         for r in self.ranks:
@@ -259,6 +309,10 @@ class DecodeInstance(Instance):
         loads = [self.load[r.idx] for r in self.ranks]
         if not any(ld[0] for ld in loads):
             self.busy = False
+            # Nothing to run: the engine waits on its input and reads what is pending at once.
+            self._start_pulls(_NEVER)
+            if self._land_seen(_NEVER):
+                self._step()  # once: nothing is left pending
             return
         dt = self.perf.decode_step_agg(loads, self.draft)
         if self.post_until:
@@ -287,6 +341,6 @@ class DecodeInstance(Instance):
             req.rec.e2e, req.rec.output_tokens = now - req.rec.start, req.out_done
             req.on_done(req)
         self.k += 1
+        self._land_pulls(True)
         self.busy = False
-        self._land_pulls()
         self._step()

@@ -282,18 +282,16 @@ class Simulation:
         assert src is not None and d is not None
         inst = self._owner(self.d_ranks, self.decodes, d)
 
-        def landed() -> None:  # the decode rank has the KV; the prefill copy is released
+        def pulled() -> None:  # the decode rank has the KV; the prefill copy is released
             req.t_arrive = self.clock.now
             self._owner(self.p_ranks, self.prefills, src).release(req)
-            req.rank, req.blocks = d, []
-            d.waiting.append(req)
 
         def reach() -> None:
             local = inst.local_prefix(d, req)
             inst.queried_tokens += req.n_in
             inst.local_hit_tokens += local
             pull = req.n_in - local
-            inst.receive(req, self.dperf.kv_transfer_time(pull), landed,
+            inst.receive(req, self.dperf.kv_transfer_time(pull), pulled,
                          self.dperf.kv_post_time(pull, self.cfg.block_size))
         self._api(d, req, reach)
 
