@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from agentserve.kv.pool import BlockPool
 from agentserve.sim.fastpool import SimBlockPool
 
@@ -31,12 +33,14 @@ def _replay(seed: int, n_blocks: int = 40, ops: int = 600) -> None:
             sim.touch(hit_s)
             a, b = ref.allocate(need), sim.allocate(need)
             assert [x.block_id for x in a] == [x.block_id for x in b]
-            if rng.random() < 0.7:  # cache some of the new blocks under fresh hashes
-                k = rng.randrange(1, need + 1)
-                hs = list(range(next_hash, next_hash + k))
+            if rng.random() < 0.7:  # cache some of the new blocks, the hits passed back in
+                k = rng.randrange(1, need + 1)  # first; some hashes already cached elsewhere
+                hs = [h if rng.random() < 0.8 or not ref.cached else rng.choice(list(ref.cached))
+                      for h in range(next_hash, next_hash + k)]
                 next_hash += k
-                ref.cache_blocks(a[:k], hs, range(k * 4), 0, None)
-                sim.cache_blocks(b[:k], hs, range(k * 4), 0, None)
+                hr, hsim = [x.block_hash for x in hit_r], [x.block_hash for x in hit_s]
+                ref.cache_blocks(hit_r + a[:k], hr + hs, range((len(hr) + k) * 4), 0, None)
+                sim.cache_blocks(hit_s + b[:k], hsim + hs, range((len(hr) + k) * 4), 0, None)
             held.append([x.block_id for x in hit_r + a])
         elif held:
             ids = held.pop(rng.randrange(len(held)))
@@ -50,6 +54,20 @@ def _replay(seed: int, n_blocks: int = 40, ops: int = 600) -> None:
 def test_random_sequences_match_the_engine_pool() -> None:
     for seed in range(30):
         _replay(seed)
+
+
+def test_caching_misuse_raises_as_the_engine_pool_does() -> None:
+    """Caching a free block, or re-caching a block under another hash, is refused alike."""
+    for pool in (BlockPool(8, 4), SimBlockPool(8, 4)):
+        a = pool.allocate(2)
+        pool.cache_blocks(a, [1, 2], range(8), 0, None)
+        with pytest.raises(ValueError, match="already holds hash"):
+            pool.cache_blocks(a[:1], [3], range(4), 0, None)
+        pool.free(a)
+        with pytest.raises(ValueError, match="is free"):
+            pool.cache_blocks(a[:1], [1], range(4), 0, None)
+        with pytest.raises(ValueError, match="2 blocks but 1 hashes"):
+            pool.cache_blocks(pool.allocate(2), [5], range(8), 0, None)
 
 
 def test_lazy_blocks_are_created_on_demand() -> None:

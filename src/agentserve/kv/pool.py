@@ -24,6 +24,12 @@ from agentserve.kv.events import (
 from agentserve.kv.hashing import BlockHash, to_external
 
 
+def _short(h: object) -> str:
+    """A hash for an error message: the first 16 hex digits of a digest, or an int as is
+    (the simulator's pools key blocks by ints)."""
+    return f"{h.hex()[:16]}..." if isinstance(h, bytes) else repr(h)
+
+
 @dataclass(slots=True, eq=False)
 class Block:
     """One KV block's metadata; ``prev``/``next`` link it into the free queue."""
@@ -224,20 +230,8 @@ class BlockPool:
         run of newly cached blocks (exactly one in the normal case), so each event's
         ``token_ids`` always match its ``block_hashes``.
         """
-        if len(blocks) != len(hashes):
-            raise ValueError(f"cache_blocks: {len(blocks)} blocks but {len(hashes)} hashes")
-        n, bs = len(blocks), self.block_size
-        if n == 0:
-            return
-        # Only these blocks' tokens, or the whole request: unambiguous by length.
-        tok_base = 0 if len(token_ids) == n * bs else first_block_index
-        if len(token_ids) < (tok_base + n) * bs:
-            raise ValueError(
-                f"cache_blocks: blocks {first_block_index}..{first_block_index + n - 1} need "
-                f"{n * bs} tokens of their own or {(first_block_index + n) * bs} of the whole "
-                f"request, got {len(token_ids)}"
-            )
-        if not self.enable_caching:
+        tok_base = self._check_cache_args(blocks, hashes, token_ids, first_block_index)
+        if not blocks or not self.enable_caching:
             return
         run: list[int] = []  # indexes into blocks of the current run
         for i, (block, h) in enumerate(zip(blocks, hashes)):
@@ -248,6 +242,23 @@ class BlockPool:
             run = []
         self._emit_stored(run, hashes, token_ids, tok_base, parent, extra_keys, session_id)
 
+    def _check_cache_args(self, blocks: Sequence[Block], hashes: Sequence[BlockHash],
+                          token_ids: Sequence[int], first_block_index: int) -> int:
+        """Validate `cache_blocks`' arguments; the index of `blocks[0]`'s first token in
+        `token_ids` (0 when they are these blocks' tokens alone, else the request's)."""
+        if len(blocks) != len(hashes):
+            raise ValueError(f"cache_blocks: {len(blocks)} blocks but {len(hashes)} hashes")
+        n, bs = len(blocks), self.block_size
+        # Only these blocks' tokens, or the whole request: unambiguous by length.
+        tok_base = 0 if len(token_ids) == n * bs else first_block_index
+        if n and len(token_ids) < (tok_base + n) * bs:
+            raise ValueError(
+                f"cache_blocks: blocks {first_block_index}..{first_block_index + n - 1} need "
+                f"{n * bs} tokens of their own or {(first_block_index + n) * bs} of the whole "
+                f"request, got {len(token_ids)}"
+            )
+        return tok_base
+
     def _cache_one(self, block: Block, h: BlockHash) -> bool:
         """Map ``h`` to ``block``; False if nothing new was cached."""
         if block.ref_cnt <= 0:
@@ -257,8 +268,8 @@ class BlockPool:
         if block.block_hash is not None:
             if block.block_hash != h:
                 raise ValueError(
-                    f"block {block.block_id} already holds hash {block.block_hash.hex()[:16]}..., "
-                    f"cannot re-cache it as {h.hex()[:16]}..."
+                    f"block {block.block_id} already holds hash {_short(block.block_hash)}, "
+                    f"cannot re-cache it as {_short(h)}"
                 )
             return False  # a prefix hit passed back in: already cached and reported
         if h in self.cached:

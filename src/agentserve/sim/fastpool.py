@@ -6,8 +6,9 @@ on both and compares every returned block id, the prefix map and the free-queue 
   never allocated is created when `allocate` first reaches it (a 100 GiB CPU tier is ~37K
   blocks per rank, 2.8M objects for the 64-GPU deployment; most are never touched in a
   short stage);
-- `allocate`, `free` and `touch` are the base class's loops with the free-queue links
-  inlined (they run ~10^7 times in 30 simulated minutes); `match_prefix` is its loop as
+- `allocate`, `free`, `touch` and `cache_blocks` are the base class's loops with the
+  free-queue links and the per-block caching step inlined (they run ~10^7 times in 30
+  simulated minutes); `match_prefix` is its loop as
   `takewhile` over the prefix map; never-used blocks are created in one batch per `allocate`.
 Never-used blocks always form one contiguous run of the queue, between uncached freed blocks
 (put at the head) and cached freed blocks (appended at the tail), so one marker node stands for
@@ -163,6 +164,26 @@ class SimBlockPool(BlockPool):
         if evicted:  # after the loop, as the base class: the hook may touch other pools
             self.on_evict_blocks(evicted)
         return out
+
+    def cache_blocks(self, blocks: Sequence[Block], hashes: Sequence, token_ids: Sequence[int],
+                     first_block_index: int, parent, extra_keys=None, session_id=None) -> None:
+        """The base class's, its per-block step inlined when no events are kept (the
+        simulator keeps none): ~4M blocks are cached in 30 simulated minutes."""
+        if self.events is not None:
+            super().cache_blocks(blocks, hashes, token_ids, first_block_index, parent, extra_keys,
+                                 session_id)
+            return
+        self._check_cache_args(blocks, hashes, token_ids, first_block_index)
+        if not self.enable_caching:
+            return
+        cached = self.cached
+        for b, h in zip(blocks, hashes):
+            if b.block_hash is None and b.ref_cnt > 0:
+                if h not in cached:  # else the same content is cached already: b stays uncached
+                    b.block_hash = h
+                    cached[h] = b
+            else:  # a hit passed back in (no-op), or a misuse: the base class's check raises
+                self._cache_one(b, h)
 
     def free(self, blocks: Sequence[Block]) -> None:
         q = self.free_queue
