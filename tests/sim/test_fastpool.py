@@ -42,6 +42,12 @@ def _replay(seed: int, n_blocks: int = 40, ops: int = 600) -> None:
                 ref.cache_blocks(hit_r + a[:k], hr + hs, range((len(hr) + k) * 4), 0, None)
                 sim.cache_blocks(hit_s + b[:k], hsim + hs, range((len(hr) + k) * 4), 0, None)
             held.append([x.block_id for x in hit_r + a])
+        elif op < 0.55 and ref.cached:  # the CPU tier's refresh: cached blocks to the newest end
+            ids = [b.block_id for b in rng.sample(list(ref.cached.values()),
+                                                  rng.randrange(1, min(6, len(ref.cached)) + 1))]
+            ref.touch([ref.blocks[i] for i in ids])
+            ref.free([ref.blocks[i] for i in ids])
+            sim.to_newest([sim.blocks[i] for i in ids])
         elif held:
             ids = held.pop(rng.randrange(len(held)))
             ref.free([ref.blocks[i] for i in reversed(ids)])

@@ -97,7 +97,7 @@ class Rank:
     def __init__(self, idx: int, blocks: int, cpu_blocks: int, block_size: int) -> None:
         self.idx = idx
         self.pool: BlockPool = SimBlockPool(blocks, block_size)
-        self.cpu: BlockPool | None = SimBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
+        self.cpu: SimBlockPool | None = SimBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         # prefill ranks: requests holding blocks before they run (restoring from CPU, or
@@ -220,7 +220,7 @@ def cache_computed(pool: BlockPool, req: SimRequest, done: int, full: int) -> No
         pool.cache_blocks(req.blocks[done:full], req.hashes[done:full], range(req.n_in), done, parent)
 
 
-def store_cpu(cpu: BlockPool | None, hashes: list[int]) -> int:
+def store_cpu(cpu: SimBlockPool | None, hashes: list[int]) -> int:
     """Write-through of full blocks to the CPU pool (LRU refresh for ones it holds); blocks stored."""
     if cpu is None or not hashes:
         return 0
@@ -235,11 +235,10 @@ def store_cpu(cpu: BlockPool | None, hashes: list[int]) -> int:
     return len(new)
 
 
-def refresh_cpu(cpu: BlockPool, hashes: list[int]) -> None:
+def refresh_cpu(cpu: SimBlockPool, hashes: list[int]) -> None:
     """Move the blocks of `hashes` the CPU pool holds to its LRU's newest end; write nothing."""
-    old = [cpu.cached[h] for h in hashes if h in cpu.cached]
-    cpu.touch(old)
-    cpu.free(old)
+    cached = cpu.cached
+    cpu.to_newest([cached[h] for h in hashes if h in cached])
 
 
 def fits(pool: BlockPool, hits: list[Block], need: int, reserved: int = 0) -> bool:
