@@ -10,7 +10,7 @@ import typer
 from typer.testing import CliRunner
 
 from agentserve.kv.manager import cdiv
-from agentserve.kv.pool import BlockPool
+from agentserve.sim.fastpool import SimBlockPool
 from agentserve.sim import cli as sim_cli
 from agentserve.sim import run as sim_run
 from agentserve.sim import workload as sim_workload
@@ -72,7 +72,7 @@ def test_mtp_acceptance_mean() -> None:
 
 
 def test_cpu_write_through_is_lru() -> None:
-    cpu = BlockPool(4, 64, medium="CPU")
+    cpu = SimBlockPool(4, 64, medium="CPU")
     assert store_cpu(cpu, [1, 2, 3]) == 3
     assert store_cpu(cpu, [1, 4, 5]) == 2  # 1 refreshed, 4 and 5 evict 2 (oldest)
     assert set(cpu.cached) == {1, 3, 4, 5}
