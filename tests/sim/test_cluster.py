@@ -467,7 +467,7 @@ def test_loads_share_the_copy_stream_and_are_seen_a_step_late_while_the_rank_ste
     sim.clock.run(30.0)
     assert ran == {"r0": 4, "r1": 4}  # loaded during step 2, seen after step 3 was planned
     assert dup in done and dup.restored == 0 and dup.cached == 256  # a's blocks, on the GPU
-    assert inst.cpu_restore_bytes == pytest.approx(2 * 256 * sim.pperf.model.kv_bytes_per_token())
+    assert inst.cpu_restore_bytes == pytest.approx(2 * 256 * sim.pperf.model.state_bytes_per_token())
 
 
 def test_async_scheduling_plans_what_reaches_a_working_rank_two_steps_on() -> None:

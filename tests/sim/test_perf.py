@@ -86,12 +86,13 @@ def test_prefill_all_to_all_blocks_without_dual_batch_overlap() -> None:
 
 
 def test_transfer_and_restore() -> None:
-    gb = 100_000 * M.kv_bytes_per_token() / 1e9
-    assert DEC.cpu_restore_time(100_000) == pytest.approx(0.026 * gb)
-    # a pull moves the latent KV of 78 + 1 (MTP) layers and the indexer keys at NIXL's rate
+    """A token's KV moves whole, by a P->D pull or a CPU restore: the latent KV of 78 + 1 (MTP)
+    layers and the indexer keys, ~7.5% over SPEC's 44,928 bytes of the 78 layers' latent."""
     moved = 100_000 * (M.kv_bytes_per_token() * 79 / 78 + M.indexer_bytes_per_token())
+    assert M.state_bytes_per_token() * 100_000 == pytest.approx(moved)
     assert moved / (100_000 * M.kv_bytes_per_token()) == pytest.approx(1.075, abs=0.01)
     assert DEC.kv_transfer_time(100_000) == pytest.approx(moved / 4.3e9, rel=0.01)
+    assert DEC.cpu_restore_time(100_000) == pytest.approx(0.026 * moved / 1e9)
 
 
 def test_pull_posting_counts_blocks_times_regions() -> None:

@@ -159,7 +159,7 @@ class PrefillInstance(Instance):
             self.prompt_tokens += req.n_in
         if c:  # the load is issued when this step's forward ends (`_issue_loads`)
             req.restore_from = g  # its blocks are registered once loaded (vLLM delays caching)
-            self.cpu_restore_bytes += c * bs * self.perf.model.kv_bytes_per_token()
+            self.cpu_restore_bytes += c * bs * self.perf.model.state_bytes_per_token()
             for h in req.hashes[g:g + c]:
                 r.loading[h] = r.loading.get(h, 0) + 1
             self._loads.append((r, req, self.perf.cpu_restore_time(c * bs)))

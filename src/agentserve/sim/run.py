@@ -86,7 +86,7 @@ class Simulation:
         dt = Topology("dep", cfg.decode_width, "decode", mtp=cfg.mtp)
         pm = plan_memory(m, hw, pt, block_size=cfg.block_size)
         dm = plan_memory(m, hw, dt, block_size=cfg.block_size)
-        cpu_blocks = int(cfg.cpu_offload_gib * GiB / m.kv_bytes_per_token()) // cfg.block_size
+        cpu_blocks = int(cfg.cpu_offload_gib * GiB / m.state_bytes_per_token()) // cfg.block_size
         self.p_ranks = [Rank(i, pm.kv_blocks, cpu_blocks, cfg.block_size)
                         for i in range(cfg.prefill * cfg.prefill_width)]
         self.router = (ApproxRouter(cfg.seed, self.p_ranks, cfg.block_size, cfg.decode_scorers)

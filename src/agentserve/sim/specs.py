@@ -140,8 +140,17 @@ class ModelSpec:
         return 2 * (self.n_kv_heads or self.n_heads) * self.head_dim
 
     def kv_bytes_per_token(self) -> float:
-        """KV bytes per token over all layers (MLA: the indexer's key cache is not counted)."""
+        """KV bytes per token over all layers (MLA: the indexer's key cache is not counted);
+        SPEC's figure, by which the memory facts count a rank's KV tokens."""
         return self.kv_elems_per_token_layer() * self.layers * self.kv_elem_bytes
+
+    def state_bytes_per_token(self) -> float:
+        """Bytes of every cache a rank keeps per token: the latent KV of each layer and of
+        the MTP layers, and the indexer's keys. What moves when a token's KV does: a P->D pull
+        reads every registered region, and the CPU offloading connector copies every KV
+        tensor of a block (so a tier of N bytes holds N / this many tokens)."""
+        return (self.kv_bytes_per_token() * (self.layers + self.mtp_layers) / self.layers
+                + self.indexer_bytes_per_token())
 
     def indexer_layers(self) -> int:
         """Layers that run the indexer (score keys, select top-k) and keep its key cache:

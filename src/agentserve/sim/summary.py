@@ -79,7 +79,7 @@ def stage_summary(sim: Simulation) -> dict:
         "cost_per_m_input": cost.per_m_input, "cost_per_m_output": cost.per_m_output,
         "cost_per_hour": cost.per_hour,
         "cpu_restore_gib": d["restore"] / GiB,
-        "cpu_write_tb": d["store"] * cfg.block_size * sim.pperf.model.kv_bytes_per_token() / 1e12,
+        "cpu_write_tb": d["store"] * cfg.block_size * sim.pperf.model.state_bytes_per_token() / 1e12,
         "prefill_gpu_hit_rate": _share(d["hit"], d["prompt"]),
         "prefill_cpu_hit_rate": _share(d["cpu_hit"], d["prompt"]),
         "decode_local_hit_rate": _share(d["d_hit"], d["d_query"]),

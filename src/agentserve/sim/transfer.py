@@ -57,9 +57,7 @@ class TransferModel:
         """P->D KV pull of `tokens` by NIXL at its measured rate per transfer
         (`NIXL_TRANSFER_BW`); every cache the decode side needs moves: the latent KV of each
         layer and of the MTP layer, and the indexer's keys."""
-        m = self.model
-        per_token = (m.kv_bytes_per_token() * (m.layers + m.mtp_layers) / m.layers
-                     + m.indexer_bytes_per_token())
+        per_token = self.model.state_bytes_per_token()
         return 2 * self.eff.a2a_latency_s + tokens * per_token / NIXL_TRANSFER_BW
 
     def kv_post_time(self, tokens: int, block_size: int) -> float:
@@ -68,5 +66,6 @@ class TransferModel:
         return -(-max(0, tokens) // block_size) * self.kv_regions() * NIXL_POST_S
 
     def cpu_restore_time(self, tokens: int) -> float:
-        """CPU -> GPU restore at the measured rate (SPEC.md: ~26 ms per GB)."""
-        return tokens * self.model.kv_bytes_per_token() / 1e9 * self.hw.cpu_restore_s_per_gb
+        """CPU -> GPU restore at the measured rate (SPEC.md: ~26 ms per GB) of every cache the
+        tokens have (`ModelSpec.state_bytes_per_token`)."""
+        return tokens * self.model.state_bytes_per_token() / 1e9 * self.hw.cpu_restore_s_per_gb
