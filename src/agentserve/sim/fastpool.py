@@ -8,19 +8,21 @@ on both and compares every returned block id, the prefix map and the free-queue 
   short stage);
 - `allocate`, `free`, `touch` and `cache_blocks` are the base class's loops with the
   free-queue links and the per-block caching step inlined (they run ~10^7 times in 30
-  simulated minutes), and `to_newest` is `touch` then `free` in one pass; `match_prefix` is its loop as
-  `takewhile` over the prefix map; never-used blocks are created in one batch per `allocate`.
+  simulated minutes), and `to_newest` is `touch` then `free` in one pass; `match_prefix` is
+  its loop as `takewhile` over the prefix map; never-used blocks are created in one batch per `allocate`.
 Never-used blocks always form one contiguous run of the queue, between uncached freed blocks
 (put at the head) and cached freed blocks (appended at the tail), so one marker node stands for
-the whole run. Prefix matching, caching, events and invariants are the base class's own code.
+the whole run. Events, invariants and the argument checks of caching are the base class's own code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from itertools import takewhile
+from typing import Any
 
 from agentserve.kv.events import MEDIUM_GPU
+from agentserve.kv.hashing import BlockHash
 from agentserve.kv.pool import Block, BlockPool, NoFreeBlocks
 
 
@@ -175,8 +177,10 @@ class SimBlockPool(BlockPool):
                 p = tail.prev
                 p.next, b.prev, b.next, tail.prev = b, p, tail, b
 
-    def cache_blocks(self, blocks: Sequence[Block], hashes: Sequence, token_ids: Sequence[int],
-                     first_block_index: int, parent, extra_keys=None, session_id=None) -> None:
+    def cache_blocks(self, blocks: Sequence[Block], hashes: Sequence[BlockHash],
+                     token_ids: Sequence[int], first_block_index: int, parent: BlockHash | None,
+                     extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
+                     session_id: str | None = None) -> None:
         """The base class's, its per-block step inlined when no events are kept (the
         simulator keeps none): ~4M blocks are cached in 30 simulated minutes."""
         if self.events is not None:
