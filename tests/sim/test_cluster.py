@@ -78,6 +78,18 @@ def test_cpu_write_through_is_lru() -> None:
     assert set(cpu.cached) == {1, 3, 4, 5}
 
 
+def test_a_cpu_tier_holds_its_size_in_whole_tokens() -> None:
+    """A 100 GiB tier per prefill rank holds 100 GiB of every cache a token has (GLM-5.2: the
+    latent of 78 + 1 MTP layers and the indexer keys), not of the 78 layers' latent alone."""
+    from agentserve.sim.specs import GiB
+
+    sim = sim_run.Simulation(SimConfig(cpu_offload_gib=100.0), [_session(0)])
+    m = sim.pperf.model
+    assert m.state_bytes_per_token() == pytest.approx(m.kv_bytes_per_token() * 1.075, rel=0.01)
+    tier = sim.p_ranks[0].cpu
+    assert tier is not None and tier.num_blocks == int(100 * GiB / m.state_bytes_per_token()) // 64
+
+
 def test_closed_loop_reuses_prefixes() -> None:
     s = simulate(_cfg(), [_session(i) for i in range(4)])
     assert s["requests_ok"] == 16 and s["requests_failed"] == 0
