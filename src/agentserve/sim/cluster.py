@@ -224,8 +224,13 @@ def store_cpu(cpu: SimBlockPool | None, hashes: list[int]) -> int:
     """Write-through of full blocks to the CPU pool (LRU refresh for ones it holds); blocks stored."""
     if cpu is None or not hashes:
         return 0
-    new = [h for h in hashes if h not in cpu.cached]
-    refresh_cpu(cpu, hashes)  # the ones it holds, to the LRU tail
+    cached, held, new = cpu.cached, [], []
+    for h in hashes:  # one pass: the held ones are refreshed, the others stored
+        if h in cached:
+            held.append(cached[h])
+        else:
+            new.append(h)
+    cpu.to_newest(held)  # to the LRU tail, before the stores evict anything
     new = new[: cpu.num_free_blocks]
     if new:
         blocks = cpu.allocate(len(new))

@@ -38,7 +38,7 @@ from agentserve.sim.cluster import (
     fits,
 )
 from agentserve.sim.perf import MTP_ACCEPT, PerfModel
-from agentserve.sim.pools import ASYNC_SCHEDULING_LAG, Instance
+from agentserve.sim.pools import Instance, planned_after
 
 _NEVER = 1 << 62  # a step number past any run: "everything pending"
 
@@ -84,7 +84,7 @@ class DecodeInstance(Instance):
         # pulled)) and the request joins its rank's queue at the first step whose plan reads
         # that step's output (`landing`: (seen step, request)). Under async scheduling (vLLM's
         # default) a rank with requests has planned the next step before it reads its input
-        # or a step's output (`_lag`).
+        # or a step's output (`pools.planned_after`).
         self.incoming: list[tuple[int, SimRequest, float, float, Callable[[], None]]] = []
         self.pulling: list[tuple[float, SimRequest, Callable[[], None]]] = []
         self.landing: list[tuple[int, SimRequest]] = []
@@ -210,15 +210,6 @@ class DecodeInstance(Instance):
         self._schedule_grow(req)
 
     # -- P->D pulls --------------------------------------------------------------------------------
-    @staticmethod
-    def _lag(r: Rank | None) -> int:
-        """Steps past the next one before a stepping rank's plan sees its input or a step's
-        output: 1 for a rank with requests, whose async scheduling (vLLM's default) planned the
-        next step before reading them; 0 for one running the DP wave's dummy batches, which
-        plans synchronously (`PrefillInstance._seen_step`, the same rule)."""
-        has_work = r is not None and bool(r.running or r.waiting)
-        return ASYNC_SCHEDULING_LAG - 1 if has_work else 0
-
     def receive(self, req: SimRequest, transfer_s: float, pulled: Callable[[], None],
                 post_s: float = 0.0) -> None:
         """`req` reached the instance, bound for its rank `req.d_rank`; its KV takes
@@ -227,8 +218,9 @@ class DecodeInstance(Instance):
         then joins its rank's queue. An idle instance starts the pull at once, finds it done
         when it is (its loop polls) and queues it at once; a stepping one starts it at the
         schedule of the first step that sees it, finds it done after a step's forward, and
-        queues it for the first step that reads that step's output (`_lag`)."""
-        seen = self.k + 1 + self._lag(req.d_rank) if self.busy else self.k
+        queues it for the first step that reads that step's output (`pools.planned_after`)."""
+        assert req.d_rank is not None
+        seen = self.k + planned_after(req.d_rank) if self.busy else self.k
         self.incoming.append((seen, req, transfer_s, post_s, pulled))
         if not self.busy:
             self._start_pulls(self.k)
@@ -258,21 +250,23 @@ class DecodeInstance(Instance):
     def _land_pulls(self, stepped: bool) -> None:
         """The worker finds the pulls done by now; each request joins its rank's queue at once
         (an idle instance's poll) or, after a step (`stepped`), at the first step that reads
-        that step's output (`_lag`)."""
+        that step's output (`pools.planned_after`)."""
         now, left = self.clock.now, []
         for done_at, req, pulled in self.pulling:
             if done_at > now:
                 left.append((done_at, req, pulled))
                 continue
             pulled()
-            if stepped:
-                self.landing.append((self.k + self._lag(req.d_rank), req))
+            if stepped:  # the step that ended was k - 1
+                assert req.d_rank is not None
+                self.landing.append((self.k - 1 + planned_after(req.d_rank), req))
             else:
                 self._queue(req)
         self.pulling = left
 
     @staticmethod
     def _queue(req: SimRequest) -> None:
+        """The pulled request joins its decode rank's queue."""
         assert req.d_rank is not None
         req.rank = req.d_rank
         req.d_rank.waiting.append(req)

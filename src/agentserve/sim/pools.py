@@ -27,6 +27,14 @@ from agentserve.sim.perf import PerfModel
 ASYNC_SCHEDULING_LAG = 2
 
 
+def planned_after(r: Rank) -> int:
+    """Steps after the running one until a plan of rank `r` sees what happens now (its input,
+    or what the running step reports): a rank with requests plans the next step before it
+    reads either (async scheduling), one running the DP wave's dummy batches plans
+    synchronously. Both the prefill and the decode instances use this one rule."""
+    return ASYNC_SCHEDULING_LAG if r.running or r.waiting or r.holding else 1
+
+
 class Instance(abc.ABC):
     """Base: a clock, ranks and a perf model; `kick` starts a step when idle."""
 
@@ -344,10 +352,7 @@ class PrefillInstance(Instance):
         N's output and its input queue, so what happens during step N is planned into N+2; a
         rank with none runs the DP wave's dummy batches synchronously and plans it next; an idle
         instance plans at once."""
-        if not self.busy:
-            return self.step_no + 1
-        has_work = r.running or r.holding or r.waiting
-        return self.step_no + (ASYNC_SCHEDULING_LAG if has_work else 1)
+        return self.step_no + (planned_after(r) if self.busy else 1)
 
     def arrive(self, r: Rank, req: SimRequest) -> None:
         """A prompt reaches rank `r`'s engine core from its API server."""

@@ -28,7 +28,7 @@ WARMUP_S = 120.0  # default warm-up (see SimConfig.warmup): the cold burst of c1
 # so the answered requests, measured the reference's way (output tok/s x duration / requests,
 # `sim_calibration.py`'s `out_per_request`), average 0.87-0.90 of the generated mean at c64 /
 # c128 (3 seeds, 900 s). The mean is set so that measure gives the published ~920: 920 / 0.885.
-# Stop 35: 922 / 908 at c64 / c128 and 3,592 / 5,918 requests (published 3,543 / 6,242). Until
+# Stop 36: 917 / 912 at c64 / c128 and 3,588 / 5,902 requests (published 3,543 / 6,242). Until
 # stop 34 the generated mean itself was 920: 830 / 808 per answered request, 3,900 / 6,440
 # requests; until stop 27, 1,449, from "24 minutes" (the CPU tier's write window).
 REFERENCE_OUTPUT_MEAN = 1040
