@@ -35,6 +35,7 @@ from sim_vs_bench import (  # benchmarks/: the same corpus, cluster and simulato
     _engine_block,
     add_workload_args,
     corpus,
+    read_steps,
     sim_config,
     start_cluster,
 )
@@ -130,16 +131,7 @@ def main() -> None:
     finally:
         cluster.stop()
         os.environ.pop("AGENTSERVE_STEP_TRACE", None)
-    bench_steps, loop_gaps = [], []
-    for f in sorted(work.glob("steps.*.jsonl")):
-        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
-        for r, nxt in zip(recs, recs[1:] + [None]):
-            r["dt"] = r["sched_s"] + r["exec_s"] + r["post_s"]
-            bench_steps.append(r)
-            if nxt is not None:
-                gap = nxt["t"] - r["t"] - r["dt"]
-                if gap < 0.005:  # back to back (a longer gap is the engine idle)
-                    loop_gaps.append(gap)
+    bench_steps, loop_gaps = read_steps(work)
     if not bench_steps:
         raise SystemExit(f"no step trace under {work}: did the engines start with it?")
 

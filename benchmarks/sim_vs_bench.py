@@ -12,7 +12,11 @@
 4. the simulator: 2 aggregated engines (`SimConfig.aggregated`), the same file, concurrency,
    token scale, output cap, KV size, chunk budget, and the engines' KV block size (they reuse
    whole 16-token blocks; a token-scaled trace block is 2 tokens);
-5. compare output tok/s and TTFT p50 (target +-20%); JSON + a rich table; load average recorded.
+5. compare output tok/s and TTFT p50 (target +-20%); JSON + a rich table; load average recorded;
+6. a drift gauge, not used by the prediction: the engines trace their steps during the bench,
+   and the calibrated model prices the bench's own decode steps (`step_drift`): the box runs
+   10-25% faster or slower from one minute to the next, and a bench that ran faster or slower
+   than both calibrations shows here.
 
     .venv/bin/python benchmarks/sim_vs_bench.py --out benchmarks/results/sim_vs_bench.json
 """
@@ -100,6 +104,53 @@ def mean_profile(a: dict, b: dict) -> dict:
     return out
 
 
+def read_steps(work: Path, since: float = float("-inf"), until: float = float("inf")
+               ) -> tuple[list[dict], list[float]]:
+    """The engines' step traces under `work` (`AGENTSERVE_STEP_TRACE=work/steps`), the steps
+    begun in [since, until) (`time.perf_counter`: CLOCK_MONOTONIC, which the engines and this
+    process share): each with `dt` (scheduling + forward + the rest) and `span` (to the next
+    step's start when back to back, else `dt`); and the core loop's gaps between back-to-back
+    steps."""
+    steps, gaps = [], []
+    for f in sorted(work.glob("steps.*.jsonl")):
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        for r, nxt in zip(recs, recs[1:] + [None]):
+            r["dt"] = r["span"] = r["sched_s"] + r["exec_s"] + r["post_s"]
+            if nxt is not None and (gap := nxt["t"] - r["t"] - r["dt"]) < 0.005:
+                gaps.append(gap)  # back to back (a longer gap is the engine idle)
+                r["span"] = nxt["t"] - r["t"]
+            if since <= r["t"] < until:
+                steps.append(r)
+    return steps, gaps
+
+
+def step_drift(steps: list[dict], profile: Path) -> dict | None:
+    """How the calibrated step model prices the bench's own decode-only steps: the median of
+    modelled / measured (step and the loop gap after it) over those steps, all and by batch.
+    It is not used by the prediction; it says how the box ran during the bench against the
+    calibrations around it (a bench that ran 20% faster than both shows a ratio ~20% higher
+    than a run where they agree), which is how a miss that is the box's drift shows."""
+    import statistics
+
+    from agentserve.engine.decode_groups import padded_keys
+    from agentserve.sim.memory import Topology
+    from agentserve.sim.perf import PerfModel
+    from agentserve.sim.specs import cpu_local, model_spec
+
+    perf = PerfModel(model_spec("tiny"), cpu_local(profile), Topology("dep", 1, "decode"))
+    by: dict[int, list[float]] = {}
+    for s in steps:
+        if s["dec"] and not s["pre"] and s["span"] > 0:
+            model = perf.measured_step([], float(padded_keys(s["dec"])), len(s["dec"]))
+            by.setdefault(len(s["dec"]), []).append(model / s["span"])
+    if not by:
+        return None
+    every = [x for v in by.values() for x in v]
+    return {"steps": len(every), "model_over_bench": statistics.median(every),
+            "by_batch": {b: {"steps": len(v), "model_over_bench": statistics.median(v)}
+                         for b, v in sorted(by.items()) if len(v) >= 20}}
+
+
 def add_workload_args(ap: argparse.ArgumentParser) -> None:
     """The corpus, bench and engine knobs this check and `sim_step_audit.py` share."""
     ap.add_argument("--stage", type=float, default=45.0)
@@ -167,7 +218,12 @@ def main() -> None:
     prof_path = Path("benchmarks/results/sim_cpu_profile.json")
     load_before = os.getloadavg()
     url = f"http://127.0.0.1:{args.port}"
-    cluster = start_cluster(args, work / "run")
+    # the engines trace their steps (engine/steptrace.py; a line a step): `step_drift` below
+    os.environ["AGENTSERVE_STEP_TRACE"] = str(work / "steps")
+    try:
+        cluster = start_cluster(args, work / "run")
+    finally:
+        os.environ.pop("AGENTSERVE_STEP_TRACE", None)
     try:
         # 1-2. calibrate right before the real run, on the same processes
         if args.reuse_profile and prof_path.is_file():
@@ -188,13 +244,13 @@ def main() -> None:
         os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
         engine_urls = [e[0].url for e in cluster.engines]
         reads_before = _attn_reads(engine_urls)
-        t0 = time.time()
+        t0, m0 = time.time(), time.perf_counter()  # the step trace's clock
         stages = run_bench(BenchConfig(url=url, trace_sessions=sessions, mode="concurrency",
                                        concurrency=conc, stage_duration=args.stage,
                                        token_scale=args.token_scale, max_output=args.max_output,
                                        out=str(work / "bench"), progress=False, plots=False,
                                        seed=args.seed))
-        bench_wall = time.time() - t0
+        bench_wall, m1 = time.time() - t0, time.perf_counter()
         reads = _attn_reads(engine_urls)
         bench_reads = {k: v - reads_before.get(k, 0.0) for k, v in reads.items()}
         engine_block = _engine_block(cluster.engines[0][0].url)
@@ -215,6 +271,7 @@ def main() -> None:
         profile["before"], profile["after"] = profile_before, profile_after
         prof_path.write_text(json.dumps(profile, indent=2))
     load_after = os.getloadavg()
+    drift = step_drift(read_steps(work, m0, m1)[0], prof_path)  # the profile simulated
 
     # 4. the simulator, same workload and knobs
     from agentserve.sim.run import simulate
@@ -242,7 +299,7 @@ def main() -> None:
     result = {"args": vars(args), "profile": profile, "engine_block_tokens": engine_block,
               "loadavg_before": load_before,
               "loadavg_after": load_after, "bench_wall_s": bench_wall, "rows": rows,
-              "bench_attn_read_tokens": bench_reads,
+              "bench_attn_read_tokens": bench_reads, "bench_step_drift": drift,
               "target": "output tok/s and TTFT p50 within +-20%"}
     Path(args.out).write_text(json.dumps(result, indent=2, default=float))
 
@@ -260,6 +317,10 @@ def main() -> None:
             tab.add_row(str(r["concurrency"]), k, f"{v['sim']:.3g}" if v["sim"] is not None else "-",
                         f"{v['bench']:.3g}" if v["bench"] is not None else "-", err)
     Console().print(tab)
+    if drift is not None:
+        print(f"the step model over the bench's own decode steps (a drift gauge, not fitted): "
+              f"median {drift['model_over_bench']:.2f} over {drift['steps']} steps; by batch "
+              + ", ".join(f"{b}: {v['model_over_bench']:.2f}" for b, v in drift["by_batch"].items()))
     print(f"wrote {args.out}; work dir {work}", file=sys.stderr)
 
 

@@ -99,6 +99,39 @@ def test_prefill_fits_recover_the_model_they_invert() -> None:
     assert cal.fit_cold(16, (512, 1.0), (2048, 1.0)) == (pytest.approx(1.0 / 2032), 0.0)
 
 
+def test_sim_vs_bench_reads_the_bench_window_and_gauges_drift(tmp_path: Path) -> None:
+    """`read_steps` keeps the steps begun inside the bench's window and spans back-to-back
+    steps to the next start; `step_drift` prices them with the calibrated profile, so the
+    same batches run twice as fast read twice as high."""
+    import sim_vs_bench as svb
+
+    profile = ROOT / "benchmarks/results/sim_cpu_profile.json"
+
+    def trace(folder: Path, step_s: float) -> None:
+        folder.mkdir()
+        lines = []
+        for i in range(40):  # back to back (0.2 ms loop gaps); 30 begin in [10, 10 + 30 spans)
+            lines.append(json.dumps({"t": 10.0 + (i - 5) * (step_s + 2e-4), "sched_s": 0.0,
+                                     "exec_s": step_s, "post_s": 0.0,
+                                     "dec": [1000, 1100], "pre": []}))
+        lines.append(json.dumps({"t": 10.0 + 40 * step_s, "sched_s": 0.0, "exec_s": 0.05,
+                                 "post_s": 0.0, "dec": [], "pre": [[512, 0]]}))
+        (folder / "steps.1.jsonl").write_text("\n".join(lines) + "\n")
+
+    trace(tmp_path / "slow", 0.010)
+    trace(tmp_path / "fast", 0.005)
+    until = 10.0 + 30 * (0.010 + 2e-4) - 1e-6
+    steps, gaps = svb.read_steps(tmp_path / "slow", 10.0, until)
+    assert len(steps) == 30 and len(gaps) == 39  # the prefill step after them is not
+    assert all(s["span"] == pytest.approx(0.0102) for s in steps)
+    slow = svb.step_drift(steps, profile)
+    fast = svb.step_drift(svb.read_steps(tmp_path / "fast", 10.0, until)[0], profile)
+    assert slow is not None and fast is not None and slow["steps"] == 30
+    assert slow["by_batch"][2]["model_over_bench"] == slow["model_over_bench"]
+    assert fast["model_over_bench"] == pytest.approx(slow["model_over_bench"] * 0.0102 / 0.0052)
+    assert svb.step_drift([s for s in steps if not s["dec"]], profile) is None
+
+
 @pytest.mark.slow
 def test_sim_step_audit_runs(tmp_path: Path) -> None:
     """A 6 s stage through `up --topology 2` with the engines' step trace on, then the
