@@ -14,9 +14,9 @@
    whole 16-token blocks; a token-scaled trace block is 2 tokens);
 5. compare output tok/s and TTFT p50 (target +-20%); JSON + a rich table; load average recorded;
 6. a drift gauge, not used by the prediction: the engines trace their steps during the bench,
-   and the calibrated model prices the bench's own decode steps (`step_drift`): the box runs
-   10-25% faster or slower from one minute to the next, and a bench that ran faster or slower
-   than both calibrations shows here.
+   and the calibrated model prices the bench's own decode steps (`step_drift`): this box's
+   speed moves by up to a third between minutes (stop 37: the same bench 34% apart in two
+   runs), and a bench that ran in a faster or slower spell than its calibrations shows here.
 
     .venv/bin/python benchmarks/sim_vs_bench.py --out benchmarks/results/sim_vs_bench.json
 """
@@ -109,18 +109,19 @@ def read_steps(work: Path, since: float = float("-inf"), until: float = float("i
     """The engines' step traces under `work` (`AGENTSERVE_STEP_TRACE=work/steps`), the steps
     begun in [since, until) (`time.perf_counter`: CLOCK_MONOTONIC, which the engines and this
     process share): each with `dt` (scheduling + forward + the rest) and `span` (to the next
-    step's start when back to back, else `dt`); and the core loop's gaps between back-to-back
-    steps."""
+    step's start when back to back, else `dt`); and the core loop's gaps after those of them
+    that ran back to back."""
     steps, gaps = [], []
     for f in sorted(work.glob("steps.*.jsonl")):
         recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
         for r, nxt in zip(recs, recs[1:] + [None]):
             r["dt"] = r["span"] = r["sched_s"] + r["exec_s"] + r["post_s"]
+            if not since <= r["t"] < until:
+                continue
             if nxt is not None and (gap := nxt["t"] - r["t"] - r["dt"]) < 0.005:
                 gaps.append(gap)  # back to back (a longer gap is the engine idle)
                 r["span"] = nxt["t"] - r["t"]
-            if since <= r["t"] < until:
-                steps.append(r)
+            steps.append(r)
     return steps, gaps
 
 
@@ -218,7 +219,8 @@ def main() -> None:
     prof_path = Path("benchmarks/results/sim_cpu_profile.json")
     load_before = os.getloadavg()
     url = f"http://127.0.0.1:{args.port}"
-    # the engines trace their steps (engine/steptrace.py; a line a step): `step_drift` below
+    # the engines trace their steps (engine/steptrace.py: a JSON line a step, ~15 us against
+    # steps of 5-50 ms), for `step_drift` below
     os.environ["AGENTSERVE_STEP_TRACE"] = str(work / "steps")
     try:
         cluster = start_cluster(args, work / "run")
