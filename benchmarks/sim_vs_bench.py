@@ -16,7 +16,10 @@
 6. a drift gauge, not used by the prediction: the engines trace their steps during the bench,
    and the calibrated model prices the bench's own decode steps (`step_drift`): this box's
    speed moves by up to a third between minutes (stop 37: the same bench 34% apart in two
-   runs), and a bench that ran in a faster or slower spell than its calibrations shows here.
+   runs), and a bench that ran in a faster or slower spell than its calibrations shows here;
+   with it, the hypervisor's steal during the calibrations and the bench (`cpu_steal`), which
+   tracks much of that speed (stop 38: step time against steal correlates 0.6-0.9 over 10 s
+   windows, but the slope moves 3x between runs, so it is recorded, not used to correct).
 
     .venv/bin/python benchmarks/sim_vs_bench.py --out benchmarks/results/sim_vs_bench.json
 """
@@ -102,6 +105,27 @@ def mean_profile(a: dict, b: dict) -> dict:
         else:
             out[k] = v
     return out
+
+
+def cpu_steal() -> tuple[int, int] | None:
+    """(steal, total) jiffies over all CPUs from `/proc/stat` (the time a virtual CPU wanted to
+    run while the hypervisor ran something else); None where there is no `/proc/stat`."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    if not fields or fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return ticks[7], sum(ticks)
+
+
+def steal_frac(a: tuple[int, int] | None, b: tuple[int, int] | None) -> float | None:
+    """The share of all CPU time that was stolen between two `cpu_steal` readings."""
+    if a is None or b is None or b[1] <= a[1]:
+        return None
+    return (b[0] - a[0]) / (b[1] - a[1])
 
 
 def read_steps(work: Path, since: float = float("-inf"), until: float = float("inf")
@@ -226,8 +250,10 @@ def main() -> None:
         cluster = start_cluster(args, work / "run")
     finally:
         os.environ.pop("AGENTSERVE_STEP_TRACE", None)
+    steal: dict[str, float | None] = {}
     try:
         # 1-2. calibrate right before the real run, on the same processes
+        st0 = cpu_steal()
         if args.reuse_profile and prof_path.is_file():
             profile = json.loads(prof_path.read_text())
         elif args.calibration == "server":
@@ -244,15 +270,18 @@ def main() -> None:
         prof_path.parent.mkdir(parents=True, exist_ok=True)
         prof_path.write_text(json.dumps(profile, indent=2))
         os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
+        if not args.reuse_profile:
+            steal["calibration_before"] = steal_frac(st0, cpu_steal())
         engine_urls = [e[0].url for e in cluster.engines]
         reads_before = _attn_reads(engine_urls)
-        t0, m0 = time.time(), time.perf_counter()  # the step trace's clock
+        t0, m0, st0 = time.time(), time.perf_counter(), cpu_steal()  # the step trace's clock
         stages = run_bench(BenchConfig(url=url, trace_sessions=sessions, mode="concurrency",
                                        concurrency=conc, stage_duration=args.stage,
                                        token_scale=args.token_scale, max_output=args.max_output,
                                        out=str(work / "bench"), progress=False, plots=False,
                                        seed=args.seed))
         bench_wall, m1 = time.time() - t0, time.perf_counter()
+        steal["bench"] = steal_frac(st0, cpu_steal())
         reads = _attn_reads(engine_urls)
         bench_reads = {k: v - reads_before.get(k, 0.0) for k, v in reads.items()}
         engine_block = _engine_block(cluster.engines[0][0].url)
@@ -265,7 +294,9 @@ def main() -> None:
     if args.calibration == "server" and not args.reuse_profile:
         cluster = start_cluster(args, work / "calibrate_after")
         try:
+            st0 = cpu_steal()
             profile_after = _calibrator().calibrate_server(url, chunk=args.chunk)
+            steal["calibration_after"] = steal_frac(st0, cpu_steal())
         finally:
             cluster.stop()
         profile_before = profile
@@ -302,6 +333,7 @@ def main() -> None:
               "loadavg_before": load_before,
               "loadavg_after": load_after, "bench_wall_s": bench_wall, "rows": rows,
               "bench_attn_read_tokens": bench_reads, "bench_step_drift": drift,
+              "cpu_steal_frac": steal,
               "target": "output tok/s and TTFT p50 within +-20%"}
     Path(args.out).write_text(json.dumps(result, indent=2, default=float))
 
@@ -323,6 +355,9 @@ def main() -> None:
         print(f"the step model over the bench's own decode steps (a drift gauge, not fitted): "
               f"median {drift['model_over_bench']:.2f} over {drift['steps']} steps; by batch "
               + ", ".join(f"{b}: {v['model_over_bench']:.2f}" for b, v in drift["by_batch"].items()))
+    if any(v is not None for v in steal.values()):
+        print("CPU time stolen by the hypervisor: " + ", ".join(
+            f"{k.replace('_', ' ')} {v:.1%}" for k, v in steal.items() if v is not None))
     print(f"wrote {args.out}; work dir {work}", file=sys.stderr)
 
 

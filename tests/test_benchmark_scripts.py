@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,6 +131,24 @@ def test_sim_vs_bench_reads_the_bench_window_and_gauges_drift(tmp_path: Path) ->
     assert slow["by_batch"][2]["model_over_bench"] == slow["model_over_bench"]
     assert fast["model_over_bench"] == pytest.approx(slow["model_over_bench"] * 0.0102 / 0.0052)
     assert svb.step_drift([s for s in steps if not s["dec"]], profile) is None
+
+
+def test_sim_vs_bench_reads_the_hypervisors_steal() -> None:
+    """`cpu_steal` reads this machine's `/proc/stat` (steal never above the total, both growing);
+    `steal_frac` is the stolen share between two readings, None without a span."""
+    import sim_vs_bench as svb
+
+    a = svb.cpu_steal()
+    if a is None:
+        pytest.skip("no /proc/stat here")
+    deadline = time.perf_counter() + 0.2
+    while time.perf_counter() < deadline:  # let the tick counters move
+        pass
+    b = svb.cpu_steal()
+    assert b is not None and 0 <= a[0] <= a[1] and b[0] >= a[0] and b[1] > a[1]
+    assert 0.0 <= svb.steal_frac(a, b) <= 1.0
+    assert svb.steal_frac((10, 1000), (15, 1100)) == pytest.approx(0.05)
+    assert svb.steal_frac(a, a) is None and svb.steal_frac(None, b) is None
 
 
 @pytest.mark.slow
