@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 mkdir -p bench-out
 run() { echo; echo "=== $* ==="; "$PY" "$@"; }
+run benchmarks/box_speed.py --out bench-out/box_speed.json  # how steady the box is, first (5 min)
 run benchmarks/engine_vs_vllm.py --out bench-out/engine_vs_vllm.json
 run benchmarks/vllm_request_path.py --out bench-out/vllm_request_path.json
 run benchmarks/sched_overhead.py --out bench-out/sched_overhead.json

@@ -18,7 +18,7 @@
    speed moves by up to a third between minutes (stop 37: the same bench 34% apart in two
    runs), and a bench that ran in a faster or slower spell than its calibrations shows here;
    with it, the hypervisor's steal during the calibrations and the bench (`cpu_steal`), which
-   tracks much of that speed (stop 38: step time against steal correlates 0.6-0.9 over 10 s
+   tracks much of that speed (stop 38: step time against steal correlates 0.55-0.9 over 10 s
    windows, but the slope moves 3x between runs, so it is recorded, not used to correct).
 
     .venv/bin/python benchmarks/sim_vs_bench.py --out benchmarks/results/sim_vs_bench.json

@@ -151,6 +151,34 @@ def test_sim_vs_bench_reads_the_hypervisors_steal() -> None:
     assert svb.steal_frac(a, a) is None and svb.steal_frac(None, b) is None
 
 
+def test_box_speed_summary_tracks_steal() -> None:
+    """`box_speed.summarize`: the spread of the windows' steps, and a step time that grows with
+    steal reads as a positive correlation and its fit (windows without a reading left out)."""
+    import box_speed
+
+    windows = [{"step_ms": 20.0 * (1 + 2.0 * st), "steal": st, "sentinel_ms": 9.0 + st}
+               for st in (0.0, 0.01, 0.05, 0.1)]
+    windows.append({"step_ms": 30.0, "steal": None, "sentinel_ms": None})
+    got = box_speed.summarize(windows)
+    assert got["windows"] == 5 and got["step_ms"]["max_over_min"] == pytest.approx(1.5)
+    assert got["corr_step_steal"] == pytest.approx(1.0)
+    assert got["fit"] == {"base_ms": pytest.approx(20.0), "per_unit_steal": pytest.approx(2.0)}
+    assert got["corr_step_sentinel"] == pytest.approx(1.0)
+    assert box_speed.summarize([{"step_ms": None, "steal": 0.1}]) == {"windows": 0}
+
+
+@pytest.mark.slow
+def test_box_speed_runs(tmp_path: Path) -> None:
+    """One engine and the sentinel over two 2 s windows: both windows timed, steal read."""
+    res = _run("box_speed.py", "--engines", "1", "--duration", "4", "--window", "2",
+               "--lead", "8", "--sentinel-period", "0.2", out=tmp_path / "box.json")
+    assert [w["k"] for w in res["windows"]] == [0, 1]
+    assert all(w["step_ms"] and w["step_ms"] > 0 for w in res["windows"])
+    assert all(w["steal"] is not None and 0 <= w["steal"] <= 1 for w in res["windows"])
+    assert res["windows"][1]["sentinel_ms"] > 0
+    assert res["summary"]["sentinel_priority"] in ("fifo", "normal")
+
+
 @pytest.mark.slow
 def test_sim_step_audit_runs(tmp_path: Path) -> None:
     """A 6 s stage through `up --topology 2` with the engines' step trace on, then the
