@@ -42,13 +42,20 @@ def engine_worker(args: argparse.Namespace) -> None:
     from sim_calibrate_cpu import _add
 
     torch.set_num_threads(1)
-    eng = AsyncEngine.from_args(kv_cache_tokens=131_072, max_num_batched_tokens=2048)
+    # room for the whole batch to the window's end (< 1,000 steps a second), so nothing preempts
+    kv = max(131_072, args.batch * (args.prompt + int(args.window * 1000)))
+    eng = AsyncEngine.from_args(kv_cache_tokens=kv, max_num_batched_tokens=2048)
     core, rng = eng.core, random.Random(args.seed)
-    out = open(args.worker_out, "w")  # noqa: SIM115 - closed at the end of the worker
-    with torch.inference_mode():
+    if args.prompt >= core.max_model_len:
+        raise SystemExit(f"--prompt {args.prompt} does not fit the model ({core.max_model_len} tokens)")
+    with open(args.worker_out, "w") as out, torch.inference_mode():
         for k in range(args.windows):
             seqs = [_add(core, f"w{k}_{i}", args.prompt, rng, 1_000_000) for i in range(args.batch)]
+            give_up = time.time() + args.window + 60.0
             while any(s.num_output_tokens == 0 for s in seqs):  # prefill: not timed
+                if time.time() > give_up:
+                    raise SystemExit(f"the batch's prefill took over {args.window + 60:g} s: "
+                                     "use a smaller --prompt or --batch")
                 core.step([])
             start = max(time.time(), args.t0 + k * args.window)
             while time.time() < start:
@@ -66,7 +73,6 @@ def engine_worker(args: argparse.Namespace) -> None:
                                   "median_ms": 1e3 * statistics.median(steps) if steps else None})
                       + "\n")
             out.flush()
-    out.close()
 
 
 def sentinel_work(x, w1, w2) -> float:
@@ -160,8 +166,8 @@ def main() -> None:
         return engine_worker(args)
     if args.worker == "sentinel":
         return sentinel_worker(args)
-    if args.engines < 1 or args.window <= 0 or args.duration < args.window:
-        ap.error("need --engines >= 1 and --duration >= --window > 0")
+    if min(args.engines, args.batch, args.prompt) < 1 or args.window <= 0 or args.duration < args.window:
+        ap.error("need --engines, --batch, --prompt >= 1 and --duration >= --window > 0")
 
     import tempfile
 
@@ -180,16 +186,22 @@ def main() -> None:
     steal = []
     for k in range(n + 1):  # the steal counters at every window boundary
         while (wait := t0 + k * args.window - time.time()) > 0:
+            if any(p.poll() not in (None, 0) for p in procs):
+                break  # a worker died: stop now, not at the end of the run
             time.sleep(min(wait, 0.5))
         steal.append(cpu_steal())
     deadline = time.time() + 120.0  # a window's end to its record is one step at most
     for p in procs:
+        if any(q.poll() not in (None, 0) for q in procs):
+            p.kill()
         try:
             p.wait(timeout=max(deadline - time.time(), 1.0))
         except subprocess.TimeoutExpired:
             p.kill()
+            p.wait(timeout=10)
     if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"a worker failed (exit codes {[p.returncode for p in procs]}); see above")
+        raise SystemExit(f"a worker failed or was killed 120 s after the last window (exit codes "
+                         f"{[p.returncode for p in procs]}); see above")
 
     per_engine = [{r["k"]: r for r in map(json.loads, (work / f"engine{i}.jsonl").read_text().splitlines())}
                   for i in range(args.engines)]

@@ -165,6 +165,9 @@ def test_box_speed_summary_tracks_steal() -> None:
     assert got["fit"] == {"base_ms": pytest.approx(20.0), "per_unit_steal": pytest.approx(2.0)}
     assert got["corr_step_sentinel"] == pytest.approx(1.0)
     assert box_speed.summarize([{"step_ms": None, "steal": 0.1}]) == {"windows": 0}
+    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/box_speed.py"), "--engines", "0"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "need --engines" in bad.stderr
 
 
 @pytest.mark.slow
