@@ -10,6 +10,11 @@ import typer
 POSITIVE = 1e-9  # as a minimum: the flag must be > 0 ("must be positive")
 
 
+def _num(v: float) -> str:
+    """A flag's value as typed: whole numbers in full (99999999, not 1e+08), others `:g`."""
+    return str(int(v)) if float(v).is_integer() and abs(v) < 1e18 else f"{v:g}"
+
+
 def flag_range_error(**flags: tuple[float | None, ...]) -> str | None:
     """The message for the first flag out of its range, else None. Flags are given as
     name=(value, minimum) or name=(value, minimum, maximum); unset (None) values pass, NaN
@@ -21,10 +26,10 @@ def flag_range_error(**flags: tuple[float | None, ...]) -> str | None:
         if not math.isfinite(value):
             return f"{flag} must be a finite number, got {value}"
         if value < low:
-            what = "positive" if low == POSITIVE else f">= {low:g}"
-            return f"{flag} must be {what}, got {value:g}"
+            what = "positive" if low == POSITIVE else f">= {_num(low)}"
+            return f"{flag} must be {what}, got {_num(value)}"
         if high and value > high[0]:
-            return f"{flag} must be <= {high[0]:g}, got {value:g}"
+            return f"{flag} must be <= {_num(high[0])}, got {_num(value)}"
     return None
 
 
