@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 from sim_vs_bench import cpu_steal, steal_frac
 
@@ -183,25 +184,27 @@ def main() -> None:
     if args.sentinel_period > 0:
         procs.append(subprocess.Popen(common + ["--worker", "sentinel",
                                                 "--worker-out", str(work / "sentinel.jsonl")]))
+    def stop(why: str) -> NoReturn:
+        for p in procs:
+            p.kill()
+            p.wait(timeout=10)
+        raise SystemExit(f"{why} (exit codes {[p.returncode for p in procs]}); see above")
+
     steal = []
     for k in range(n + 1):  # the steal counters at every window boundary
         while (wait := t0 + k * args.window - time.time()) > 0:
             if any(p.poll() not in (None, 0) for p in procs):
-                break  # a worker died: stop now, not at the end of the run
+                stop("a worker failed")  # now, not at the end of the run
             time.sleep(min(wait, 0.5))
         steal.append(cpu_steal())
     deadline = time.time() + 120.0  # a window's end to its record is one step at most
-    for p in procs:
-        if any(q.poll() not in (None, 0) for q in procs):
-            p.kill()
-        try:
+    try:
+        for p in procs:
             p.wait(timeout=max(deadline - time.time(), 1.0))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        stop("a worker was still running 120 s after the last window")
     if any(p.returncode != 0 for p in procs):
-        raise SystemExit(f"a worker failed or was killed 120 s after the last window (exit codes "
-                         f"{[p.returncode for p in procs]}); see above")
+        stop("a worker failed")
 
     per_engine = [{r["k"]: r for r in map(json.loads, (work / f"engine{i}.jsonl").read_text().splitlines())}
                   for i in range(args.engines)]
