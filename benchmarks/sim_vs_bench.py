@@ -1,22 +1,26 @@
 """SIM-1 small-scale check: does the simulator (cpu-local) predict `agentserve bench` on our stack?
 
 1. start `agentserve up --topology 2` (tiny model, `--kv-cache-tokens`);
-2. calibrate the `cpu-local` profile on it right before the real run and again right after
-   it (on a fresh cluster), and use the mean of the two (the box drifts by 5-10% over minutes)
+2. calibrate the `cpu-local` profile on it right before the real runs and again right after
+   them (on a fresh cluster), and use the mean of the two (the box drifts by 5-10% over minutes)
    (`sim_calibrate_cpu.calibrate_server`: synthetic fixed-shape requests through the router,
    client timings, so the steps carry the serving cost of these shared cores; `--calibration
    core` fits the engine core in-process instead and probes the per-request overhead);
-3. the real thing: then
-   `run_bench` in concurrency mode on a synthesized `sweep` corpus written to a file,
-   `--token-scale` K so prompts are a few hundred to a few thousand tokens;
+3. the real thing: `--repeats` N (default 3) runs of `run_bench` in concurrency mode, each on
+   a fresh cluster (the first on the calibrated one), on a synthesized `sweep` corpus written
+   to a file, `--token-scale` K so prompts are a few hundred to a few thousand tokens: one
+   45 s stage samples one spell of this box, whose speed moves 20-25% between minutes
+   (`box_speed.py`), so the bench figure is the runs' mean, as AIPerf's
+   `--num-profile-runs` aggregates, with each run's value, error and their spread kept;
 4. the simulator: 2 aggregated engines (`SimConfig.aggregated`), the same file, concurrency,
    token scale, output cap, KV size, chunk budget, and the engines' KV block size (they reuse
    whole 16-token blocks; a token-scaled trace block is 2 tokens);
-5. compare output tok/s and TTFT p50 (target +-20%); JSON + a rich table; load average recorded;
+5. compare output tok/s and TTFT p50 with the runs' mean (target +-20%); JSON + a rich table;
+   load average recorded;
 6. a drift gauge, not used by the prediction: the engines trace their steps during the bench,
-   and the calibrated model prices the bench's own decode steps (`step_drift`): this box's
+   and the calibrated model prices each run's own decode steps (`step_drift`): this box's
    speed moves by up to a third between minutes (stop 37: the same bench 34% apart in two
-   runs), and a bench that ran in a faster or slower spell than its calibrations shows here;
+   runs), and a run in a faster or slower spell than its calibrations shows here;
    with it, the hypervisor's steal during the calibrations and the bench (`cpu_steal`), which
    tracks much of that speed (stop 38: step time against steal correlates 0.55-0.9 over 10 s
    windows, but the slope moves 3x between runs, so it is recorded, not used to correct).
@@ -221,10 +225,117 @@ def sim_config(args: argparse.Namespace, concurrency: int, trace: Path, engine_b
                      workload=str(trace))
 
 
+# (key, how to read it from a bench or simulator summary) for each metric compared
+METRICS = (("output_tok_s", lambda s: s["output_tok_s"]),
+           ("ttft_p50_s", lambda s: s["ttft_s"]["p50"]),
+           ("itl_p50_ms", lambda s: s["itl_ms"]["p50"]),
+           ("input_tok_s", lambda s: s["input_tok_s"]),
+           ("requests_ok", lambda s: s["requests_ok"]))
+
+
+def compare(conc: list[int], sims: list[dict], bench_runs: list[list[dict]]) -> list[dict]:
+    """Row per concurrency: each metric's simulated value against the mean of the bench runs
+    (AIPerf's multi-run aggregate, `--num-profile-runs`), with every run's value, their
+    coefficient of variation and each run's own error kept beside it."""
+    import statistics
+
+    def err(p: float | None, m: float | None) -> float | None:
+        return (p - m) / m if (p is not None and m) else None
+
+    rows = []
+    for j, (c, sim) in enumerate(zip(conc, sims)):
+        row: dict = {"concurrency": c}
+        for key, get in METRICS:
+            p = get(sim)
+            runs = [get(run[j]) for run in bench_runs]
+            vals = [v for v in runs if v is not None]
+            m = statistics.fmean(vals) if vals else None
+            row[key] = {"sim": p, "bench": m, "err": err(p, m), "bench_runs": runs,
+                        "err_runs": [err(p, v) for v in runs],
+                        "bench_cv": (statistics.stdev(vals) / m if len(vals) > 1 and m else None)}
+        row["sim_extra"] = {k: sim.get(k) for k in ("prefill_gpu_hit_rate", "busy_frac",
+                                                    "preemptions", "queue")}
+        cached = [run[j].get("cached_tokens", 0) / run[j]["input_tokens"]
+                  for run in bench_runs if run[j].get("input_tokens")]
+        row["bench_cached_frac"] = statistics.fmean(cached) if cached else None
+        rows.append(row)
+    return rows
+
+
+def warm_up(url: str, n: int = 4) -> None:
+    """A few short requests through the router, so that a fresh cluster's first bench
+    requests do not carry the engines' first-forward costs (the calibration does this for the
+    cluster it runs on)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        model = json.loads(r.read())["data"][0]["id"]
+    for i in range(n):
+        body = json.dumps({"prompt": [20 + (i * 13 + j) % 3000 for j in range(256)],
+                           "max_tokens": 4, "model": model, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"{url}/v1/completions", body,
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            r.read()
+
+
+def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir: Path,
+              calibrate: bool) -> dict:
+    """One bench of all the stages on a fresh cluster, which traces its steps into `run_dir`;
+    with `calibrate`, the `cpu-local` profile is fitted on the same processes right before
+    (as `--calibration` says) and returned under "profile"."""
+    from agentserve.workload.replay import BenchConfig, run_bench
+
+    url = f"http://127.0.0.1:{args.port}"
+    # the engines trace their steps (engine/steptrace.py: a JSON line a step, ~15 us against
+    # steps of 5-50 ms), for `step_drift`
+    os.environ["AGENTSERVE_STEP_TRACE"] = str(run_dir / "steps")
+    try:
+        cluster = start_cluster(args, run_dir / "cluster")
+    finally:
+        os.environ.pop("AGENTSERVE_STEP_TRACE", None)
+    out: dict = {}
+    try:
+        if calibrate:
+            st0 = cpu_steal()
+            if args.calibration == "server":
+                profile = _calibrator().calibrate_server(url, chunk=args.chunk)
+            else:
+                profile = _calibrator().calibrate("tiny", chunk=args.chunk)
+                PROFILE.write_text(json.dumps(profile, indent=2))  # probe_overhead reads it
+                os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
+                try:
+                    profile["request_overhead_s"] = probe_overhead(url, profile)
+                except Exception as e:  # noqa: BLE001 - recorded, the comparison still runs
+                    profile["request_overhead_s"], profile["request_overhead_error"] = 0.0, repr(e)
+            out["profile"], out["steal_calibration"] = profile, steal_frac(st0, cpu_steal())
+        else:
+            warm_up(url)
+        engine_urls = [e[0].url for e in cluster.engines]
+        reads_before = _attn_reads(engine_urls)
+        t0, m0, st0 = time.time(), time.perf_counter(), cpu_steal()  # the step trace's clock
+        out["stages"] = run_bench(BenchConfig(
+            url=url, trace_sessions=sessions, mode="concurrency", concurrency=conc,
+            stage_duration=args.stage, token_scale=args.token_scale, max_output=args.max_output,
+            out=str(run_dir / "bench"), progress=False, plots=False, seed=args.seed))
+        out["wall_s"], out["window"] = time.time() - t0, (m0, time.perf_counter())
+        out["steal"] = steal_frac(st0, cpu_steal())
+        reads = _attn_reads(engine_urls)
+        out["attn_read_tokens"] = {k: v - reads_before.get(k, 0.0) for k, v in reads.items()}
+        out["engine_block"] = _engine_block(cluster.engines[0][0].url)
+    finally:
+        cluster.stop()
+    return out
+
+
+PROFILE = Path("benchmarks/results/sim_cpu_profile.json")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--concurrency", default="4,8")
     add_workload_args(ap)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="bench runs, each on a fresh cluster; the simulator is compared with "
+                         "their mean (AIPerf's --num-profile-runs)")
     ap.add_argument("--port", type=int, default=18_480)
     ap.add_argument("--reuse-profile", action="store_true", help="skip calibration if a profile exists")
     ap.add_argument("--calibration", choices=["server", "core"], default="server",
@@ -232,66 +343,39 @@ def main() -> None:
                          "cluster (server) or from the engine core in-process (core)")
     ap.add_argument("--out", default="benchmarks/results/sim_vs_bench.json")
     args = ap.parse_args()
-    conc = [int(x) for x in args.concurrency.split(",")]
+    try:
+        conc = [int(x) for x in args.concurrency.split(",")]
+    except ValueError:
+        ap.error(f"--concurrency takes whole numbers separated by commas, got {args.concurrency!r}")
+    if not conc or min(conc) < 1:
+        ap.error(f"--concurrency values must be >= 1, got {args.concurrency!r}")
+    if not 1 <= args.repeats <= 20:
+        ap.error(f"--repeats must be between 1 and 20, got {args.repeats}")
     work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_"))
-
     trace, sessions = corpus(args, work)
-
-    # the cluster (calibrated, then benchmarked)
-    from agentserve.workload.replay import BenchConfig, run_bench
-
-    prof_path = Path("benchmarks/results/sim_cpu_profile.json")
+    PROFILE.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    url = f"http://127.0.0.1:{args.port}"
-    # the engines trace their steps (engine/steptrace.py: a JSON line a step, ~15 us against
-    # steps of 5-50 ms), for `step_drift` below
-    os.environ["AGENTSERVE_STEP_TRACE"] = str(work / "steps")
-    try:
-        cluster = start_cluster(args, work / "run")
-    finally:
-        os.environ.pop("AGENTSERVE_STEP_TRACE", None)
     steal: dict[str, float | None] = {}
-    try:
-        # 1-2. calibrate right before the real run, on the same processes
-        st0 = cpu_steal()
-        if args.reuse_profile and prof_path.is_file():
-            profile = json.loads(prof_path.read_text())
-        elif args.calibration == "server":
-            profile = _calibrator().calibrate_server(url, chunk=args.chunk)
-        else:
-            profile = _calibrator().calibrate("tiny", chunk=args.chunk)
-            prof_path.parent.mkdir(parents=True, exist_ok=True)
-            prof_path.write_text(json.dumps(profile, indent=2))  # probe_overhead reads it
-            os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
-            try:
-                profile["request_overhead_s"] = probe_overhead(url, profile)
-            except Exception as e:  # noqa: BLE001 - recorded, the comparison still runs
-                profile["request_overhead_s"], profile["request_overhead_error"] = 0.0, repr(e)
-        prof_path.parent.mkdir(parents=True, exist_ok=True)
-        prof_path.write_text(json.dumps(profile, indent=2))
+
+    # 1-3. calibrate right before the first bench, on the same processes; every bench run on
+    # a fresh cluster (cold caches, as the simulator starts)
+    reuse = args.reuse_profile and PROFILE.is_file()
+    runs = []
+    for i in range(args.repeats):
+        runs.append(bench_run(args, sessions, conc, work / f"run{i}", calibrate=(i == 0 and not reuse)))
+    if reuse:
+        profile = json.loads(PROFILE.read_text())
+    else:
+        profile = runs[0].pop("profile")
+        steal["calibration_before"] = runs[0].pop("steal_calibration")
+        PROFILE.write_text(json.dumps(profile, indent=2))
         os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
-        if not args.reuse_profile:
-            steal["calibration_before"] = steal_frac(st0, cpu_steal())
-        engine_urls = [e[0].url for e in cluster.engines]
-        reads_before = _attn_reads(engine_urls)
-        t0, m0, st0 = time.time(), time.perf_counter(), cpu_steal()  # the step trace's clock
-        stages = run_bench(BenchConfig(url=url, trace_sessions=sessions, mode="concurrency",
-                                       concurrency=conc, stage_duration=args.stage,
-                                       token_scale=args.token_scale, max_output=args.max_output,
-                                       out=str(work / "bench"), progress=False, plots=False,
-                                       seed=args.seed))
-        bench_wall, m1 = time.time() - t0, time.perf_counter()
-        steal["bench"] = steal_frac(st0, cpu_steal())
-        reads = _attn_reads(engine_urls)
-        bench_reads = {k: v - reads_before.get(k, 0.0) for k, v in reads.items()}
-        engine_block = _engine_block(cluster.engines[0][0].url)
-    finally:
-        cluster.stop()
-    # The box drifts by 5-10% over minutes: calibrate again after the run and use the mean, so
-    # the profile covers the period the bench ran in (both are recorded). On a fresh cluster:
-    # the run's router state (recent requests per engine) would split the calibration's
-    # waves unevenly between the engines.
-    if args.calibration == "server" and not args.reuse_profile:
+    # The box drifts by 5-10% over minutes: calibrate again after the runs and use the mean,
+    # so the profile covers the period the benches ran in (both are recorded). On a fresh
+    # cluster: a run's router state (recent requests per engine) would split the
+    # calibration's waves unevenly between the engines.
+    url = f"http://127.0.0.1:{args.port}"
+    if args.calibration == "server" and not reuse:
         cluster = start_cluster(args, work / "calibrate_after")
         try:
             st0 = cpu_steal()
@@ -302,63 +386,73 @@ def main() -> None:
         profile_before = profile
         profile = mean_profile(profile_before, profile_after)
         profile["before"], profile["after"] = profile_before, profile_after
-        prof_path.write_text(json.dumps(profile, indent=2))
+        PROFILE.write_text(json.dumps(profile, indent=2))
     load_after = os.getloadavg()
-    drift = step_drift(read_steps(work, m0, m1)[0], prof_path)  # the profile simulated
+    for i, run in enumerate(runs):  # the profile simulated prices each run's own steps
+        run["step_drift"] = step_drift(read_steps(work / f"run{i}", *run.pop("window"))[0], PROFILE)
 
     # 4. the simulator, same workload and knobs
     from agentserve.sim.run import simulate
 
-    rows = []
-    for c, real in zip(conc, stages):
-        cfg = sim_config(args, c, trace, engine_block)
+    sims, sim_wall = [], []
+    for c in conc:
+        cfg = sim_config(args, c, trace, runs[0]["engine_block"])
         t = time.time()
-        sim = simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50)))
-        row = {"concurrency": c, "sim_wall_s": time.time() - t}
-        for key, get in (("output_tok_s", lambda s: s["output_tok_s"]),
-                         ("ttft_p50_s", lambda s: s["ttft_s"]["p50"]),
-                         ("itl_p50_ms", lambda s: s["itl_ms"]["p50"]),
-                         ("input_tok_s", lambda s: s["input_tok_s"]),
-                         ("requests_ok", lambda s: s["requests_ok"])):
-            p, m = get(sim), get(real)
-            row[key] = {"sim": p, "bench": m,
-                        "err": (p - m) / m if (p is not None and m) else None}
-        row["sim_extra"] = {k: sim.get(k) for k in ("prefill_gpu_hit_rate", "busy_frac", "preemptions",
-                                                    "queue")}
-        row["bench_cached_frac"] = (real.get("cached_tokens", 0) / real["input_tokens"]
-                                    if real.get("input_tokens") else None)
-        rows.append(row)
+        sims.append(simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50))))
+        sim_wall.append(time.time() - t)
+    rows = compare(conc, sims, [run.pop("stages") for run in runs])
+    for row, w in zip(rows, sim_wall):
+        row["sim_wall_s"] = w
+    steal["bench"] = [run["steal"] for run in runs]
 
-    result = {"args": vars(args), "profile": profile, "engine_block_tokens": engine_block,
-              "loadavg_before": load_before,
-              "loadavg_after": load_after, "bench_wall_s": bench_wall, "rows": rows,
-              "bench_attn_read_tokens": bench_reads, "bench_step_drift": drift,
-              "cpu_steal_frac": steal,
-              "target": "output tok/s and TTFT p50 within +-20%"}
+    result = {"args": vars(args), "profile": profile, "engine_block_tokens": runs[0]["engine_block"],
+              "loadavg_before": load_before, "loadavg_after": load_after, "rows": rows,
+              "bench_runs": runs, "cpu_steal_frac": steal,
+              "target": "output tok/s and TTFT p50 within +-20% (simulated vs the mean of the "
+                        "bench runs)"}
     Path(args.out).write_text(json.dumps(result, indent=2, default=float))
+    print_table(result, load_before, load_after)
+    print(f"wrote {args.out}; work dir {work}", file=sys.stderr)
 
+
+def print_table(result: dict, load_before: tuple, load_after: tuple) -> None:
+    """The comparison as a rich table, then the drift gauge and the steal of each run."""
     from rich.console import Console
     from rich.table import Table
 
-    tab = Table(title=f"sim vs bench, 2 aggregated tiny engines, load {load_before[0]:.1f}->{load_after[0]:.1f}")
-    for col in ("C", "metric", "sim", "bench", "err"):
+    def g(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3g}"
+
+    def pct(v: float | None, colour: bool = True) -> str:
+        if v is None:
+            return "-"
+        return f"[{'green' if abs(v) <= 0.2 else 'red'}]{v:+.0%}[/]" if colour else f"{v:+.0%}"
+
+    tab = Table(title=f"sim vs bench (mean of {len(result['bench_runs'])} runs), 2 aggregated "
+                      f"tiny engines, load {load_before[0]:.1f}->{load_after[0]:.1f}")
+    for col in ("C", "metric", "sim", "bench", "err", "runs", "err by run", "cv"):
         tab.add_column(col, justify="right")
-    for r in rows:
-        for k in ("output_tok_s", "ttft_p50_s", "itl_p50_ms", "input_tok_s", "requests_ok"):
+    for r in result["rows"]:
+        for k, _ in METRICS:
             v = r[k]
-            ok = v["err"] is not None and abs(v["err"]) <= 0.2
-            err = "-" if v["err"] is None else f"[{'green' if ok else 'red'}]{v['err']:+.0%}[/]"
-            tab.add_row(str(r["concurrency"]), k, f"{v['sim']:.3g}" if v["sim"] is not None else "-",
-                        f"{v['bench']:.3g}" if v["bench"] is not None else "-", err)
-    Console().print(tab)
-    if drift is not None:
-        print(f"the step model over the bench's own decode steps (a drift gauge, not fitted): "
-              f"median {drift['model_over_bench']:.2f} over {drift['steps']} steps; by batch "
-              + ", ".join(f"{b}: {v['model_over_bench']:.2f}" for b, v in drift["by_batch"].items()))
-    if any(v is not None for v in steal.values()):
-        print("CPU time stolen by the hypervisor: " + ", ".join(
-            f"{k.replace('_', ' ')} {v:.1%}" for k, v in steal.items() if v is not None))
-    print(f"wrote {args.out}; work dir {work}", file=sys.stderr)
+            tab.add_row(str(r["concurrency"]), k, g(v["sim"]), g(v["bench"]), pct(v["err"]),
+                        " / ".join(g(x) for x in v["bench_runs"]),
+                        " / ".join(pct(x, False) for x in v["err_runs"]),
+                        "-" if v["bench_cv"] is None else f"{v['bench_cv']:.0%}")
+    Console(width=132).print(tab)  # wide enough for every column when piped
+    for i, run in enumerate(result["bench_runs"]):
+        d = run["step_drift"]
+        if d is not None:
+            print(f"run {i}: the step model over the bench's own decode steps (a drift gauge, "
+                  f"not fitted): median {d['model_over_bench']:.2f} over {d['steps']} steps; by "
+                  "batch " + ", ".join(f"{b}: {v['model_over_bench']:.2f}"
+                                       for b, v in d["by_batch"].items()))
+    steal = result["cpu_steal_frac"]
+    parts = [f"{k.replace('_', ' ')} {v:.1%}" for k, v in steal.items()
+             if k != "bench" and v is not None]
+    parts += [f"bench run {i} {v:.1%}" for i, v in enumerate(steal.get("bench", [])) if v is not None]
+    if parts:
+        print("CPU time stolen by the hypervisor: " + ", ".join(parts))
 
 
 if __name__ == "__main__":

@@ -151,6 +151,33 @@ def test_sim_vs_bench_reads_the_hypervisors_steal() -> None:
     assert svb.steal_frac(a, a) is None and svb.steal_frac(None, b) is None
 
 
+def test_sim_vs_bench_compares_with_the_mean_of_the_runs() -> None:
+    """`compare` puts each simulated metric against the mean of the bench runs and keeps every
+    run's value, its own error and the runs' spread; a run without a value is left out of the
+    mean, not read as zero."""
+    import sim_vs_bench as svb
+
+    def summary(out: float, ttft: float | None) -> dict:
+        return {"output_tok_s": out, "ttft_s": {"p50": ttft}, "itl_ms": {"p50": 10.0},
+                "input_tok_s": 50 * out, "requests_ok": 40, "input_tokens": 1000,
+                "cached_tokens": 900}
+
+    sims = [summary(121.0, 0.05), summary(200.0, 0.08)]
+    runs = [[summary(100.0, 0.04), summary(190.0, 0.08)],
+            [summary(120.0, None), summary(210.0, 0.10)]]
+    rows = svb.compare([4, 8], sims, runs)
+    out = rows[0]["output_tok_s"]
+    assert out["bench"] == pytest.approx(110.0) and out["err"] == pytest.approx(0.1)
+    assert out["bench_runs"] == [100.0, 120.0]
+    assert out["err_runs"] == [pytest.approx(0.21), pytest.approx(1 / 120)]
+    assert out["bench_cv"] == pytest.approx(200 ** 0.5 / 110)  # sample stdev over the mean
+    ttft = rows[0]["ttft_p50_s"]
+    assert ttft["bench"] == pytest.approx(0.04) and ttft["err_runs"][1] is None
+    assert ttft["bench_cv"] is None and ttft["err"] == pytest.approx(0.25)
+    assert rows[1]["ttft_p50_s"]["err"] == pytest.approx(-1 / 9)
+    assert rows[1]["concurrency"] == 8 and rows[1]["bench_cached_frac"] == pytest.approx(0.9)
+
+
 def test_box_speed_summary_tracks_steal() -> None:
     """`box_speed.summarize`: the spread of the windows' steps, and a step time that grows with
     steal reads as a positive correlation and its fit (windows without a reading left out)."""
