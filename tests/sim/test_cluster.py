@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -242,6 +243,15 @@ def test_plan_refuses_an_out_path_that_is_a_file_before_it_simulates(tmp_path) -
     f.write_text("x")
     res = CliRunner().invoke(app, ["plan", "--out", str(f)])
     assert res.exit_code == 2 and "is a file" in res.output and "simulating" not in res.output
+    # a folder that cannot be made or written is named by its flag, before the sweep too
+    res = CliRunner().invoke(app, ["plan", "--out", str(f / "sub")])
+    assert res.exit_code == 2 and "--out" in res.output and "cannot create" in res.output
+    assert "simulating" not in res.output
+    if os.geteuid() != 0:  # root writes anywhere
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o500)
+        res = CliRunner().invoke(app, ["plan", "--out", str(ro)])
+        assert res.exit_code == 2 and "not writable" in res.output and "simulating" not in res.output
 
 
 def test_a_trace_error_survives_the_process_pool() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -152,9 +153,14 @@ def register_plan(app: typer.Typer) -> None:
         dur, warm = (600.0, 120.0) if long else (duration, warmup)
         try:  # before the workers start, not in each of them
             check_clients(clients)
-            out.mkdir(parents=True, exist_ok=True)  # an unwritable --out fails before the sweep
-        except (ValueError, OSError) as e:
+        except ValueError as e:
             fail(str(e))
+        try:  # an unwritable --out fails before the sweep, not after it
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            fail(f"--out {out}: cannot create the folder ({e.strerror or e})")
+        if not os.access(out, os.W_OK | os.X_OK):
+            fail(f"--out {out}: the folder is not writable")
         lead = f"{warm:g} s warm-up" if clients == "closed" else "the replay's primers"
         typer.echo(f"simulating {len(cands)} configurations x {len(ladder)} concurrencies, "
                    f"{lead} + {dur:g} s stages, {workers} workers")
