@@ -21,7 +21,7 @@
    and the calibrated model prices each run's own decode steps (`step_drift`): this box's
    speed moves by up to a third between minutes (stop 37: the same bench 34% apart in two
    runs), and a run in a faster or slower spell than its calibrations shows here;
-   with it, the hypervisor's steal during the calibrations and the bench (`cpu_steal`), which
+   with it, the hypervisor's steal during the calibrations and each run (`cpu_steal`), which
    tracks much of that speed (stop 38: step time against steal correlates 0.55-0.9 over 10 s
    windows, but the slope moves 3x between runs, so it is recorded, not used to correct).
 
@@ -43,6 +43,7 @@ import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+PROFILE = Path("benchmarks/results/sim_cpu_profile.json")  # the profile the simulator reads
 
 
 def _calibrator():
@@ -326,8 +327,6 @@ def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir
     return out
 
 
-PROFILE = Path("benchmarks/results/sim_cpu_profile.json")
-
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
@@ -355,7 +354,7 @@ def main() -> None:
     trace, sessions = corpus(args, work)
     PROFILE.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    steal: dict[str, float | None] = {}
+    steal: dict = {}  # phase -> stolen share ("bench": one a run)
 
     # 1-3. calibrate right before the first bench, on the same processes; every bench run on
     # a fresh cluster (cold caches, as the simulator starts)
@@ -411,11 +410,11 @@ def main() -> None:
               "target": "output tok/s and TTFT p50 within +-20% (simulated vs the mean of the "
                         "bench runs)"}
     Path(args.out).write_text(json.dumps(result, indent=2, default=float))
-    print_table(result, load_before, load_after)
+    print_table(result)
     print(f"wrote {args.out}; work dir {work}", file=sys.stderr)
 
 
-def print_table(result: dict, load_before: tuple, load_after: tuple) -> None:
+def print_table(result: dict) -> None:
     """The comparison as a rich table, then the drift gauge and the steal of each run."""
     from rich.console import Console
     from rich.table import Table
@@ -429,7 +428,8 @@ def print_table(result: dict, load_before: tuple, load_after: tuple) -> None:
         return f"[{'green' if abs(v) <= 0.2 else 'red'}]{v:+.0%}[/]" if colour else f"{v:+.0%}"
 
     tab = Table(title=f"sim vs bench (mean of {len(result['bench_runs'])} runs), 2 aggregated "
-                      f"tiny engines, load {load_before[0]:.1f}->{load_after[0]:.1f}")
+                      f"tiny engines, load {result['loadavg_before'][0]:.1f}->"
+                      f"{result['loadavg_after'][0]:.1f}")
     for col in ("C", "metric", "sim", "bench", "err", "runs", "err by run", "cv"):
         tab.add_column(col, justify="right")
     for r in result["rows"]:

@@ -178,6 +178,15 @@ def test_sim_vs_bench_compares_with_the_mean_of_the_runs() -> None:
     assert rows[1]["concurrency"] == 8 and rows[1]["bench_cached_frac"] == pytest.approx(0.9)
 
 
+def test_sim_vs_bench_prints_a_saved_result(capsys) -> None:
+    """`print_table` renders a committed result: each run's value and error and the drift gauge."""
+    import sim_vs_bench as svb
+
+    svb.print_table(json.loads((ROOT / "benchmarks/results/sim_vs_bench_stop39.json").read_text()))
+    out = capsys.readouterr().out
+    assert "mean of 3 runs" in out and "301 / 330 / 315" in out and "run 2: the step model" in out
+
+
 def test_box_speed_summary_tracks_steal() -> None:
     """`box_speed.summarize`: the spread of the windows' steps, and a step time that grows with
     steal reads as a positive correlation and its fit (windows without a reading left out)."""
