@@ -152,6 +152,42 @@ def test_aggregated_closed_loop(tmp_path, monkeypatch) -> None:
     assert s["prefill_gpu_hit_rate"] > 0.3  # later turns reuse the earlier turns' blocks
 
 
+def test_closed_stage_counts_what_it_sent_and_drains_as_the_bench(tmp_path, monkeypatch) -> None:
+    """Closed clients stop sending at the window's end and the requests in flight drain; the
+    stage counts what was sent in the window, over the window and its drain, as `agentserve
+    bench`'s concurrency stages do (and AIPerf's fixed-duration ones)."""
+    _hw(tmp_path, monkeypatch)
+    cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=1, concurrency=4, duration=5.0,
+                    mtp=False, cpu_offload_gib=0, chunk=256, block_size=16, token_scale=16,
+                    kv_tokens=20_000, join_midway=False)
+    sim = Simulation(cfg, iter(_sessions(50)))
+    s = sim.run()
+    assert all(r.start < 5.0 for r in sim.records)  # nothing sent from the deadline on
+    late = [r for r in sim.records if r.end > 5.0]
+    assert late and all(r.error is None for r in late)  # in flight at the deadline: answered
+    assert s["requests_ok"] == len(sim.records)  # ...and counted
+    assert s["duration_s"] == pytest.approx(max(r.end for r in sim.records))  # the drain too
+    assert s["output_tokens"] == 20 * s["requests_ok"]  # whole answers, the late ones too
+
+
+def test_closed_clients_send_a_session_in_the_bench_order() -> None:
+    """A closed client replays a session as `agentserve bench --mode concurrency` does: each
+    sub-agent's calls back to back before the next sub-agent's, not interleaved by time."""
+    from agentserve.sim.workload import flatten
+    from agentserve.workload.replay_plan import session_jobs
+    from agentserve.workload.schema import Subagent
+
+    def req(t: float, n: int) -> TraceRequest:
+        return TraceRequest(t=t, input_tokens=n * 64, output_tokens=5, hash_ids=list(range(n)))
+
+    subs = [Subagent(t=1.0, requests=[req(0.0, 2), req(2.0, 3)]),
+            Subagent(t=1.0, requests=[req(1.0, 4), req(3.0, 5)])]
+    s = Session(id="x", block_size=64, items=[req(0.0, 1), *subs, req(9.0, 6)])
+    got = [(a, r.input_tokens // 64) for _, a, r in flatten(s)]
+    assert got == [("main", 1), ("sub", 2), ("sub", 3), ("sub", 4), ("sub", 5), ("main", 6)]
+    assert [r for _, _, r in flatten(s)] == [j.req for j in session_jobs(s)]
+
+
 def test_aggregated_preempts_when_blocks_run_out(tmp_path, monkeypatch) -> None:
     _hw(tmp_path, monkeypatch)
     cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=1, concurrency=8, duration=30.0,

@@ -75,6 +75,7 @@ class Simulation:
         self._t0: float | None = None  # agentx: when the profiling phase began
         self._c0: dict | None = None  # pool counters at the stage start and end (`_counters`)
         self._c1: dict | None = None
+        self._send_until = float("inf")  # closed clients send nothing from the window's end on
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES
         self.seen: dict[int, set[int]] = {}
@@ -144,6 +145,8 @@ class Simulation:
 
     def _client(self, queue: list | None = None, si: int = -1, sid: str = "") -> None:
         """A closed-loop client (`SimConfig.clients` "closed"): its next request, at once."""
+        if self.clock.now >= self._send_until:  # the stage is over: drain, send nothing new
+            return
         if not queue:
             if self.runs is not None:
                 nxt = self.runs.next()
@@ -307,13 +310,12 @@ class Simulation:
         return WARMUP_S if not cfg.aggregated and cfg.workload in SYNTH else 0.0
 
     def counted(self, start: float, end: float) -> bool:
-        """Does a request count in the stage? AIPerf's agentic replay counts what was sent in
-        the profiling window and answered within its grace period after it; closed clients
-        count what finished in the window."""
+        """Does a request count in the stage? What was sent in the profiling window and
+        answered within the grace period after it: AIPerf's fixed-duration stages, and
+        `agentserve bench`'s concurrency stages, which stop sending at the deadline and drain
+        (closed clients counted what finished in the window until stop 39)."""
         t0, t1 = self.t0, self.t0 + self.cfg.duration
-        if self.agentx:
-            return t0 <= start < t1 and end <= t1 + GRACE_S
-        return t0 < end <= t1
+        return t0 <= start < t1 and end <= t1 + GRACE_S
 
     def _counters(self) -> dict[str, float]:
         """Cumulative pool counters, read at the stage start and end."""
@@ -342,7 +344,8 @@ class Simulation:
                                    REPLAY_RUN if cfg.replay_run is None else cfg.replay_run)
 
     def _run_closed(self) -> dict:
-        """Closed clients: `concurrency` of them from time 0, the stage after the warm-up."""
+        """Closed clients: `concurrency` of them from time 0, the stage after the warm-up, then
+        what is in flight drains (no new requests) for up to the grace period."""
         self._closed_clients()
         for _ in range(self.cfg.concurrency):
             self._client()
@@ -350,7 +353,10 @@ class Simulation:
         if self.t0 > 0:
             self.clock.run(self.t0)
             self._c0 = self._counters()
-        self.clock.run(self.t0 + self.cfg.duration)
+        t1 = self._send_until = self.t0 + self.cfg.duration
+        self.clock.run(t1)
+        self._c1 = self._counters()
+        self.clock.run(t1 + GRACE_S)  # the requests in flight drain (`counted`)
         return self.summary()
 
     def _run_agentx(self) -> dict:

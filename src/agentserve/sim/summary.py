@@ -37,10 +37,10 @@ def _share(num: float, den: float) -> float | None:
 
 
 def _span(sim: Simulation, done: list[RequestRecord]) -> float:
-    """Seconds the throughputs are over: AIPerf's benchmark duration under its replay (first
-    request sent to last response, grace included), else the stage."""
+    """Seconds the throughputs are over: the stage's start to its last counted response (the
+    drain included), as AIPerf's benchmark duration and `agentserve bench`'s stage wall time."""
     d = sim.cfg.duration
-    return max(d, max(r.end for r in done) - sim.t0) if sim.agentx and done else d
+    return max(d, max(r.end for r in done) - sim.t0) if done else d
 
 
 def in_flight(sim: Simulation) -> dict:
