@@ -171,9 +171,10 @@ def test_closed_stage_counts_what_it_sent_and_drains_as_the_bench(tmp_path, monk
 
 
 def test_closed_clients_send_a_session_in_the_bench_order() -> None:
-    """A closed client replays a session as `agentserve bench --mode concurrency` does: each
-    sub-agent's calls back to back before the next sub-agent's, not interleaved by time."""
-    from agentserve.sim.workload import flatten
+    """An aggregated closed client replays a session as `agentserve bench --mode concurrency`
+    does: each sub-agent's calls back to back before the next sub-agent's, not interleaved by
+    time as `flatten` orders them for xPyD closed clients."""
+    from agentserve.sim.workload import bench_order, flatten
     from agentserve.workload.replay_plan import session_jobs
     from agentserve.workload.schema import Subagent
 
@@ -183,9 +184,10 @@ def test_closed_clients_send_a_session_in_the_bench_order() -> None:
     subs = [Subagent(t=1.0, requests=[req(0.0, 2), req(2.0, 3)]),
             Subagent(t=1.0, requests=[req(1.0, 4), req(3.0, 5)])]
     s = Session(id="x", block_size=64, items=[req(0.0, 1), *subs, req(9.0, 6)])
-    got = [(a, r.input_tokens // 64) for _, a, r in flatten(s)]
+    got = [(a, r.input_tokens // 64) for _, a, r in bench_order(s)]
     assert got == [("main", 1), ("sub", 2), ("sub", 3), ("sub", 4), ("sub", 5), ("main", 6)]
-    assert [r for _, _, r in flatten(s)] == [j.req for j in session_jobs(s)]
+    assert [r for _, _, r in bench_order(s)] == [j.req for j in session_jobs(s)]
+    assert [r.input_tokens // 64 for _, _, r in flatten(s)] == [1, 2, 4, 3, 5, 6]  # by time
 
 
 def test_aggregated_preempts_when_blocks_run_out(tmp_path, monkeypatch) -> None:

@@ -34,7 +34,7 @@ from agentserve.sim.summary import REJECTED, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
 from agentserve.sim.workload import (REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
-                                     RunSampler, flatten, load_workload, output_scale,
+                                     RunSampler, bench_order, flatten, load_workload, output_scale,
                                      session_stream)
 from agentserve.workload.schema import Session, TraceRequest
 
@@ -68,14 +68,14 @@ class Simulation:
                                    else cfg.request_overhead_per_token_s)
         self.busy_extra = float((hw.measured or {}).get("request_overhead_busy_s", 0.0))
         self.source = sessions
-        # closed clients' sessions, and their run sampler (`_closed_clients`); the replay reads
-        # `source` as session trees instead (`_run_agentx`)
+        # closed clients' sessions and run sampler; the replay reads `source` (`_run_agentx`)
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
         self.runs: RunSampler | None = None
         self._t0: float | None = None  # agentx: when the profiling phase began
-        self._c0: dict | None = None  # pool counters at the stage start and end (`_counters`)
-        self._c1: dict | None = None
-        self._send_until = float("inf")  # closed clients send nothing from the window's end on
+        self._c0 = self._c1 = None  # pool counters at the stage start and end (`_counters`)
+        # stages that count what they sent, drained (`counted`): AIPerf's replay; since stop 39
+        # the aggregated engines' closed clients too, as `agentserve bench` (in its order)
+        self._send_until, self.drains = float("inf"), self.agentx or bool(cfg.aggregated)
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES
         self.seen: dict[int, set[int]] = {}
@@ -159,7 +159,8 @@ class Simulation:
                 if nxt is None:
                     return
                 si, s = nxt
-                queue, sid = [(*x, s.block_size) for x in flatten(s)], s.id
+                flat = (bench_order if self.drains else flatten)(s)  # as the bench, or by time
+                queue, sid = [(*x, s.block_size) for x in flat], s.id
                 if self.cfg.join_midway and len(queue) > 1:  # stationary inputs (see SimConfig)
                     del queue[: int(self.rng.integers(len(queue)))]
         turn, agent, tr, sbs = queue.pop(0)
@@ -310,12 +311,12 @@ class Simulation:
         return WARMUP_S if not cfg.aggregated and cfg.workload in SYNTH else 0.0
 
     def counted(self, start: float, end: float) -> bool:
-        """Does a request count in the stage? What was sent in the profiling window and
-        answered within the grace period after it: AIPerf's fixed-duration stages, and
-        `agentserve bench`'s concurrency stages, which stop sending at the deadline and drain
-        (closed clients counted what finished in the window until stop 39)."""
+        """Does a request count in the stage? If it `drains`: sent in the profiling window
+        and answered within the grace period after it; else: finished in the window."""
         t0, t1 = self.t0, self.t0 + self.cfg.duration
-        return t0 <= start < t1 and end <= t1 + GRACE_S
+        if self.drains:
+            return t0 <= start < t1 and end <= t1 + GRACE_S
+        return t0 < end <= t1
 
     def _counters(self) -> dict[str, float]:
         """Cumulative pool counters, read at the stage start and end."""
@@ -344,8 +345,7 @@ class Simulation:
                                    REPLAY_RUN if cfg.replay_run is None else cfg.replay_run)
 
     def _run_closed(self) -> dict:
-        """Closed clients: `concurrency` of them from time 0, the stage after the warm-up, then
-        what is in flight drains (no new requests) for up to the grace period."""
+        """Closed clients: `concurrency` of them from time 0, the stage after the warm-up."""
         self._closed_clients()
         for _ in range(self.cfg.concurrency):
             self._client()
@@ -353,10 +353,10 @@ class Simulation:
         if self.t0 > 0:
             self.clock.run(self.t0)
             self._c0 = self._counters()
-        t1 = self._send_until = self.t0 + self.cfg.duration
+        t1 = self._send_until = self.t0 + self.cfg.duration  # nothing new from the deadline on
         self.clock.run(t1)
         self._c1 = self._counters()
-        self.clock.run(t1 + GRACE_S)  # the requests in flight drain (`counted`)
+        self.clock.run(t1 + GRACE_S if self.drains else t1)
         return self.summary()
 
     def _run_agentx(self) -> dict:

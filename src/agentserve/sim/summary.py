@@ -37,10 +37,11 @@ def _share(num: float, den: float) -> float | None:
 
 
 def _span(sim: Simulation, done: list[RequestRecord]) -> float:
-    """Seconds the throughputs are over: the stage's start to its last counted response (the
-    drain included), as AIPerf's benchmark duration and `agentserve bench`'s stage wall time."""
+    """Seconds the throughputs are over: for a stage that `drains`, its start to its last
+    counted response, as AIPerf's benchmark duration and `agentserve bench`'s stage wall time;
+    else the stage."""
     d = sim.cfg.duration
-    return max(d, max(r.end for r in done) - sim.t0) if done else d
+    return max(d, max(r.end for r in done) - sim.t0) if sim.drains and done else d
 
 
 def in_flight(sim: Simulation) -> dict:

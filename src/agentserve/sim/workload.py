@@ -160,11 +160,23 @@ def session_stream(name: str, batch: int, seed: int) -> Iterator[Session]:
 
 
 def flatten(s: Session) -> list[tuple[int, str, TraceRequest]]:
-    """(turn, agent, request) in the order a closed-loop client sends them: `agentserve
-    bench`'s concurrency mode, whose code this is (`session_jobs`): main turns and sub-agent
-    groups in the session's order, each sub-agent's calls back to back before the next
-    sub-agent's. (Until stop 39 the simulator sorted them by session time, which interleaves
-    parallel sub-agents; the bench it predicts does not.)"""
+    """(main turn, agent, request) in session-time order (xPyD closed clients' runs)."""
+    out, turn = [], -1
+    for it in s.items:
+        if isinstance(it, TraceRequest):
+            turn += 1
+            out.append((it.t, turn, "main", it))
+        else:
+            out += [(it.t + r.t, turn, "sub", r) for r in it.requests]
+    out.sort(key=lambda x: x[0])
+    return [(t, a, r) for _, t, a, r in out]
+
+
+def bench_order(s: Session) -> list[tuple[int, str, TraceRequest]]:
+    """(turn, agent, request) in the order `agentserve bench --mode concurrency` sends them,
+    by its own code (`session_jobs`): each sub-agent's calls back to back before the next
+    sub-agent's, where `flatten` interleaves parallel sub-agents by time. The aggregated
+    engines' closed clients send in this order since stop 39 (the small-scale check)."""
     from agentserve.workload.replay_plan import session_jobs
 
     return [(j.turn, j.agent, j.req) for j in session_jobs(s)]
