@@ -53,6 +53,20 @@ def _calibrator():
     return mod
 
 
+def _model_id(url: str) -> str:
+    """The first model the router serves (`/v1/models`)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
+def _complete(url: str, body: dict, timeout: float) -> None:
+    """POST one `/v1/completions` request and read the whole response."""
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        r.read()
+
+
 def probe_overhead(url: str, profile: dict, n: int = 8, prompt: int = 16) -> float:
     """Median wall time of 1-token requests through the router minus the modelled engine step."""
     from agentserve.sim.memory import Topology
@@ -61,16 +75,13 @@ def probe_overhead(url: str, profile: dict, n: int = 8, prompt: int = 16) -> flo
 
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
     step = perf.measured_step([(prompt, 0)], 0.0, 0)
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
+    model = _model_id(url)
     times = []
     for i in range(n):
-        body = json.dumps({"prompt": [17 + (i * 7 + j) % 3000 for j in range(prompt)], "max_tokens": 1,
-                           "model": model, "stream": True, "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+        body = {"prompt": [17 + (i * 7 + j) % 3000 for j in range(prompt)], "max_tokens": 1,
+                "model": model, "stream": True, "ignore_eos": True}
         t0 = time.perf_counter()
-        with urllib.request.urlopen(req, timeout=60) as r:
-            r.read()
+        _complete(url, body, timeout=60)
         times.append(time.perf_counter() - t0)
     times.sort()
     return max(times[len(times) // 2] - step, 0.0)
@@ -267,15 +278,10 @@ def warm_up(url: str, n: int = 4) -> None:
     """A few short requests through the router, so that a fresh cluster's first bench
     requests do not carry the engines' first-forward costs (the calibration does this for the
     cluster it runs on)."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
+    model = _model_id(url)
     for i in range(n):
-        body = json.dumps({"prompt": [20 + (i * 13 + j) % 3000 for j in range(256)],
-                           "max_tokens": 4, "model": model, "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"{url}/v1/completions", body,
-                                     {"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=120) as r:
-            r.read()
+        _complete(url, {"prompt": [20 + (i * 13 + j) % 3000 for j in range(256)], "max_tokens": 4,
+                        "model": model, "ignore_eos": True}, timeout=120)
 
 
 def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir: Path,
