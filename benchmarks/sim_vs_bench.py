@@ -1,11 +1,14 @@
 """SIM-1 small-scale check: does the simulator (cpu-local) predict `agentserve bench` on our stack?
 
 1. start `agentserve up --topology 2` (tiny model, `--kv-cache-tokens`);
-2. calibrate the `cpu-local` profile on it right before the real runs and again right after
-   them (on a fresh cluster), and use the mean of the two (the box drifts by 5-10% over minutes)
-   (`sim_calibrate_cpu.calibrate_server`: synthetic fixed-shape requests through the router,
-   client timings, so the steps carry the serving cost of these shared cores; `--calibration
-   core` fits the engine core in-process instead and probes the per-request overhead);
+2. calibrate the `cpu-local` profile on it right before each bench run and once more after
+   the last (on a fresh cluster), so that every run lies between two calibrations and is
+   priced with their mean (`sim_calibrate_cpu.calibrate_server`: synthetic fixed-shape
+   requests through the router, client timings, so the steps carry the serving cost of these
+   shared cores; `--calibration core` fits the engine core in-process instead and probes the
+   per-request overhead). Until stop 40 the profile was one calibration before all the runs
+   and one after (~8-10 min apart), and a run that fell in a spell neither caught was priced
+   with the wrong box (stop 39: the batch-8 step 11.6 ms before and 22.1 ms after);
 3. the real thing: `--repeats` N (default 3) runs of `run_bench` in concurrency mode, each on
    a fresh cluster (the first on the calibrated one), on a synthesized `sweep` corpus written
    to a file, `--token-scale` K so prompts are a few hundred to a few thousand tokens: one
@@ -14,9 +17,11 @@
    `--num-profile-runs` aggregates, with each run's value, error and their spread kept;
 4. the simulator: 2 aggregated engines (`SimConfig.aggregated`), the same file, concurrency,
    token scale, output cap, KV size, chunk budget, and the engines' KV block size (they reuse
-   whole 16-token blocks; a token-scaled trace block is 2 tokens);
-5. compare output tok/s and TTFT p50 with the runs' mean (target +-20%); JSON + a rich table;
-   load average recorded;
+   whole 16-token blocks; a token-scaled trace block is 2 tokens), once per run with that
+   run's profile;
+5. compare the simulated runs' mean output tok/s and TTFT p50 with the bench runs' mean
+   (target +-20%), each run's own pair kept beside it; JSON + a rich table; load average
+   recorded; the committed profile is the mean of all the calibrations;
 6. a drift gauge, not used by the prediction: the engines trace their steps during the bench,
    and the calibrated model prices each run's own decode steps (`step_drift`): this box's
    speed moves by up to a third between minutes (stop 37: the same bench 34% apart in two
@@ -36,6 +41,7 @@ import itertools
 import json
 import os
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -68,12 +74,15 @@ def _complete(url: str, body: dict, timeout: float) -> None:
 
 
 def probe_overhead(url: str, profile: dict, n: int = 8, prompt: int = 16) -> float:
-    """Median wall time of 1-token requests through the router minus the modelled engine step."""
+    """Median wall time of 1-token requests through the router minus the step `profile` models."""
     from agentserve.sim.memory import Topology
     from agentserve.sim.perf import PerfModel
     from agentserve.sim.specs import cpu_local, model_spec
 
-    perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "profile.json"
+        path.write_text(json.dumps(profile))
+        perf = PerfModel(model_spec("tiny"), cpu_local(path), Topology("dep", 1, "decode"))
     step = perf.measured_step([(prompt, 0)], 0.0, 0)
     model = _model_id(url)
     times = []
@@ -85,6 +94,21 @@ def probe_overhead(url: str, profile: dict, n: int = 8, prompt: int = 16) -> flo
         times.append(time.perf_counter() - t0)
     times.sort()
     return max(times[len(times) // 2] - step, 0.0)
+
+
+def calibrate_on(args: argparse.Namespace, url: str) -> tuple[dict, float | None]:
+    """A `cpu-local` profile fitted on the cluster behind `url` as `--calibration` says, and
+    the share of CPU time the hypervisor stole while it ran."""
+    st0 = cpu_steal()
+    if args.calibration == "server":
+        profile = _calibrator().calibrate_server(url, chunk=args.chunk)
+    else:
+        profile = _calibrator().calibrate("tiny", chunk=args.chunk)
+        try:
+            profile["request_overhead_s"] = probe_overhead(url, profile)
+        except Exception as e:  # noqa: BLE001 - recorded, the comparison still runs
+            profile["request_overhead_s"], profile["request_overhead_error"] = 0.0, repr(e)
+    return profile, steal_frac(st0, cpu_steal())
 
 
 def _engine_block(url: str) -> int:
@@ -109,15 +133,17 @@ def _attn_reads(urls: list[str]) -> dict[str, float]:
     return out
 
 
-def mean_profile(a: dict, b: dict) -> dict:
-    """Field-by-field mean of two calibration profiles (numbers averaged, dicts recursed)."""
+def mean_profile(profiles: list[dict]) -> dict:
+    """Field-by-field mean of calibration profiles (numbers averaged, dicts recursed; anything
+    else, or a field some profile lacks, is the first profile's)."""
     out = {}
-    for k, v in a.items():
-        w = b.get(k)
-        if isinstance(v, dict) and isinstance(w, dict):
-            out[k] = mean_profile(v, w)
-        elif isinstance(v, (int, float)) and isinstance(w, (int, float)) and not isinstance(v, bool):
-            out[k] = (v + w) / 2
+    for k, v in profiles[0].items():
+        others = [p.get(k) for p in profiles[1:]]
+        if isinstance(v, dict) and all(isinstance(w, dict) for w in others):
+            out[k] = mean_profile([v, *others])
+        elif (isinstance(v, (int, float)) and not isinstance(v, bool)
+              and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in others)):
+            out[k] = (v + sum(others)) / len(profiles)
         else:
             out[k] = v
     return out
@@ -245,28 +271,39 @@ METRICS = (("output_tok_s", lambda s: s["output_tok_s"]),
            ("requests_ok", lambda s: s["requests_ok"]))
 
 
-def compare(conc: list[int], sims: list[dict], bench_runs: list[list[dict]]) -> list[dict]:
-    """Row per concurrency: each metric's simulated value against the mean of the bench runs
-    (AIPerf's multi-run aggregate, `--num-profile-runs`), with every run's value, their
-    coefficient of variation and each run's own error kept beside it."""
+def compare(conc: list[int], sim_runs: list[list[dict]], bench_runs: list[list[dict]]) -> list[dict]:
+    """Row per concurrency: each metric's simulated value (the mean over `sim_runs`: one
+    simulation a bench run, priced with that run's profile, or a single one for all) against
+    the mean of the bench runs (AIPerf's multi-run aggregate, `--num-profile-runs`), with every
+    run's values, the bench runs' coefficient of variation and each run's own error (its
+    simulation against its bench) kept beside it."""
     import statistics
 
     def err(p: float | None, m: float | None) -> float | None:
         return (p - m) / m if (p is not None and m) else None
 
+    def mean(xs: list) -> float | None:
+        vals = [v for v in xs if v is not None]
+        return statistics.fmean(vals) if vals else None
+
+    if len(sim_runs) not in (1, len(bench_runs)):
+        raise ValueError(f"{len(sim_runs)} simulations for {len(bench_runs)} bench runs")
+    paired = sim_runs * len(bench_runs) if len(sim_runs) == 1 else sim_runs
     rows = []
-    for j, (c, sim) in enumerate(zip(conc, sims)):
+    for j, c in enumerate(conc):
         row: dict = {"concurrency": c}
         for key, get in METRICS:
-            p = get(sim)
+            sims = [get(run[j]) for run in sim_runs]
             runs = [get(run[j]) for run in bench_runs]
             vals = [v for v in runs if v is not None]
-            m = statistics.fmean(vals) if vals else None
-            row[key] = {"sim": p, "bench": m, "err": err(p, m), "bench_runs": runs,
-                        "err_runs": [err(p, v) for v in runs],
+            p, m = mean(sims), mean(runs)
+            row[key] = {"sim": p, "bench": m, "err": err(p, m), "sim_runs": sims,
+                        "bench_runs": runs,
+                        "err_runs": [err(get(sim[j]), v) for sim, v in zip(paired, runs)],
                         "bench_cv": (statistics.stdev(vals) / m if len(vals) > 1 and m else None)}
-        row["sim_extra"] = {k: sim.get(k) for k in ("prefill_gpu_hit_rate", "busy_frac",
-                                                    "preemptions", "queue")}
+        row["sim_extra"] = [{k: run[j].get(k) for k in ("prefill_gpu_hit_rate", "busy_frac",
+                                                        "preemptions", "queue")}
+                            for run in sim_runs]
         cached = [run[j].get("cached_tokens", 0) / run[j]["input_tokens"]
                   for run in bench_runs if run[j].get("input_tokens")]
         row["bench_cached_frac"] = statistics.fmean(cached) if cached else None
@@ -287,8 +324,8 @@ def warm_up(url: str, n: int = 4) -> None:
 def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir: Path,
               calibrate: bool) -> dict:
     """One bench of all the stages on a fresh cluster, which traces its steps into `run_dir`;
-    with `calibrate`, the `cpu-local` profile is fitted on the same processes right before
-    (as `--calibration` says) and returned under "profile"."""
+    with `calibrate`, a `cpu-local` profile is fitted on the same processes right before (as
+    `--calibration` says) and returned under "profile", else four short requests warm it."""
     from agentserve.workload.replay import BenchConfig, run_bench
 
     url = f"http://127.0.0.1:{args.port}"
@@ -302,18 +339,7 @@ def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir
     out: dict = {}
     try:
         if calibrate:
-            st0 = cpu_steal()
-            if args.calibration == "server":
-                profile = _calibrator().calibrate_server(url, chunk=args.chunk)
-            else:
-                profile = _calibrator().calibrate("tiny", chunk=args.chunk)
-                PROFILE.write_text(json.dumps(profile, indent=2))  # probe_overhead reads it
-                os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
-                try:
-                    profile["request_overhead_s"] = probe_overhead(url, profile)
-                except Exception as e:  # noqa: BLE001 - recorded, the comparison still runs
-                    profile["request_overhead_s"], profile["request_overhead_error"] = 0.0, repr(e)
-            out["profile"], out["steal_calibration"] = profile, steal_frac(st0, cpu_steal())
+            out["profile"], out["steal_calibration"] = calibrate_on(args, url)
         else:
             warm_up(url)
         engine_urls = [e[0].url for e in cluster.engines]
@@ -339,10 +365,11 @@ def main() -> None:
     ap.add_argument("--concurrency", default="4,8")
     add_workload_args(ap)
     ap.add_argument("--repeats", type=int, default=3,
-                    help="bench runs, each on a fresh cluster; the simulator is compared with "
-                         "their mean (AIPerf's --num-profile-runs)")
+                    help="bench runs, each on a fresh cluster and between two calibrations; "
+                         "the simulations' mean is compared with the runs' mean (AIPerf's "
+                         "--num-profile-runs)")
     ap.add_argument("--port", type=int, default=18_480)
-    ap.add_argument("--reuse-profile", action="store_true", help="skip calibration if a profile exists")
+    ap.add_argument("--reuse-profile", action="store_true", help="skip calibration if a profile exists and price every run with it")
     ap.add_argument("--calibration", choices=["server", "core"], default="server",
                     help="fit the cpu-local profile from client timings through the running "
                          "cluster (server) or from the engine core in-process (core)")
@@ -356,58 +383,69 @@ def main() -> None:
         ap.error(f"--concurrency values must be >= 1, got {args.concurrency!r}")
     if not 1 <= args.repeats <= 20:
         ap.error(f"--repeats must be between 1 and 20, got {args.repeats}")
+    # `timeout` or a CI runner stops this with SIGTERM: exit through the `finally` blocks, so
+    # that the cluster running then is stopped, not left serving on its ports
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_"))
     trace, sessions = corpus(args, work)
     PROFILE.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
-    steal: dict = {}  # phase -> stolen share ("bench": one a run)
+    steal: dict = {}  # phase -> stolen shares, one a calibration / a bench run
 
-    # 1-3. calibrate right before the first bench, on the same processes; every bench run on
-    # a fresh cluster (cold caches, as the simulator starts)
-    reuse = args.reuse_profile and PROFILE.is_file()
-    runs = []
-    for i in range(args.repeats):
-        runs.append(bench_run(args, sessions, conc, work / f"run{i}", calibrate=(i == 0 and not reuse)))
-    if reuse:
-        profile = json.loads(PROFILE.read_text())
-    else:
-        profile = runs[0].pop("profile")
-        steal["calibration_before"] = runs[0].pop("steal_calibration")
-        PROFILE.write_text(json.dumps(profile, indent=2))
-        os.environ.pop("AGENTSERVE_SIM_CPU_PROFILE", None)
-    # The box drifts by 5-10% over minutes: calibrate again after the runs and use the mean,
-    # so the profile covers the period the benches ran in (both are recorded). On a fresh
-    # cluster: a run's router state (recent requests per engine) would split the
-    # calibration's waves unevenly between the engines.
+    # 1-3. every bench run on a fresh cluster (cold caches, as the simulator starts), each
+    # calibrated right before on the same processes, and one calibration after the last run
+    # on a fresh cluster (a run's router state, recent requests per engine, would split the
+    # calibration's waves unevenly between the engines)
+    calibrate = not (args.reuse_profile and PROFILE.is_file())
+    runs = [bench_run(args, sessions, conc, work / f"run{i}", calibrate)
+            for i in range(args.repeats)]
     url = f"http://127.0.0.1:{args.port}"
-    if args.calibration == "server" and not reuse:
+    if calibrate:
+        cals = [run.pop("profile") for run in runs]
+        steal["calibration"] = [run.pop("steal_calibration") for run in runs]
         cluster = start_cluster(args, work / "calibrate_after")
         try:
-            st0 = cpu_steal()
-            profile_after = _calibrator().calibrate_server(url, chunk=args.chunk)
-            steal["calibration_after"] = steal_frac(st0, cpu_steal())
+            after, st = calibrate_on(args, url)
         finally:
             cluster.stop()
-        profile_before = profile
-        profile = mean_profile(profile_before, profile_after)
-        profile["before"], profile["after"] = profile_before, profile_after
+        cals.append(after)
+        steal["calibration"].append(st)
+        # run i lies between calibrations i and i + 1: it is priced with their mean
+        run_profiles = []
+        for i in range(args.repeats):
+            run_profiles.append(work / f"run{i}" / "profile.json")
+            run_profiles[-1].write_text(json.dumps(mean_profile(cals[i:i + 2]), indent=2))
+        profile = mean_profile(cals)
+        profile["calibrations"] = cals
         PROFILE.write_text(json.dumps(profile, indent=2))
+    else:
+        profile, run_profiles = json.loads(PROFILE.read_text()), [PROFILE] * args.repeats
     load_after = os.getloadavg()
-    for i, run in enumerate(runs):  # the profile simulated prices each run's own steps
-        run["step_drift"] = step_drift(read_steps(work / f"run{i}", *run.pop("window"))[0], PROFILE)
+    for i, run in enumerate(runs):  # the run's profile prices the run's own steps
+        run["step_drift"] = step_drift(read_steps(work / f"run{i}", *run.pop("window"))[0],
+                                       run_profiles[i])
+        run["profile"] = str(run_profiles[i])
 
-    # 4. the simulator, same workload and knobs
+    # 4. the simulator, same workload and knobs, once per run with that run's profile
     from agentserve.sim.run import simulate
+    from agentserve.sim.specs import CPU_PROFILE_ENV
 
-    sims, sim_wall = [], []
-    for c in conc:
-        cfg = sim_config(args, c, trace, runs[0]["engine_block"])
-        t = time.time()
-        sims.append(simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50))))
-        sim_wall.append(time.time() - t)
-    rows = compare(conc, sims, [run.pop("stages") for run in runs])
+    sim_runs, sim_wall = [], [0.0] * len(conc)
+    try:
+        for path in run_profiles[:1 if not calibrate else None]:
+            os.environ[CPU_PROFILE_ENV] = str(path)
+            sims = []
+            for j, c in enumerate(conc):
+                cfg = sim_config(args, c, trace, runs[0]["engine_block"])
+                t = time.time()
+                sims.append(simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50))))
+                sim_wall[j] += time.time() - t
+            sim_runs.append(sims)
+    finally:
+        os.environ.pop(CPU_PROFILE_ENV, None)
+    rows = compare(conc, sim_runs, [run.pop("stages") for run in runs])
     for row, w in zip(rows, sim_wall):
-        row["sim_wall_s"] = w
+        row["sim_wall_s"] = w / len(sim_runs)
     steal["bench"] = [run["steal"] for run in runs]
 
     result = {"args": vars(args), "profile": profile, "engine_block_tokens": runs[0]["engine_block"],
@@ -436,16 +474,17 @@ def print_table(result: dict) -> None:
     tab = Table(title=f"sim vs bench (mean of {len(result['bench_runs'])} runs), 2 aggregated "
                       f"tiny engines, load {result['loadavg_before'][0]:.1f}->"
                       f"{result['loadavg_after'][0]:.1f}")
-    for col in ("C", "metric", "sim", "bench", "err", "runs", "err by run", "cv"):
+    for col in ("C", "metric", "sim", "bench", "err", "sim runs", "bench runs", "err by run", "cv"):
         tab.add_column(col, justify="right")
     for r in result["rows"]:
         for k, _ in METRICS:
             v = r[k]
             tab.add_row(str(r["concurrency"]), k, g(v["sim"]), g(v["bench"]), pct(v["err"]),
+                        " / ".join(g(x) for x in v.get("sim_runs", [v["sim"]])),
                         " / ".join(g(x) for x in v["bench_runs"]),
                         " / ".join(pct(x, False) for x in v["err_runs"]),
                         "-" if v["bench_cv"] is None else f"{v['bench_cv']:.0%}")
-    Console(width=132).print(tab)  # wide enough for every column when piped
+    Console(width=150).print(tab)  # wide enough for every column when piped
     for i, run in enumerate(result["bench_runs"]):
         d = run["step_drift"]
         if d is not None:
@@ -454,9 +493,13 @@ def print_table(result: dict) -> None:
                   "batch " + ", ".join(f"{b}: {v['model_over_bench']:.2f}"
                                        for b, v in d["by_batch"].items()))
     steal = result["cpu_steal_frac"]
-    parts = [f"{k.replace('_', ' ')} {v:.1%}" for k, v in steal.items()
-             if k != "bench" and v is not None]
-    parts += [f"bench run {i} {v:.1%}" for i, v in enumerate(steal.get("bench", [])) if v is not None]
+    parts = []
+    for k, v in steal.items():  # a phase's share, or one a calibration / run (since stop 40)
+        one = {"bench": "bench run", "calibration": "calibration"}.get(k)
+        if isinstance(v, list):
+            parts += [f"{one or k} {i} {x:.1%}" for i, x in enumerate(v) if x is not None]
+        elif v is not None:
+            parts.append(f"{k.replace('_', ' ')} {v:.1%}")
     if parts:
         print("CPU time stolen by the hypervisor: " + ", ".join(parts))
 

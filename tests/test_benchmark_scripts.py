@@ -165,7 +165,7 @@ def test_sim_vs_bench_compares_with_the_mean_of_the_runs() -> None:
     sims = [summary(121.0, 0.05), summary(200.0, 0.08)]
     runs = [[summary(100.0, 0.04), summary(190.0, 0.08)],
             [summary(120.0, None), summary(210.0, 0.10)]]
-    rows = svb.compare([4, 8], sims, runs)
+    rows = svb.compare([4, 8], [sims], runs)
     out = rows[0]["output_tok_s"]
     assert out["bench"] == pytest.approx(110.0) and out["err"] == pytest.approx(0.1)
     assert out["bench_runs"] == [100.0, 120.0]
@@ -176,6 +176,34 @@ def test_sim_vs_bench_compares_with_the_mean_of_the_runs() -> None:
     assert ttft["bench_cv"] is None and ttft["err"] == pytest.approx(0.25)
     assert rows[1]["ttft_p50_s"]["err"] == pytest.approx(-1 / 9)
     assert rows[1]["concurrency"] == 8 and rows[1]["bench_cached_frac"] == pytest.approx(0.9)
+    # one simulation a run (each priced with its own calibrations): the simulations' mean
+    # against the runs' mean, and each run's error against its own simulation
+    paired = svb.compare([4, 8], [sims, [summary(99.0, 0.03), summary(200.0, 0.08)]], runs)
+    out = paired[0]["output_tok_s"]
+    assert out["sim"] == pytest.approx(110.0) and out["err"] == pytest.approx(0.0)
+    assert out["sim_runs"] == [121.0, 99.0]
+    assert out["err_runs"] == [pytest.approx(0.21), pytest.approx(99 / 120 - 1)]
+    assert len(paired[0]["sim_extra"]) == 2
+    with pytest.raises(ValueError, match="2 simulations for 3 bench runs"):
+        svb.compare([4, 8], [sims, sims], [*runs, runs[0]])
+
+
+def test_sim_vs_bench_averages_calibrations() -> None:
+    """`mean_profile`: numbers averaged over every profile, nested dicts recursed, anything
+    else (or a field one of them lacks) taken from the first."""
+    import sim_vs_bench as svb
+
+    a = {"tok_s": 1.0, "decode_step_s": {"1": 0.01, "8": 0.02}, "source": "server", "n": 2,
+         "only_a": 5.0, "flag": True}
+    b = {"tok_s": 2.0, "decode_step_s": {"1": 0.02, "8": 0.04}, "source": "core", "n": 4,
+         "flag": False}
+    c = {"tok_s": 6.0, "decode_step_s": {"1": 0.03, "8": 0.06}, "source": "x", "n": 6,
+         "only_a": 1.0, "flag": False}
+    got = svb.mean_profile([a, b, c])
+    assert got["tok_s"] == pytest.approx(3.0) and got["n"] == pytest.approx(4.0)
+    assert got["decode_step_s"] == {"1": pytest.approx(0.02), "8": pytest.approx(0.04)}
+    assert got["source"] == "server" and got["only_a"] == 5.0 and got["flag"] is True
+    assert svb.mean_profile([a]) == a
 
 
 def test_sim_vs_bench_prints_a_saved_result(capsys) -> None:
