@@ -188,6 +188,48 @@ def test_sim_vs_bench_compares_with_the_mean_of_the_runs() -> None:
         svb.compare([4, 8], [sims, sims], [*runs, runs[0]])
 
 
+def test_sim_vs_bench_tries_a_failed_calibration_once_more(monkeypatch) -> None:
+    """`start_calibrated`: a calibration that raises is tried once more on a fresh cluster
+    (its error kept, the failed cluster stopped); a second failure raises with both errors;
+    every cluster it started and does not return is stopped."""
+    import argparse
+
+    import sim_vs_bench as svb
+
+    class Cluster:
+        def __init__(self, k: int) -> None:
+            self.k, self.stopped = k, False
+
+        def stop(self) -> None:
+            self.stopped = True
+
+    started: list[Cluster] = []
+
+    def start(k: int) -> Cluster:
+        started.append(Cluster(k))
+        return started[-1]
+
+    outcomes = iter([RuntimeError("uneven waves"), ({"tok_s": 1.0}, 0.01)])
+
+    def calibrate_on(args, url):
+        got = next(outcomes)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    monkeypatch.setattr(svb, "calibrate_on", calibrate_on)
+    args = argparse.Namespace(port=1)
+    cluster, profile, steal, errors = svb.start_calibrated(args, start)
+    assert cluster is started[1] and started[0].stopped and not started[1].stopped
+    assert profile == {"tok_s": 1.0} and steal == 0.01 and errors == ["uneven waves"]
+
+    started.clear()
+    outcomes = iter([RuntimeError("first"), RuntimeError("second")])
+    with pytest.raises(RuntimeError, match="twice: first; then second"):
+        svb.start_calibrated(args, start)
+    assert len(started) == 2 and all(c.stopped for c in started)
+
+
 def test_sim_vs_bench_averages_calibrations() -> None:
     """`mean_profile`: numbers averaged over every profile, nested dicts recursed, anything
     else (or a field one of them lacks) taken from the first."""
