@@ -400,7 +400,8 @@ def main() -> None:
                          "the simulations' mean is compared with the runs' mean (AIPerf's "
                          "--num-profile-runs)")
     ap.add_argument("--port", type=int, default=18_480)
-    ap.add_argument("--reuse-profile", action="store_true", help="skip calibration if a profile exists and price every run with it")
+    ap.add_argument("--reuse-profile", action="store_true",
+                    help="skip calibration if a profile exists and price every run with it")
     ap.add_argument("--calibration", choices=["server", "core"], default="server",
                     help="fit the cpu-local profile from client timings through the running "
                          "cluster (server) or from the engine core in-process (core)")
