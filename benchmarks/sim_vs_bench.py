@@ -467,7 +467,7 @@ def main() -> None:
 
     sim_runs, sim_wall = [], [0.0] * len(conc)
     try:
-        for path in run_profiles[:1 if not calibrate else None]:
+        for path in run_profiles if calibrate else [PROFILE]:  # one profile: one simulation
             os.environ[CPU_PROFILE_ENV] = str(path)
             sims = []
             for j, c in enumerate(conc):
