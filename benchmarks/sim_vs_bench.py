@@ -101,9 +101,10 @@ def start_calibrated(args: argparse.Namespace, start: Callable[[int], Any]
                      ) -> tuple[Any, dict, float | None, list[str]]:
     """(cluster, profile, steal, errors): a cluster from `start(attempt)` and a profile fitted
     on it. A calibration that fails is tried once more on a fresh cluster, its error kept:
-    the calibrator draws decode waves again until the router splits them evenly between the
-    engines, and at batch 16 (32 streams sent at once) it once did so in 2 waves of 12 (stop
-    40, a slow spell of this box), which lost a whole check after its three benches."""
+    the calibrator draws decode waves again until the router splits them about evenly
+    between the engines, and at batch 16 (32 streams sent at once) it once split 16:16 in 2
+    waves of 12 (stop 40, a slow spell of this box; 17:15 is now taken as well), which lost a
+    whole check after its three benches."""
     errors: list[str] = []
     for attempt in (0, 1):
         cluster = start(attempt)
@@ -173,6 +174,18 @@ def mean_profile(profiles: list[dict]) -> dict:
         else:
             out[k] = v
     return out
+
+
+def price_runs(cals: list[dict | None]) -> tuple[list[dict], dict]:
+    """(a profile for each bench run, the mean of all) from the calibrations around the runs,
+    `None` where one failed twice: run i lies between calibrations i and i + 1 and is priced
+    with their mean, with the one that succeeded, or with all that did if neither did."""
+    good = [c for c in cals if c is not None]
+    if not good:
+        raise ValueError("no calibration succeeded")
+    by_run = [mean_profile([c for c in cals[i:i + 2] if c is not None] or good)
+              for i in range(len(cals) - 1)]
+    return by_run, mean_profile(good)
 
 
 def cpu_steal() -> tuple[int, int] | None:
@@ -365,13 +378,19 @@ def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir
 
     url = f"http://127.0.0.1:{args.port}"
     out: dict = {}
+    cluster = None
     if calibrate:
-        cluster, out["profile"], out["steal_calibration"], out["calibration_errors"] = \
-            start_calibrated(args, start)
-    else:
-        cluster = start(0)
+        try:
+            cluster, out["profile"], out["steal_calibration"], out["calibration_errors"] = \
+                start_calibrated(args, start)
+        except RuntimeError as e:  # twice: the run goes on, priced with the calibration after it
+            print(f"the calibration before {run_dir.name} failed {e}: it is priced with the "
+                  "calibration after it alone", file=sys.stderr)
+            out["profile"], out["steal_calibration"], out["calibration_errors"] = None, None, [str(e)]
+    if cluster is None:
+        cluster = start(2 if calibrate else 0)
     try:
-        if not calibrate:
+        if out.get("profile") is None:
             warm_up(url)
         engine_urls = [e[0].url for e in cluster.engines]
         reads_before = _attn_reads(engine_urls)
@@ -432,25 +451,27 @@ def main() -> None:
     runs = [bench_run(args, sessions, conc, work / f"run{i}", calibrate)
             for i in range(args.repeats)]
     if calibrate:
-        cals = [run.pop("profile") for run in runs]
+        cals = [run.pop("profile") for run in runs]  # None: failed twice
         steal["calibration"] = [run.pop("steal_calibration") for run in runs]
         try:
             cluster, after, st, errors = start_calibrated(
                 args, lambda k: start_cluster(args, work / f"calibrate_after{k or ''}"))
             cluster.stop()
-            cals.append(after)
-            steal["calibration"].append(st)
         except RuntimeError as e:  # twice: the last run is priced with its calibration before
-            errors = [str(e)]
+            after, st, errors = None, None, [str(e)]
             print(f"the calibration after the runs failed {e}: the last run is priced "
                   "with the calibration before it alone", file=sys.stderr)
+        cals.append(after)
+        steal["calibration"].append(st)
         calibration_errors = [run.pop("calibration_errors") for run in runs] + [errors]
-        # run i lies between calibrations i and i + 1: it is priced with their mean
+        try:
+            by_run, profile = price_runs(cals)
+        except ValueError:
+            sys.exit(f"every calibration failed twice: {calibration_errors}")
         run_profiles = []
-        for i in range(args.repeats):
+        for i, p in enumerate(by_run):
             run_profiles.append(work / f"run{i}" / "profile.json")
-            run_profiles[-1].write_text(json.dumps(mean_profile(cals[i:i + 2]), indent=2))
-        profile = mean_profile(cals)
+            run_profiles[-1].write_text(json.dumps(p, indent=2))
         profile["calibrations"], profile["calibration_errors"] = cals, calibration_errors
         PROFILE.write_text(json.dumps(profile, indent=2))
     else:

@@ -100,6 +100,34 @@ def test_prefill_fits_recover_the_model_they_invert() -> None:
     assert cal.fit_cold(16, (512, 1.0), (2048, 1.0)) == (pytest.approx(1.0 / 2032), 0.0)
 
 
+def test_calibration_decode_waves_take_a_near_even_split() -> None:
+    """`_itl`: the step at batch b is each engine's mean gap while the whole wave decodes,
+    then their mean; a split of b + d : b - d counts when d <= b // 8, one further off or
+    onto one engine does not, and gaps after the wave's first stream ends (one engine
+    decoding alone, with the cores to itself) are left out."""
+    import sim_calibrate_cpu as cal
+
+    def streams(engine: str, n: int, gap: float, first: float, tokens: int) -> list:
+        return [(engine, [first + k * gap for k in range(tokens)]) for _ in range(n)]
+
+    even = streams("a", 8, 0.010, 0.1, 40) + streams("b", 8, 0.012, 0.1, 40)
+    step, done = cal._itl(even, 8)
+    assert step == pytest.approx(0.011) and 1 < done < 40
+    # 17 : 15 at batch 16: the mean of the two engines' steps, not weighted by their streams
+    step, _ = cal._itl(streams("a", 17, 0.017, 0.1, 60) + streams("b", 15, 0.015, 0.1, 60), 16)
+    assert step == pytest.approx(0.016)
+    assert cal._itl(streams("a", 9, 0.01, 0.1, 40) + streams("b", 7, 0.01, 0.1, 40), 8) is not None
+    assert cal._itl(streams("a", 10, 0.01, 0.1, 40) + streams("b", 6, 0.01, 0.1, 40), 8) is None
+    assert cal._itl(streams("a", 5, 0.01, 0.1, 40) + streams("b", 3, 0.01, 0.1, 40), 4) is None
+    assert cal._itl(streams("a", 8, 0.01, 0.1, 40), 4) is None
+    # engine b's streams end at 0.1 + 19 x 0.01 = 0.29 s; engine a's gaps turn to 50 ms after
+    # 0.3 s (decoding alone): those are outside the window
+    fast_then_alone = [("a", [0.1 + k * 0.01 for k in range(20)] + [0.3 + k * 0.05 for k in range(1, 20)])
+                       for _ in range(4)]
+    step, _ = cal._itl(fast_then_alone + streams("b", 4, 0.01, 0.1, 20), 4)
+    assert step == pytest.approx(0.01)
+
+
 def test_sim_vs_bench_reads_the_bench_window_and_gauges_drift(tmp_path: Path) -> None:
     """`read_steps` keeps the steps begun inside the bench's window and spans back-to-back
     steps to the next start; `step_drift` prices them with the calibrated profile, so the
@@ -246,6 +274,24 @@ def test_sim_vs_bench_averages_calibrations() -> None:
     assert got["decode_step_s"] == {"1": pytest.approx(0.02), "8": pytest.approx(0.04)}
     assert got["source"] == "server" and got["only_a"] == 5.0 and got["flag"] is True
     assert svb.mean_profile([a]) == a
+
+
+def test_sim_vs_bench_prices_a_run_whose_calibration_failed_with_its_neighbour() -> None:
+    """`price_runs`: run i is priced with calibrations i and i + 1, with the one of them
+    that succeeded when the other failed twice, with all that succeeded when neither did;
+    none at all is an error, not a check priced with nothing."""
+    import sim_vs_bench as svb
+
+    a, c, d = {"tok_s": 1.0}, {"tok_s": 3.0}, {"tok_s": 5.0}
+    by_run, overall = svb.price_runs([a, None, c, d])
+    assert [p["tok_s"] for p in by_run] == [1.0, 3.0, 4.0]
+    assert overall["tok_s"] == 3.0
+    by_run, _ = svb.price_runs([None, None, c])
+    assert [p["tok_s"] for p in by_run] == [3.0, 3.0]
+    by_run, _ = svb.price_runs([a, None, None])
+    assert [p["tok_s"] for p in by_run] == [1.0, 1.0]
+    with pytest.raises(ValueError):
+        svb.price_runs([None, None])
 
 
 def test_sim_vs_bench_prints_a_saved_result(capsys) -> None:
