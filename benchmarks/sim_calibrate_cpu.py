@@ -335,9 +335,10 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         here); a wave the router split further off than `_itl` takes, or whose first streams
         ended before the last prefills, is drawn again."""
         got: list[tuple[float, float]] = []
-        for _ in range(4 * reps):
+        for k in range(4 * reps):
             # long enough that every engine's prefills end before its first stream does
             g = _itl(wave(2 * b, p, out_tokens + 16 * b), b)
+            drawn[f"{b}@{p}"] = k + 1
             if g is not None:
                 got.append(g)
                 if len(got) == reps:
@@ -346,6 +347,7 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
                            f"{4 * reps} waves were split within {b // 8} of {b}:{b} with all "
                            "streams decoding")
 
+    drawn: dict[str, int] = {}  # waves drawn for each batch@context, `reps` of them good
     (lo, ctx_lo), (hi, ctx_hi) = itl(8, 256), itl(8, 2048)
     attn_d = max((hi - lo) / (8 * (ctx_hi - ctx_lo)), 0.0)
     # each batch's step, moved to context `prompt` exactly (its streams had decoded a few dozen
@@ -387,7 +389,7 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         "prefill_tok_s": 2 * chunk / (t_p0 + t_p1),
         "decode_step_s": {str(b): t for b, t in dec.items()},
         "decode_ref_ctx": prompt,  # the context `decode_step_s` is stated at
-        "decode_step_b8_s": {"256": lo, "2048": hi},
+        "decode_step_b8_s": {"256": lo, "2048": hi}, "decode_waves_drawn": drawn,
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
         "attn_prefill_s": attn_p, "attn_cold_s": attn_c, "attn_decode_s": attn_d,
         "cached_prefill": CACHED_PREFILL_KERNEL,
