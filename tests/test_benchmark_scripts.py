@@ -294,6 +294,28 @@ def test_sim_vs_bench_prices_a_run_whose_calibration_failed_with_its_neighbour()
         svb.price_runs([None, None])
 
 
+def test_sim_vs_bench_sets_aside_runs_that_lost_their_cpu() -> None:
+    """`steady_runs`: a bench run during which the hypervisor stole more than `max_steal` is
+    set aside and another made, at most twice as many runs as asked for; an unknown steal (no
+    /proc/stat) keeps the run."""
+    import sim_vs_bench as svb
+
+    steals = iter([0.01, 0.21, None, 0.15, 0.02])
+    made = []
+
+    def run_one(i: int) -> dict:
+        made.append(i)
+        return {"steal": next(steals)}
+
+    attempts, kept = svb.steady_runs(run_one, 3, 0.10)
+    assert made == [0, 1, 2, 3, 4] and kept == [0, 2, 4] and len(attempts) == 5
+    made.clear()
+    steals = iter([0.3, 0.3, 0.01, 0.3])
+    attempts, kept = svb.steady_runs(run_one, 2, 0.10)
+    assert made == [0, 1, 2, 3] and kept == [2]
+    assert svb.steady(0.10, 0.10) and not svb.steady(0.1001, 0.10) and svb.steady(None, 0.10)
+
+
 def test_sim_vs_bench_prints_a_saved_result(capsys) -> None:
     """`print_table` renders a committed result: each run's value and error and the drift gauge."""
     import sim_vs_bench as svb
