@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
 from agentserve.sim import plan as pl
 from agentserve.sim import run as sim_run
+from agentserve.sim.specs import CPU_PROFILE_ENV
 from tests.sim.test_agg import PROFILE
 from tests.sim.test_cluster import _session
 
@@ -26,12 +29,10 @@ def test_frontier_and_recommendation() -> None:
 
 
 def test_tiny_sweep_prices_points(monkeypatch, tmp_path) -> None:
-    import json
-
     # a fixed cpu-local profile: the committed one is rewritten by every sim_vs_bench run,
     # and one measured on a slow spell of the box (stop 39 run 4) answered nothing in 120 s
     (tmp_path / "profile.json").write_text(json.dumps(PROFILE))
-    monkeypatch.setenv("AGENTSERVE_SIM_CPU_PROFILE", str(tmp_path / "profile.json"))
+    monkeypatch.setenv(CPU_PROFILE_ENV, str(tmp_path / "profile.json"))
     monkeypatch.setattr(sim_run, "load_workload", lambda *a: [_session(i) for i in range(3)])
     cands = [pl.Candidate(1, 1, 1, False, 0.0), pl.Candidate(1, 1, 1, True, 0.0)]
     pts = pl.sweep(cands, [2], "tiny", "cpu-local", "sweep-full", 120.0, workers=1)
