@@ -285,11 +285,16 @@ def _itl(wave: list[tuple[str, list[float]]], batch: int) -> tuple[float, float]
 DECODE_BATCHES = (1, 2, 4, 8, 16)  # per engine; perf.measured_step interpolates between them
 
 
+def model_id(url: str) -> str:
+    """The first model the server at `url` serves (`/v1/models`)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
+
+
 def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens: int = 64,
                      reps: int = 3) -> dict:
     """Fit the linear step model from client-observed timings (two engines behind `url`)."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=30) as r:
-        model = json.loads(r.read())["data"][0]["id"]
+    model = model_id(url)
     rng = random.Random(1)
 
     def wave(n: int, p: int, m: int) -> list[tuple[str, list[float]]]:

@@ -40,6 +40,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import itertools
 import json
@@ -57,17 +58,13 @@ HERE = Path(__file__).resolve().parent
 PROFILE = Path("benchmarks/results/sim_cpu_profile.json")  # the profile the simulator reads
 
 
+@functools.cache
 def _calibrator():
+    """benchmarks/sim_calibrate_cpu.py as a module (loaded once: benchmarks/ is no package)."""
     spec = importlib.util.spec_from_file_location("sim_calibrate_cpu", HERE / "sim_calibrate_cpu.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
-
-
-def _model_id(url: str) -> str:
-    """The first model the router serves (`/v1/models`)."""
-    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-        return json.loads(r.read())["data"][0]["id"]
 
 
 def _complete(url: str, body: dict, timeout: float) -> None:
@@ -89,7 +86,7 @@ def probe_overhead(url: str, profile: dict, n: int = 8, prompt: int = 16) -> flo
         path.write_text(json.dumps(profile))
         perf = PerfModel(model_spec("tiny"), cpu_local(path), Topology("dep", 1, "decode"))
     step = perf.measured_step([(prompt, 0)], 0.0, 0)
-    model = _model_id(url)
+    model = _calibrator().model_id(url)
     times = []
     for i in range(n):
         body = {"prompt": [17 + (i * 7 + j) % 3000 for j in range(prompt)], "max_tokens": 1,
@@ -382,7 +379,7 @@ def warm_up(url: str, n: int = 4) -> None:
     """A few short requests through the router, so that a fresh cluster's first bench
     requests do not carry the engines' first-forward costs (the calibration does this for the
     cluster it runs on)."""
-    model = _model_id(url)
+    model = _calibrator().model_id(url)
     for i in range(n):
         _complete(url, {"prompt": [20 + (i * 13 + j) % 3000 for j in range(256)], "max_tokens": 4,
                         "model": model, "ignore_eos": True}, timeout=120)

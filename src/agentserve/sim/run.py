@@ -349,14 +349,14 @@ class Simulation:
         self._closed_clients()
         for _ in range(self.cfg.concurrency):
             self._client()
-        self._c0 = self._counters()
         if self.t0 > 0:
             self.clock.run(self.t0)
-            self._c0 = self._counters()
+        self._c0 = self._counters()
         t1 = self._send_until = self.t0 + self.cfg.duration  # nothing new from the deadline on
         self.clock.run(t1)
         self._c1 = self._counters()
-        self.clock.run(t1 + GRACE_S if self.drains else t1)
+        if self.drains:
+            self.clock.run(t1 + GRACE_S)
         return self.summary()
 
     def _run_agentx(self) -> dict:

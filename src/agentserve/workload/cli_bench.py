@@ -43,6 +43,12 @@ def bench(
     gpus: int = typer.Option(1, "--gpus", help="GPUs behind the URL (for tok/s per GPU)"),
     seed: int = typer.Option(0, "--seed"),
     out: str = typer.Option("bench-out", "--out", help="output directory"),
+    num_profile_runs: int = typer.Option(1, "--num-profile-runs",
+                                         help="run the bench N times (same workload) and aggregate"),
+    confidence_level: float = typer.Option(0.95, "--confidence-level",
+                                           help="of the aggregate's confidence intervals"),
+    cooldown: float = typer.Option(0.0, "--profile-run-cooldown-seconds",
+                                   help="pause between profile runs, seconds"),
 ) -> None:
     """Replay agent traces against an OpenAI endpoint; write summary.json, records, plots, report.html."""
     from agentserve.workload.replay import MODES, BenchConfig, run_bench
@@ -57,7 +63,10 @@ def bench(
         gap_cap=(gap_cap, 0), gap_scale=(gap_scale, 0), duration=(duration, POSITIVE),
         max_turns=(max_turns, 1), max_input=(max_input, 1), max_output=(max_output, 1),
         output_scale=(output_scale, POSITIVE), vocab_size=(vocab_size, 2),
-        request_timeout=(request_timeout, POSITIVE), gpus=(gpus, 1))
+        request_timeout=(request_timeout, POSITIVE), gpus=(gpus, 1),
+        num_profile_runs=(num_profile_runs, 1), profile_run_cooldown_seconds=(cooldown, 0))
+    if message is None and not 0 < confidence_level < 1:
+        message = f"--confidence-level must be between 0 and 1, got {confidence_level}"
     if message is not None:
         raise typer.BadParameter(message)
     if api not in ("completions", "chat"):
@@ -69,13 +78,52 @@ def bench(
                       model=model, api_key=api_key, vocab_size=vocab_size, request_timeout=request_timeout,
                       gpus=gpus, seed=seed, out=out)
     try:
-        stages = run_bench(cfg)
+        if num_profile_runs > 1:
+            from agentserve.workload.multirun import run_profile_runs
+
+            record = run_profile_runs(cfg, num_profile_runs, confidence_level, cooldown,
+                                      bench=lambda c: _printed(run_bench(c), c.out))
+        else:
+            stages = _printed(run_bench(cfg), out)
     except (RuntimeError, ValueError, OSError) as e:  # bad trace, unreachable model list, ...
         typer.echo(f"bench: {e}", err=True)
         raise typer.Exit(2)
-    _print(stages, out)
-    if any(s.get("interrupted") for s in stages):
+    if num_profile_runs > 1:
+        _print_aggregate(record, out)
+        for f in record["metadata"]["failed_runs"]:
+            typer.echo(f"bench: {f['label']} failed: {f['error']}", err=True)
+        if record["metadata"]["interrupted"]:
+            raise typer.Exit(130)
+    elif any(s.get("interrupted") for s in stages):
         raise typer.Exit(130)  # partial results are written; say so to scripts
+
+
+def _printed(stages: list[dict], out: str) -> list[dict]:
+    _print(stages, out)
+    return stages
+
+
+def _print_aggregate(record: dict, out: str) -> None:
+    """Mean, confidence interval and CV of the headline figures per stage."""
+    from rich.console import Console
+    from rich.table import Table
+
+    meta = record["metadata"]
+    t = Table(title=f"agentserve bench, {meta['num_successful_runs']} runs → {out}/aggregate "
+                    f"(mean [{meta['confidence_level']:.0%} CI] cv)")
+    names = ("output_tok_s", "ttft_p50_s", "itl_p50_ms", "e2e_p50_s", "cached_token_ratio")
+    for col in ("stage", *names):
+        t.add_column(col, justify="right")
+
+    def cell(m: dict) -> str:
+        if not m["n"]:
+            return "-"
+        if "ci_low" not in m:
+            return f"{m['mean']:.3g}"
+        return f"{m['mean']:.3g} [{m['ci_low']:.3g}, {m['ci_high']:.3g}] {m['cv']:.0%}"
+    for st in record["stages"]:
+        t.add_row(st["stage"], *(cell(st["metrics"][n]) for n in names))
+    Console().print(t)
 
 
 def _print(stages: list[dict], out: str) -> None:

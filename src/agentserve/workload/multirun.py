@@ -1,0 +1,177 @@
+"""Repeated profile runs of one bench and their aggregate, as AIPerf's `--num-profile-runs`.
+
+One run of a bench on a shared or throttled machine can be off by a third (this project's
+2-core VMs: BENCHMARKS.md, "box speed"); the answer is to run the same workload several times
+and report each figure's mean with its spread and a confidence interval, so that two
+configurations are compared by whether their intervals overlap. Every run replays the same
+workload (same trace, same seed). Layout, as AIPerf's:
+
+    OUT/profile_runs/run_0001/   summary.json, requests.jsonl/.csv, plots, report.html
+    OUT/profile_runs/run_0002/   ...
+    OUT/aggregate/aggregate.json {"metadata": {...}, "stages": [{"stage", "metrics"}]}
+
+Each metric's block has AIPerf's fields: mean, std (sample, n - 1), min, max, cv, se, ci_low,
+ci_high, t_critical, and the per-run values. A run that raises is recorded under
+`failed_runs` and the others go on; when every run fails the first error is raised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import time
+from pathlib import Path
+from typing import Callable
+
+from agentserve.workload.replay import BenchConfig, run_bench
+
+# name -> (path into a stage summary, unit)
+METRICS: dict[str, tuple[tuple[str, ...], str]] = {
+    "output_tok_s": (("output_tok_s",), "tokens/s"),
+    "input_tok_s": (("input_tok_s",), "tokens/s"),
+    "ttft_p50_s": (("ttft_s", "p50"), "s"),
+    "ttft_p90_s": (("ttft_s", "p90"), "s"),
+    "itl_p50_ms": (("itl_ms", "p50"), "ms"),
+    "itl_p90_ms": (("itl_ms", "p90"), "ms"),
+    "e2e_p50_s": (("e2e_s", "p50"), "s"),
+    "cached_token_ratio": (("cached_token_ratio",), "ratio"),
+    "requests_ok": (("requests_ok",), "requests"),
+    "requests_failed": (("requests_failed",), "requests"),
+}
+
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """The continued fraction of the regularized incomplete beta (modified Lentz; converges
+    in a few dozen terms for x < (a + 1) / (a + b + 2), where it is used)."""
+    tiny, qab, qap, qam = 1e-300, a + b, a + 1, a - 1
+    c, d = 1.0, 1 - qab * x / qap
+    d = 1 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 300):  # bounded; |delta - 1| < 1e-15 well before
+        for num in (m * (b - m) * x / ((qam + 2 * m) * (a + 2 * m)),
+                    -(a + m) * (qab + m) * x / ((a + 2 * m) * (qap + 2 * m))):
+            d = 1 + num * d
+            d = 1 / (d if abs(d) > tiny else tiny)
+            c = 1 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1) < 1e-15:
+            break
+    return h
+
+
+def _betai(a: float, b: float, x: float) -> float:
+    """The regularized incomplete beta function I_x(a, b)."""
+    if x <= 0 or x >= 1:
+        return 0.0 if x <= 0 else 1.0
+    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
+                     + a * math.log(x) + b * math.log1p(-x))
+    if x < (a + 1) / (a + b + 2):
+        return front * _betacf(a, b, x) / a
+    return 1 - front * _betacf(b, a, 1 - x) / b
+
+
+def _t_cdf(x: float, df: int) -> float:
+    """Student's t CDF at x >= 0: 1 - I_{df / (df + x^2)}(df / 2, 1 / 2) / 2."""
+    return 1 - 0.5 * _betai(df / 2, 0.5, df / (df + x * x))
+
+
+def t_critical(confidence: float, df: int) -> float:
+    """The two-sided critical value of Student's t: `t.ppf(1 - (1 - confidence) / 2, df)`."""
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence level must be between 0 and 1, got {confidence}")
+    if df < 1:
+        raise ValueError(f"t needs at least 1 degree of freedom, got {df}")
+    target, lo, hi = 1 - (1 - confidence) / 2, 0.0, 1.0
+    while _t_cdf(hi, df) < target:  # bounded: the CDF reaches any target < 1 as hi doubles
+        hi *= 2
+    for _ in range(60):  # bisection to well under 1e-9
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if _t_cdf(mid, df) < target else (lo, mid)
+    return (lo + hi) / 2
+
+
+def describe(values: list[float], confidence: float = 0.95) -> dict:
+    """AIPerf's aggregate block for one metric over runs: mean, std, min, max, cv, se and the
+    confidence interval of the mean (Student's t; no interval from a single value)."""
+    n = len(values)
+    if n == 0:
+        return {"n": 0, "values": []}
+    mean = sum(values) / n
+    out = {"n": n, "mean": mean, "min": min(values), "max": max(values), "values": list(values)}
+    if n > 1:
+        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
+        se, t = std / math.sqrt(n), t_critical(confidence, n - 1)
+        out.update(std=std, cv=std / abs(mean) if mean else math.inf, se=se,
+                   ci_low=mean - t * se, ci_high=mean + t * se, t_critical=t)
+    return out
+
+
+def _get(summary: dict, path: tuple[str, ...]) -> float | None:
+    v: object = summary
+    for key in path:
+        v = v.get(key) if isinstance(v, dict) else None
+    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
+def _stage_label(stage: dict, i: int) -> str:
+    for key in ("concurrency", "sessions", "stage"):
+        if stage.get(key) is not None:
+            return f"{key} {stage[key]}"
+    return f"stage {i + 1}"
+
+
+def aggregate(runs: list[list[dict]], confidence: float = 0.95, labels: list[str] | None = None,
+              failed: list[dict] | None = None) -> dict:
+    """The aggregate record of several runs' stage summaries (`runs[r][s]`: run r, stage s).
+    Stages are matched by position, and only those every run reached are aggregated (an
+    interrupted run may stop short); a metric a run did not measure (None) is left out of it."""
+    labels = labels or [f"run_{i + 1:04d}" for i in range(len(runs))]
+    stages = []
+    for s in range(min((len(r) for r in runs), default=0)):
+        metrics = {}
+        for name, (path, unit) in METRICS.items():
+            vals = [v for r in runs if (v := _get(r[s], path)) is not None]
+            metrics[name] = {**describe(vals, confidence), "unit": unit}
+        stages.append({"stage": _stage_label(runs[0][s], s), "metrics": metrics})
+    return {"metadata": {"aggregation_type": "confidence", "num_profile_runs": len(runs) + len(failed or []),
+                         "num_successful_runs": len(runs), "confidence_level": confidence,
+                         "run_labels": labels, "failed_runs": failed or []},
+            "stages": stages}
+
+
+def run_profile_runs(cfg: BenchConfig, runs: int, confidence: float = 0.95,
+                     cooldown_s: float = 0.0,
+                     bench: Callable[[BenchConfig], list[dict]] = run_bench) -> dict:
+    """Run `cfg` `runs` times into OUT/profile_runs/run_NNNN and write OUT/aggregate/aggregate.json;
+    returns the aggregate. An interrupted run (Ctrl-C) ends the series: what ran is aggregated
+    and the record says `interrupted`."""
+    out = Path(cfg.out)
+    done: list[list[dict]] = []
+    labels: list[str] = []
+    failed: list[dict] = []
+    errors: list[Exception] = []
+    interrupted = False
+    for i in range(runs):
+        if i and cooldown_s:
+            time.sleep(cooldown_s)
+        label = f"run_{i + 1:04d}"
+        try:
+            stages = bench(dataclasses.replace(cfg, out=str(out / "profile_runs" / label)))
+        except (RuntimeError, ValueError, OSError) as e:
+            failed.append({"label": label, "error": f"{type(e).__name__}: {e}"})
+            errors.append(e)
+            continue
+        done.append(stages)
+        labels.append(label)
+        if any(s.get("interrupted") for s in stages):
+            interrupted = True
+            break
+    if not done:
+        raise errors[0] if errors else RuntimeError("no profile run completed")
+    record = aggregate(done, confidence, labels, failed)
+    record["metadata"]["interrupted"] = interrupted
+    (out / "aggregate").mkdir(parents=True, exist_ok=True)
+    (out / "aggregate" / "aggregate.json").write_text(json.dumps(record, indent=2))
+    return record
