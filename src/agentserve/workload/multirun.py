@@ -155,7 +155,11 @@ def run_profile_runs(cfg: BenchConfig, runs: int, confidence: float = 0.95,
     interrupted = False
     for i in range(runs):
         if i and cooldown_s:
-            time.sleep(cooldown_s)
+            try:
+                time.sleep(cooldown_s)
+            except KeyboardInterrupt:  # Ctrl-C between runs ends the series as within one
+                interrupted = True
+                break
         label = f"run_{i + 1:04d}"
         try:
             stages = bench(dataclasses.replace(cfg, out=str(out / "profile_runs" / label)))
