@@ -54,6 +54,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from agentserve.runstats import mean_records
+
 HERE = Path(__file__).resolve().parent
 PROFILE = Path("benchmarks/results/sim_cpu_profile.json")  # the profile the simulator reads
 
@@ -161,22 +163,6 @@ def _attn_reads(urls: list[str]) -> dict[str, float]:
     return out
 
 
-def mean_profile(profiles: list[dict]) -> dict:
-    """Field-by-field mean of calibration profiles (numbers averaged, dicts recursed; anything
-    else, or a field some profile lacks, is the first profile's)."""
-    out = {}
-    for k, v in profiles[0].items():
-        others = [p.get(k) for p in profiles[1:]]
-        if isinstance(v, dict) and all(isinstance(w, dict) for w in others):
-            out[k] = mean_profile([v, *others])
-        elif (isinstance(v, (int, float)) and not isinstance(v, bool)
-              and all(isinstance(w, (int, float)) and not isinstance(w, bool) for w in others)):
-            out[k] = (v + sum(others)) / len(profiles)
-        else:
-            out[k] = v
-    return out
-
-
 def price_runs(cals: list[dict | None]) -> tuple[list[dict], dict]:
     """(a profile for each bench run, the mean of all) from the calibrations around the runs,
     `None` where one failed twice: run i lies between calibrations i and i + 1 and is priced
@@ -184,9 +170,9 @@ def price_runs(cals: list[dict | None]) -> tuple[list[dict], dict]:
     good = [c for c in cals if c is not None]
     if not good:
         raise ValueError("no calibration succeeded")
-    by_run = [mean_profile([c for c in cals[i:i + 2] if c is not None] or good)
+    by_run = [mean_records([c for c in cals[i:i + 2] if c is not None] or good)
               for i in range(len(cals) - 1)]
-    return by_run, mean_profile(good)
+    return by_run, mean_records(good)
 
 
 def cpu_steal() -> tuple[int, int] | None:

@@ -258,24 +258,6 @@ def test_sim_vs_bench_tries_a_failed_calibration_once_more(monkeypatch) -> None:
     assert len(started) == 2 and all(c.stopped for c in started)
 
 
-def test_sim_vs_bench_averages_calibrations() -> None:
-    """`mean_profile`: numbers averaged over every profile, nested dicts recursed, anything
-    else (or a field one of them lacks) taken from the first."""
-    import sim_vs_bench as svb
-
-    a = {"tok_s": 1.0, "decode_step_s": {"1": 0.01, "8": 0.02}, "source": "server", "n": 2,
-         "only_a": 5.0, "flag": True}
-    b = {"tok_s": 2.0, "decode_step_s": {"1": 0.02, "8": 0.04}, "source": "core", "n": 4,
-         "flag": False}
-    c = {"tok_s": 6.0, "decode_step_s": {"1": 0.03, "8": 0.06}, "source": "x", "n": 6,
-         "only_a": 1.0, "flag": False}
-    got = svb.mean_profile([a, b, c])
-    assert got["tok_s"] == pytest.approx(3.0) and got["n"] == pytest.approx(4.0)
-    assert got["decode_step_s"] == {"1": pytest.approx(0.02), "8": pytest.approx(0.04)}
-    assert got["source"] == "server" and got["only_a"] == 5.0 and got["flag"] is True
-    assert svb.mean_profile([a]) == a
-
-
 def test_sim_vs_bench_prices_a_run_whose_calibration_failed_with_its_neighbour() -> None:
     """`price_runs`: run i is priced with calibrations i and i + 1, with the one of them
     that succeeded when the other failed twice, with all that succeeded when neither did;

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -16,33 +15,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from stub_server import StubConfig, StubServer  # noqa: E402
 
 from agentserve.workload.cli_bench import register_bench  # noqa: E402
-from agentserve.workload.multirun import aggregate, describe, run_profile_runs, t_critical  # noqa: E402
+from agentserve.workload.multirun import aggregate, run_profile_runs  # noqa: E402
 from agentserve.workload.replay import BenchConfig  # noqa: E402
-
-
-@pytest.mark.parametrize("confidence, df, expected", [
-    (0.95, 1, 12.7062), (0.95, 4, 2.7764), (0.95, 9, 2.2622), (0.99, 4, 4.6041),
-    (0.90, 2, 2.9200), (0.95, 1000, 1.9623), (0.999, 1, 636.619)])
-def test_t_critical_matches_the_t_table(confidence: float, df: int, expected: float) -> None:
-    assert t_critical(confidence, df) == pytest.approx(expected, rel=1e-4)
-
-
-def test_t_critical_refuses_levels_outside_0_1() -> None:
-    for bad in (0.0, 1.0, 1.5):
-        with pytest.raises(ValueError, match="between 0 and 1"):
-            t_critical(bad, 3)
-
-
-def test_describe_is_aiperfs_block() -> None:
-    """AIPerf's worked example: TTFT p99 of 150, 152, 148, 155, 151 ms."""
-    d = describe([150, 152, 148, 155, 151])
-    assert d["mean"] == pytest.approx(151.2) and d["std"] == pytest.approx(2.588, abs=1e-3)
-    assert d["se"] == pytest.approx(2.588 / math.sqrt(5), abs=1e-3)
-    assert (d["ci_low"], d["ci_high"]) == pytest.approx((148.0, 154.4), abs=0.05)
-    assert d["min"] == 148 and d["max"] == 155 and d["cv"] == pytest.approx(0.0171, abs=1e-4)
-    one = describe([3.0])
-    assert one["mean"] == 3.0 and "ci_low" not in one  # no interval from one value
-    assert describe([])["n"] == 0
 
 
 def _stage(out: float, ttft: float | None, conc: int = 4) -> dict:

@@ -60,6 +60,9 @@ def register(app: typer.Typer) -> None:
                                        "before it starts a fresh (cold) conversation (default: to "
                                        "the session's end, the reference's reusable-prefix ceiling)"),
         seed: int = typer.Option(0),
+        seeds: int = typer.Option(1, help="simulate seeds SEED .. SEED + N - 1 and report their "
+                                  "mean, with each headline figure's spread under `seeds`"),
+        workers: int = typer.Option(2, help="--seeds: worker processes"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
     ) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
@@ -70,7 +73,9 @@ def register(app: typer.Typer) -> None:
                      cpu_offload_gib=(cpu_offload_gib, 0, lim["cpu_offload_gib"]),
                      duration=(duration, 1, lim["duration"]), warmup=(warmup, 0, lim["duration"]),
                      replay_run=(replay_run, 1), gap_cap_s=(gap_cap_s, 0, lim["duration"]),
-                     seed=(seed, 0, lim["seed"]))
+                     seed=(seed, 0, lim["seed"]), seeds=(seeds, 1, lim["seeds"]),
+                     workers=(workers, 1, 256))
+        check_flags(seed=(seed + seeds - 1, 0, lim["seed"]))  # the last seed drawn
         try:
             idle_cap = parse_idle_gap_cap(idle_gap_cap_s)
             p, d = parse_topology(topology)
@@ -86,7 +91,12 @@ def register(app: typer.Typer) -> None:
                             replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
                             idle_gap_cap_s=idle_cap, prefix_index=prefix_index,
                             route_miss=route_miss)
-            s = simulate(cfg)
+            if seeds > 1:
+                from agentserve.sim.seeds import simulate_seeds
+
+                s = simulate_seeds(cfg, seeds, workers)
+            else:
+                s = simulate(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))
         if as_json:
@@ -94,6 +104,13 @@ def register(app: typer.Typer) -> None:
             return
         for k in KEYS:
             typer.echo(f"{k:24s} {s[k]}")
+        if seeds > 1:
+            typer.echo(f"spread over seeds {s['seeds']['seeds'][0]}-{s['seeds']['seeds'][-1]} "
+                       "(mean [95% CI] cv):")
+            for k, m in s["seeds"]["metrics"].items():
+                if m["n"] > 1:
+                    typer.echo(f"  {k:22s} {m['mean']:.4g} [{m['ci_low']:.4g}, {m['ci_high']:.4g}] "
+                               f"{m['cv']:.1%}")
 
     register_plan(app)
 

@@ -32,7 +32,7 @@ ROUTE_MISS = 0.04
 # (1e12 s, a million ranks) from becoming an hour-long run or an exhausted memory.
 MAX_INSTANCES = 1024  # instances of a role in --topology
 LIMITS = {"width": 1024, "gpus": 16_384, "concurrency": 10_000, "duration": 86_400.0,
-          "cpu_offload_gib": 10_000.0, "seed": 2**32 - 1}
+          "cpu_offload_gib": 10_000.0, "seed": 2**32 - 1, "seeds": 64}
 
 
 @dataclass(slots=True)

@@ -10,8 +10,8 @@ workload (same trace, same seed). Layout, as AIPerf's:
     OUT/profile_runs/run_0002/   ...
     OUT/aggregate/aggregate.json {"metadata": {...}, "stages": [{"stage", "metrics"}]}
 
-Each metric's block has AIPerf's fields: mean, std (sample, n - 1), min, max, cv, se, ci_low,
-ci_high, t_critical, and the per-run values. A run that raises is recorded under
+Each metric's block has AIPerf's fields (`runstats.describe`): mean, std (sample, n - 1), min,
+max, cv, se, ci_low, ci_high, t_critical, and the per-run values. A run that raises is recorded under
 `failed_runs` and the others go on; when every run fails the first error is raised.
 """
 
@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from agentserve.runstats import describe
 from agentserve.workload.replay import BenchConfig, run_bench
 
 # name -> (path into a stage summary, unit)
@@ -39,73 +40,6 @@ METRICS: dict[str, tuple[tuple[str, ...], str]] = {
     "requests_ok": (("requests_ok",), "requests"),
     "requests_failed": (("requests_failed",), "requests"),
 }
-
-
-def _betacf(a: float, b: float, x: float) -> float:
-    """The continued fraction of the regularized incomplete beta (modified Lentz; converges
-    in a few dozen terms for x < (a + 1) / (a + b + 2), where it is used)."""
-    tiny, qab, qap, qam = 1e-300, a + b, a + 1, a - 1
-    c, d = 1.0, 1 - qab * x / qap
-    d = 1 / (d if abs(d) > tiny else tiny)
-    h = d
-    for m in range(1, 300):  # bounded; |delta - 1| < 1e-15 well before
-        for num in (m * (b - m) * x / ((qam + 2 * m) * (a + 2 * m)),
-                    -(a + m) * (qab + m) * x / ((a + 2 * m) * (qap + 2 * m))):
-            d = 1 + num * d
-            d = 1 / (d if abs(d) > tiny else tiny)
-            c = 1 + num / c
-            c = c if abs(c) > tiny else tiny
-            h *= d * c
-        if abs(d * c - 1) < 1e-15:
-            break
-    return h
-
-
-def _betai(a: float, b: float, x: float) -> float:
-    """The regularized incomplete beta function I_x(a, b)."""
-    if x <= 0 or x >= 1:
-        return 0.0 if x <= 0 else 1.0
-    front = math.exp(math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b)
-                     + a * math.log(x) + b * math.log1p(-x))
-    if x < (a + 1) / (a + b + 2):
-        return front * _betacf(a, b, x) / a
-    return 1 - front * _betacf(b, a, 1 - x) / b
-
-
-def _t_cdf(x: float, df: int) -> float:
-    """Student's t CDF at x >= 0: 1 - I_{df / (df + x^2)}(df / 2, 1 / 2) / 2."""
-    return 1 - 0.5 * _betai(df / 2, 0.5, df / (df + x * x))
-
-
-def t_critical(confidence: float, df: int) -> float:
-    """The two-sided critical value of Student's t: `t.ppf(1 - (1 - confidence) / 2, df)`."""
-    if not 0 < confidence < 1:
-        raise ValueError(f"confidence level must be between 0 and 1, got {confidence}")
-    if df < 1:
-        raise ValueError(f"t needs at least 1 degree of freedom, got {df}")
-    target, lo, hi = 1 - (1 - confidence) / 2, 0.0, 1.0
-    while _t_cdf(hi, df) < target:  # bounded: the CDF reaches any target < 1 as hi doubles
-        hi *= 2
-    for _ in range(60):  # bisection to well under 1e-9
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if _t_cdf(mid, df) < target else (lo, mid)
-    return (lo + hi) / 2
-
-
-def describe(values: list[float], confidence: float = 0.95) -> dict:
-    """AIPerf's aggregate block for one metric over runs: mean, std, min, max, cv, se and the
-    confidence interval of the mean (Student's t; no interval from a single value)."""
-    n = len(values)
-    if n == 0:
-        return {"n": 0, "values": []}
-    mean = sum(values) / n
-    out = {"n": n, "mean": mean, "min": min(values), "max": max(values), "values": list(values)}
-    if n > 1:
-        std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
-        se, t = std / math.sqrt(n), t_critical(confidence, n - 1)
-        out.update(std=std, cv=std / abs(mean) if mean else math.inf, se=se,
-                   ci_low=mean - t * se, ci_high=mean + t * se, t_critical=t)
-    return out
 
 
 def _get(summary: dict, path: tuple[str, ...]) -> float | None:

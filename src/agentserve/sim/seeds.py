@@ -1,0 +1,55 @@
+"""`agentserve sim --seeds N`: one stage simulated under N seeds, reported as their mean with
+each headline figure's spread.
+
+The simulator is stochastic (the workload draw, the router's tie-breaks, MTP acceptances), and
+one seed of a 600 s stage can differ from the next by several percent at the points where a
+pool saturates; a comparison of two configurations should say whether it exceeds that. Seeds
+`seed .. seed + N - 1` run in `workers` processes; the record is the field-by-field mean of
+their summaries (`runstats.mean_records`: every key a single run has, same meaning) plus
+`seeds`: the seeds, and for each figure in `SPREAD` AIPerf's block (mean, std, cv, Student-t
+interval, the per-seed values).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from multiprocessing import Pool
+
+from agentserve.runstats import describe, mean_records
+from agentserve.sim.run import SimConfig, simulate
+
+# figure -> path into a stage summary
+SPREAD: dict[str, tuple[str, ...]] = {
+    "output_tok_s": ("output_tok_s",), "input_tok_s": ("input_tok_s",),
+    "ttft_p50_s": ("ttft_s", "p50"), "ttft_p90_s": ("ttft_s", "p90"),
+    "itl_p50_ms": ("itl_ms", "p50"), "e2e_p50_s": ("e2e_s", "p50"),
+    "output_tok_s_per_user": ("output_tok_s_per_user", "mean"),
+    "cost_per_m_output": ("cost_per_m_output",), "cpu_restore_gib": ("cpu_restore_gib",),
+    "prefill_gpu_hit_rate": ("prefill_gpu_hit_rate",),
+}
+
+
+def _get(summary: dict, path: tuple[str, ...]) -> float | None:
+    v: object = summary
+    for key in path:
+        v = v.get(key) if isinstance(v, dict) else None
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
+def simulate_seeds(cfg: SimConfig, n: int, workers: int = 2, confidence: float = 0.95) -> dict:
+    """The mean summary of `cfg` under seeds cfg.seed .. cfg.seed + n - 1, with their spread."""
+    if n < 1:
+        raise ValueError(f"need at least one seed, got {n}")
+    cfgs = [dataclasses.replace(cfg, seed=cfg.seed + i) for i in range(n)]
+    if n == 1 or workers <= 1:
+        runs = [simulate(c) for c in cfgs]
+    else:
+        with Pool(min(workers, n)) as pool:
+            runs = pool.map(simulate, cfgs)
+    out = mean_records(runs)
+    out["config"] = {**runs[0]["config"], "seed": cfg.seed}
+    out["seeds"] = {
+        "seeds": [c.seed for c in cfgs], "confidence_level": confidence,
+        "metrics": {name: describe([v for r in runs if (v := _get(r, path)) is not None], confidence)
+                    for name, path in SPREAD.items()}}
+    return out
