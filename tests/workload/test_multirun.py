@@ -12,7 +12,7 @@ import typer
 from typer.testing import CliRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from stub_server import StubConfig, StubServer  # noqa: E402
+from stub_server import StubServer  # noqa: E402
 
 from agentserve.workload.cli_bench import register_bench  # noqa: E402
 from agentserve.workload.multirun import aggregate, run_profile_runs  # noqa: E402
@@ -55,22 +55,6 @@ def test_a_failed_run_is_recorded_and_the_others_aggregated(tmp_path: Path) -> N
         raise ValueError("bad trace")
     with pytest.raises(ValueError, match="bad trace"):
         run_profile_runs(BenchConfig(url="http://x", trace="t", out=str(tmp_path / "b")), 2, bench=broken)
-
-
-@pytest.fixture
-def stub_thread():
-    import asyncio
-    import threading
-
-    loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
-    srv = StubServer(StubConfig(ttft=0.002, itl=0.001))
-    asyncio.run_coroutine_threadsafe(srv.start(), loop).result(10)
-    yield srv
-    asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    th.join(5)
 
 
 def _app() -> typer.Typer:

@@ -132,23 +132,6 @@ def test_cli_refuses_bad_flags_and_traces_before_sending(tmp_path, flags, messag
     assert res.exit_code == 2 and message in res.output, res.output
 
 
-@pytest.fixture
-def stub_thread():
-    """The stub on its own event loop thread, for sync callers such as the CLI runner."""
-    import asyncio
-    import threading
-
-    loop = asyncio.new_event_loop()
-    th = threading.Thread(target=loop.run_forever, daemon=True)
-    th.start()
-    srv = StubServer(StubConfig(ttft=0.002, itl=0.001))
-    asyncio.run_coroutine_threadsafe(srv.start(), loop).result(10)
-    yield srv
-    asyncio.run_coroutine_threadsafe(srv.stop(), loop).result(10)
-    loop.call_soon_threadsafe(loop.stop)
-    th.join(5)
-
-
 def test_cli_end_to_end_weka_and_mooncake(stub_thread: StubServer, tmp_path: Path) -> None:
     weka = {"id": "w1", "block_size": 64, "hash_id_scope": "local", "requests": [
         {"t": 0, "type": "n", "in": 640, "out": 3, "hash_ids": list(range(10)), "api_time": 0.1},
