@@ -106,10 +106,12 @@ CALIBRATION = ("full 3P1D c16", "full 3P1D c64", "full 3P1D c128")  # SPEC's run
 
 
 def run(args: tuple) -> dict:
-    name, duration, seed, prefix_index, idle_cap, route_miss = args
+    name, duration, seed, prefix_index, idle_cap, route_miss, restore_ms = args
     over, c, _ = POINTS[name]
     s = simulate(SimConfig(concurrency=c, duration=duration, seed=seed, prefix_index=prefix_index,
-                           idle_gap_cap_s=idle_cap, route_miss=route_miss, **over))
+                           idle_gap_cap_s=idle_cap, route_miss=route_miss,
+                           cpu_restore_s_per_gb=None if restore_ms is None else restore_ms / 1e3,
+                           **over))
     return {"name": name, "seed": seed, "out": s["output_tok_s"], "itl": s["itl_ms"]["p50"],
             "ttft": s["ttft_s"]["p50"], "e2e": s["e2e_s"]["p50"],
             "per_user": s["output_tok_s_per_user"]["mean"], "restore": s["cpu_restore_gib"],
@@ -131,6 +133,8 @@ def parse_args(description: str | None, out: str, points, model_flags: bool = Fa
                         help="AIPerf's per-trace idle-gap cap, s or off (SimConfig.idle_gap_cap_s)")
         ap.add_argument("--route-miss", type=float, default=ROUTE_MISS,
                         help="share of prefill picks made on load alone (SimConfig.route_miss)")
+        ap.add_argument("--cpu-restore-ms-per-gb", type=float, default=None,
+                        help="CPU -> GPU restore time per GB (default: the hardware's, SPEC's 26)")
     ap.add_argument("--duration", type=float, default=900.0)
     ap.add_argument("--seeds", type=int, default=1)
     ap.add_argument("--only", default="", help="comma-separated substrings of point names")
@@ -168,6 +172,8 @@ def report(doc: dict) -> None:
     cap = doc.get("idle_gap_cap_s")
     cap = ", no idle-gap cap" if cap is None else f", idle-gap cap {cap:g} s"
     cap += f", route miss {doc.get('route_miss', ROUTE_MISS):g}"
+    if doc.get("cpu_restore_ms_per_gb") is not None:
+        cap += f", restores {doc['cpu_restore_ms_per_gb']:g} ms/GB"
     t = Table(title=f"simulated vs published, {doc['duration']:.0f} simulated s, "
                     f"{doc['seeds']} seed(s){cap}")
     for col in ("point",) + METRICS + ("TTFT p90", "prefill busy"):
@@ -196,13 +202,14 @@ def main() -> None:
     if a.report:
         report(json.loads(Path(a.report).read_text()))
         return
-    jobs = [(n, a.duration, sd, a.prefix_index, a.idle_gap_cap_s, a.route_miss)
-            for n in names for sd in range(a.seeds)]
+    jobs = [(n, a.duration, sd, a.prefix_index, a.idle_gap_cap_s, a.route_miss,
+             a.cpu_restore_ms_per_gb) for n in names for sd in range(a.seeds)]
     with Pool(2) as pool:
         runs = pool.map(run, jobs)
     rows = {n: seed_mean(runs, name=n) for n in names}
     doc = {"duration": a.duration, "seeds": a.seeds, "prefix_index": a.prefix_index,
-           "idle_gap_cap_s": a.idle_gap_cap_s, "route_miss": a.route_miss, "rows": rows,
+           "idle_gap_cap_s": a.idle_gap_cap_s, "route_miss": a.route_miss,
+           "cpu_restore_ms_per_gb": a.cpu_restore_ms_per_gb, "rows": rows,
            "published": {n: POINTS[n][2] for n in names}}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(doc, indent=2))

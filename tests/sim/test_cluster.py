@@ -158,6 +158,8 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     (["sim", "--idle-gap-cap-s", "nan"], "--idle-gap-cap-s must be >= 0 s or off"),
     (["sim", "--route-miss", "-0.1"], "--route-miss must be a share between 0 and 1"),
     (["sim", "--route-miss", "nan"], "--route-miss must be a share between 0 and 1"),
+    (["sim", "--cpu-restore-ms-per-gb", "0"], "--cpu-restore-ms-per-gb must be positive"),
+    (["sim", "--cpu-restore-ms-per-gb", "inf"], "--cpu-restore-ms-per-gb must be a finite number"),
     (["sim", "--workload", "/nonexistent/trace.jsonl"], "no such trace file"),
     (["plan", "--gpus", "0"], "--gpus must be >= 1"),
     (["plan", "--widths", "a"], "comma-separated integers"),
@@ -455,6 +457,23 @@ def test_restore_takes_blocks_for_the_restored_prefix_and_registers_them_once_lo
     assert len(req.blocks) == cdiv(384, 64) and all(h in r.pool.cached for h in req.hashes[:4])
     sim.clock.run(req.ready_at + 10.0)
     assert done == [req]
+
+
+def test_a_deployment_s_own_restore_rate_paces_the_load() -> None:
+    """`SimConfig.cpu_restore_s_per_gb` replaces the hardware's restore rate: the same load
+    takes its share of the rate longer, and the hardware spec refuses a rate that is not a
+    positive number."""
+    from agentserve.sim.specs import hardware_spec
+
+    base = sim_run.Simulation(_cfg(), [_session(0)])
+    slow = sim_run.Simulation(_cfg(cpu_restore_s_per_gb=0.78), [_session(0)])
+    ratio = 0.78 / hardware_spec("cpu-local").cpu_restore_s_per_gb
+    assert slow.pperf.cpu_restore_time(256) == pytest.approx(base.pperf.cpu_restore_time(256) * ratio)
+    assert hardware_spec("h200", 0.5).cpu_restore_s_per_gb == 0.5
+    assert hardware_spec("h200").cpu_restore_s_per_gb == 0.026
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="positive number of seconds per GB"):
+            hardware_spec("h200", bad)
 
 
 def test_loads_share_the_copy_stream_and_are_seen_a_step_late_while_the_rank_steps() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from agentserve.cli_checks import check_flags, fail
+from agentserve.cli_checks import POSITIVE, check_flags, fail
 from agentserve.sim.config import (IDLE_GAP_CAP_S, LIMITS, ROUTE_MISS, check_clients,
                                    parse_idle_gap_cap)
 from agentserve.sim.run import SimConfig, parse_topology, simulate
@@ -36,6 +36,9 @@ def register(app: typer.Typer) -> None:
         cpu_store_on: str = typer.Option("fill", help="when blocks reach the CPU tier, as the "
                                          "engine's --kv-store-on: fill (write-through) or evict "
                                          "(write-back)"),
+        cpu_restore_ms_per_gb: float = typer.Option(None, help="CPU -> GPU restore time per GB "
+                                                    "of a rank's CPU tier (default: the "
+                                                    "hardware's; h200: SPEC's 26)"),
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
         duration: float = typer.Option(600.0, help="stage length, simulated seconds"),
         clients: str = typer.Option(None, help="load generator: agentx (AIPerf's agentic replay, "
@@ -73,6 +76,7 @@ def register(app: typer.Typer) -> None:
                      cpu_offload_gib=(cpu_offload_gib, 0, lim["cpu_offload_gib"]),
                      duration=(duration, 1, lim["duration"]), warmup=(warmup, 0, lim["duration"]),
                      replay_run=(replay_run, 1), gap_cap_s=(gap_cap_s, 0, lim["duration"]),
+                     cpu_restore_ms_per_gb=(cpu_restore_ms_per_gb, POSITIVE, 1e6),
                      seed=(seed, 0, lim["seed"]), seeds=(seeds, 1, lim["seeds"]),
                      workers=(workers, 1, 256))
         check_flags(seed=(seed + seeds - 1, 0, lim["seed"]))  # the last seed drawn
@@ -90,7 +94,8 @@ def register(app: typer.Typer) -> None:
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
                             replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
                             idle_gap_cap_s=idle_cap, prefix_index=prefix_index,
-                            route_miss=route_miss)
+                            route_miss=route_miss, cpu_restore_s_per_gb=(
+                                None if cpu_restore_ms_per_gb is None else cpu_restore_ms_per_gb / 1e3))
             if seeds > 1:
                 from agentserve.sim.seeds import simulate_seeds
 

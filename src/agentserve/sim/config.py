@@ -137,6 +137,10 @@ class SimConfig:
     # ... and per prompt token, cached or not (JSON, chat template, tokenizing, block hashing,
     # prefix lookup); None: as above.
     request_overhead_per_token_s: float | None = None
+    # CPU -> GPU restore time per GB of a rank's CPU tier; None: the hardware spec's (H200:
+    # SPEC's ~26 ms per GB). A deployment whose tier is slower to reach under load (pageable
+    # memory, eight ranks sharing a host) sets its own (sim NOTEBOOK.md, stop 42).
+    cpu_restore_s_per_gb: float | None = None
 
 
 def check_route_miss(share: float) -> None:

@@ -58,7 +58,7 @@ class Simulation:
                              "route with our router's own policy")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         self.miss_rng = np.random.default_rng([cfg.seed, 1])  # own stream: 0 changes no other draw
-        m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu)
+        m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu, cfg.cpu_restore_s_per_gb)
         self.router: Router | None = None  # the P/D picker (`_route_prefill`); aggregated: `policy`
         self.aggs: list = []
         self.prefills, self.decodes, self.p_ranks, self.d_ranks = [], [], [], []

@@ -13,6 +13,7 @@ Attention families and their KV per token per layer (elements):
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -250,9 +251,18 @@ def cpu_local(profile: str | Path | None = None) -> HardwareSpec:
     return base
 
 
-def hardware_spec(name: str) -> HardwareSpec:
+def hardware_spec(name: str, cpu_restore_s_per_gb: float | None = None) -> HardwareSpec:
+    """The named hardware; `cpu_restore_s_per_gb` replaces its CPU -> GPU restore rate (how
+    the CPU tier is reached, pinned or pageable, is a property of the deployment)."""
     if name == "h200":
-        return H200
-    if name == "cpu-local":
-        return cpu_local()
-    raise ValueError(f"unknown gpu {name!r}; choose one of: h200, cpu-local")
+        hw = H200
+    elif name == "cpu-local":
+        hw = cpu_local()
+    else:
+        raise ValueError(f"unknown gpu {name!r}; choose one of: h200, cpu-local")
+    if cpu_restore_s_per_gb is None:
+        return hw
+    if not (math.isfinite(cpu_restore_s_per_gb) and cpu_restore_s_per_gb > 0):
+        raise ValueError(f"the CPU restore rate must be a positive number of seconds per GB, "
+                         f"got {cpu_restore_s_per_gb}")
+    return replace(hw, cpu_restore_s_per_gb=cpu_restore_s_per_gb)
