@@ -34,6 +34,8 @@ def test_describe_is_aiperfs_block() -> None:
     one = describe([3.0])
     assert one["mean"] == 3.0 and "ci_low" not in one  # no interval from one value
     assert describe([])["n"] == 0
+    zero = describe([0.0, 0.0, 0.0])  # a figure no run moved (e.g. no restores): strict JSON
+    assert zero["mean"] == 0 and zero["std"] == 0 and zero["cv"] is None
 
 
 def test_mean_records_averages_numbers_and_recurses() -> None:

@@ -6,7 +6,8 @@ report spread the same way.
 - `mean_records`: the field-by-field mean of records (numbers averaged, dicts recursed;
   anything else, or a field some record lacks, is the first record's).
 - `describe`: AIPerf's multi-run block for one figure: mean, sample std (n - 1), min, max,
-  cv, se, and the Student-t confidence interval of the mean (ci_low, ci_high, t_critical).
+  cv (None for a zero mean), se, and the Student-t confidence interval of the mean (ci_low,
+  ci_high, t_critical).
 - `t_critical`: Student's t quantile, from the regularized incomplete beta (no scipy).
 """
 
@@ -96,6 +97,7 @@ def describe(values: list[float], confidence: float = 0.95) -> dict:
     if n > 1:
         std = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1))
         se, t = std / math.sqrt(n), t_critical(confidence, n - 1)
-        out.update(std=std, cv=std / abs(mean) if mean else math.inf, se=se,
+        # AIPerf reports inf for a zero mean; None keeps the JSON strict (no `Infinity`)
+        out.update(std=std, cv=std / abs(mean) if mean else None, se=se,
                    ci_low=mean - t * se, ci_high=mean + t * se, t_critical=t)
     return out

@@ -114,8 +114,8 @@ def register(app: typer.Typer) -> None:
                        "(mean [95% CI] cv):")
             for k, m in s["seeds"]["metrics"].items():
                 if m["n"] > 1:
-                    typer.echo(f"  {k:22s} {m['mean']:.4g} [{m['ci_low']:.4g}, {m['ci_high']:.4g}] "
-                               f"{m['cv']:.1%}")
+                    cv = "" if m["cv"] is None else f" {m['cv']:.1%}"
+                    typer.echo(f"  {k:22s} {m['mean']:.4g} [{m['ci_low']:.4g}, {m['ci_high']:.4g}]{cv}")
 
     register_plan(app)
 

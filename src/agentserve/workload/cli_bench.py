@@ -120,7 +120,8 @@ def _print_aggregate(record: dict, out: str) -> None:
             return "-"
         if "ci_low" not in m:
             return f"{m['mean']:.3g}"
-        return f"{m['mean']:.3g} [{m['ci_low']:.3g}, {m['ci_high']:.3g}] {m['cv']:.0%}"
+        cv = "" if m["cv"] is None else f" {m['cv']:.0%}"
+        return f"{m['mean']:.3g} [{m['ci_low']:.3g}, {m['ci_high']:.3g}]{cv}"
     for st in record["stages"]:
         t.add_row(st["stage"], *(cell(st["metrics"][n]) for n in names))
     Console().print(t)
