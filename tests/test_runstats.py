@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from agentserve.runstats import describe, mean_records, t_critical
+from agentserve.runstats import describe, mean_records, spread, t_critical, value_at
 
 
 @pytest.mark.parametrize("confidence, df, expected", [
@@ -52,3 +52,13 @@ def test_mean_records_averages_numbers_and_recurses() -> None:
     assert got["decode_step_s"] == {"1": pytest.approx(0.02), "8": pytest.approx(0.04)}
     assert got["source"] == "server" and got["only_a"] == 5.0 and got["flag"] is True
     assert mean_records([a]) == a
+
+
+def test_spread_reads_each_figure_by_its_path_and_skips_records_without_it() -> None:
+    records = [{"out": 10.0, "ttft": {"p50": 1.0}}, {"out": 14.0, "ttft": {"p50": None}},
+               {"out": float("nan"), "ttft": {"p50": 3.0}, "flag": True}]
+    assert value_at(records[0], ("ttft", "p50")) == 1.0 and value_at(records[1], ("ttft", "p50")) is None
+    assert value_at(records[2], ("flag",)) is None and value_at(records[0], ("ttft", "p50", "x")) is None
+    got = spread(records, {"out": ("out",), "ttft_p50": ("ttft", "p50"), "none": ("missing",)})
+    assert got["out"]["values"] == [10.0, 14.0] and got["ttft_p50"]["values"] == [1.0, 3.0]
+    assert got["none"]["n"] == 0

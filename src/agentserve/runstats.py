@@ -8,6 +8,8 @@ report spread the same way.
 - `describe`: AIPerf's multi-run block for one figure: mean, sample std (n - 1), min, max,
   cv (None for a zero mean), se, and the Student-t confidence interval of the mean (ci_low,
   ci_high, t_critical).
+- `value_at`, `spread`: a figure read from a record by its path, and `describe` of each
+  named figure over records.
 - `t_critical`: Student's t quantile, from the regularized incomplete beta (no scipy).
 """
 
@@ -101,3 +103,17 @@ def describe(values: list[float], confidence: float = 0.95) -> dict:
         out.update(std=std, cv=std / abs(mean) if mean else None, se=se,
                    ci_low=mean - t * se, ci_high=mean + t * se, t_critical=t)
     return out
+
+
+def value_at(record: dict, path: tuple[str, ...]) -> float | None:
+    """The finite number at `path` in a nested record (e.g. ("ttft_s", "p50")), else None."""
+    v: object = record
+    for key in path:
+        v = v.get(key) if isinstance(v, dict) else None
+    return float(v) if _is_num(v) and math.isfinite(v) else None
+
+
+def spread(records: list[dict], paths: dict[str, tuple[str, ...]], confidence: float = 0.95) -> dict:
+    """`describe` of each named figure over `records`, leaving out records that lack it."""
+    return {name: describe([v for r in records if (v := value_at(r, path)) is not None], confidence)
+            for name, path in paths.items()}

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from multiprocessing import Pool
 
-from agentserve.runstats import describe, mean_records
+from agentserve.runstats import mean_records, spread
 from agentserve.sim.run import SimConfig, simulate
 
 # figure -> path into a stage summary
@@ -27,13 +27,6 @@ SPREAD: dict[str, tuple[str, ...]] = {
     "cost_per_m_output": ("cost_per_m_output",), "cpu_restore_gib": ("cpu_restore_gib",),
     "prefill_gpu_hit_rate": ("prefill_gpu_hit_rate",),
 }
-
-
-def _get(summary: dict, path: tuple[str, ...]) -> float | None:
-    v: object = summary
-    for key in path:
-        v = v.get(key) if isinstance(v, dict) else None
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None
 
 
 def simulate_seeds(cfg: SimConfig, n: int, workers: int = 2, confidence: float = 0.95) -> dict:
@@ -50,6 +43,5 @@ def simulate_seeds(cfg: SimConfig, n: int, workers: int = 2, confidence: float =
     out["config"] = {**runs[0]["config"], "seed": cfg.seed}
     out["seeds"] = {
         "seeds": [c.seed for c in cfgs], "confidence_level": confidence,
-        "metrics": {name: describe([v for r in runs if (v := _get(r, path)) is not None], confidence)
-                    for name, path in SPREAD.items()}}
+        "metrics": spread(runs, SPREAD, confidence)}
     return out

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from pathlib import Path
 from typing import Callable
 
-from agentserve.runstats import describe
+from agentserve.runstats import spread
 from agentserve.workload.replay import BenchConfig, run_bench
 
 # name -> (path into a stage summary, unit)
@@ -42,13 +41,6 @@ METRICS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 
 
-def _get(summary: dict, path: tuple[str, ...]) -> float | None:
-    v: object = summary
-    for key in path:
-        v = v.get(key) if isinstance(v, dict) else None
-    return float(v) if isinstance(v, (int, float)) and math.isfinite(v) else None
-
-
 def _stage_label(stage: dict, i: int) -> str:
     for key in ("concurrency", "sessions", "stage"):
         if stage.get(key) is not None:
@@ -64,10 +56,8 @@ def aggregate(runs: list[list[dict]], confidence: float = 0.95, labels: list[str
     labels = labels or [f"run_{i + 1:04d}" for i in range(len(runs))]
     stages = []
     for s in range(min((len(r) for r in runs), default=0)):
-        metrics = {}
-        for name, (path, unit) in METRICS.items():
-            vals = [v for r in runs if (v := _get(r[s], path)) is not None]
-            metrics[name] = {**describe(vals, confidence), "unit": unit}
+        blocks = spread([r[s] for r in runs], {n: path for n, (path, _) in METRICS.items()}, confidence)
+        metrics = {n: {**blocks[n], "unit": unit} for n, (_, unit) in METRICS.items()}
         stages.append({"stage": _stage_label(runs[0][s], s), "metrics": metrics})
     return {"metadata": {"aggregation_type": "confidence", "num_profile_runs": len(runs) + len(failed or []),
                          "num_successful_runs": len(runs), "confidence_level": confidence,
