@@ -642,7 +642,7 @@ def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
     # cpu-local is our engine: its measured profile (or nothing), never vLLM's path
     from agentserve.sim.specs import cpu_local
 
-    bare = cpu_local("/nonexistent/profile.json")
+    bare = cpu_local(bare=True)
     assert sim_run.Simulation._request_path(SimConfig(aggregated=2), bare) == (0.0, 0.0)
     # a 100K-token prompt spends ~0.82 s in the two API servers (prose at AIPerf's density)
     assert 0.7 < pd[0] + pd[1] * 100_000 < 0.95

@@ -13,6 +13,7 @@ from agentserve.cli_checks import POSITIVE, check_flags, fail
 from agentserve.sim.config import (IDLE_GAP_CAP_S, LIMITS, ROUTE_MISS, check_clients,
                                    parse_idle_gap_cap)
 from agentserve.sim.run import SimConfig, parse_topology, simulate
+from agentserve.sim.specs import CPU_PROFILE_ENV, cpu_profile_path
 from agentserve.sim.workload import SYNTH, load_workload
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
@@ -39,6 +40,10 @@ def register(app: typer.Typer) -> None:
         cpu_restore_ms_per_gb: float = typer.Option(None, help="CPU -> GPU restore time per GB "
                                                     "of a rank's CPU tier (default: the "
                                                     "hardware's; h200: SPEC's 26)"),
+        cpu_profile: Path = typer.Option(None, help="--gpu cpu-local: the calibration profile "
+                                         "(benchmarks/sim_calibrate_cpu.py's JSON; default "
+                                         "$AGENTSERVE_SIM_CPU_PROFILE, else the checkout's "
+                                         "benchmarks/results/sim_cpu_profile.json)"),
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
         duration: float = typer.Option(600.0, help="stage length, simulated seconds"),
         clients: str = typer.Option(None, help="load generator: agentx (AIPerf's agentic replay, "
@@ -80,7 +85,10 @@ def register(app: typer.Typer) -> None:
                      seed=(seed, 0, lim["seed"]), seeds=(seeds, 1, lim["seeds"]),
                      workers=(workers, 1, 256))
         check_flags(seed=(seed + seeds - 1, 0, lim["seed"]))  # the last seed drawn
+        if cpu_profile is not None and gpu != "cpu-local":
+            fail(f"--cpu-profile is cpu-local's calibration; --gpu {gpu} has published rates")
         try:
+            profile = _cpu_profile(gpu, cpu_profile)
             idle_cap = parse_idle_gap_cap(idle_gap_cap_s)
             p, d = parse_topology(topology)
             n_gpus = p * prefill_width + d * decode_width if p else d
@@ -94,7 +102,7 @@ def register(app: typer.Typer) -> None:
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
                             replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
                             idle_gap_cap_s=idle_cap, prefix_index=prefix_index,
-                            route_miss=route_miss, cpu_restore_s_per_gb=(
+                            route_miss=route_miss, cpu_profile=profile, cpu_restore_s_per_gb=(
                                 None if cpu_restore_ms_per_gb is None else cpu_restore_ms_per_gb / 1e3))
             if seeds > 1:
                 from agentserve.sim.seeds import simulate_seeds
@@ -118,6 +126,20 @@ def register(app: typer.Typer) -> None:
                     typer.echo(f"  {k:22s} {m['mean']:.4g} [{m['ci_low']:.4g}, {m['ci_high']:.4g}]{cv}")
 
     register_plan(app)
+
+
+def _cpu_profile(gpu: str, named: Path | None) -> str | None:
+    """cpu-local's profile as a path (so the JSON's config names the one used and worker
+    processes read the same), or None; says so on stderr when there is none to read."""
+    if gpu != "cpu-local":
+        return None
+    path = cpu_profile_path(named)
+    if path is None:
+        typer.echo("warning: no cpu-local calibration profile (write one with "
+                   "benchmarks/sim_calibrate_cpu.py, or name it with --cpu-profile or "
+                   f"${CPU_PROFILE_ENV}): placeholder rates, not this machine's", err=True)
+        return None
+    return str(path.resolve())
 
 
 def register_plan(app: typer.Typer) -> None:
@@ -164,6 +186,7 @@ def register_plan(app: typer.Typer) -> None:
         if out.exists() and not out.is_dir():
             fail(f"--out {out} is a file; plan writes plan.json and frontier.png into a folder")
         try:  # a bad trace fails now, not after the sweep (nor in a worker)
+            _cpu_profile(gpu, None)  # a named profile that is missing, or none at all
             if workload not in SYNTH:
                 load_workload(workload, 1, seed)
             cands = pl.candidates(model, gpu, gpus, width_list)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from agentserve.sim.specs import HardwareSpec, hardware_spec
+
 __all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig",
            "check_clients", "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
 
@@ -141,6 +143,13 @@ class SimConfig:
     # SPEC's ~26 ms per GB). A deployment whose tier is slower to reach under load (pageable
     # memory, eight ranks sharing a host) sets its own (sim NOTEBOOK.md, stop 42).
     cpu_restore_s_per_gb: float | None = None
+    # cpu-local's calibration profile (`specs.cpu_profile_path`: None, the environment's or the
+    # checkout's committed one).
+    cpu_profile: str | None = None
+
+    def hardware(self) -> HardwareSpec:
+        """The deployment's hardware: `gpu`'s spec with this stage's restore rate and profile."""
+        return hardware_spec(self.gpu, self.cpu_restore_s_per_gb, self.cpu_profile)
 
 
 def check_route_miss(share: float) -> None:

@@ -29,7 +29,7 @@ from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import VLLM_REQUEST_PATH, PerfModel
 from agentserve.sim.policy_router import PolicyRouter
 from agentserve.sim.pools import PrefillInstance
-from agentserve.sim.specs import GiB, hardware_spec, model_spec
+from agentserve.sim.specs import GiB, model_spec
 from agentserve.sim.summary import REJECTED, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
@@ -58,7 +58,7 @@ class Simulation:
                              "route with our router's own policy")
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         self.miss_rng = np.random.default_rng([cfg.seed, 1])  # own stream: 0 changes no other draw
-        m, hw = model_spec(cfg.model), hardware_spec(cfg.gpu, cfg.cpu_restore_s_per_gb)
+        m, hw = model_spec(cfg.model), cfg.hardware()
         self.router: Router | None = None  # the P/D picker (`_route_prefill`); aggregated: `policy`
         self.aggs: list = []
         self.prefills, self.decodes, self.p_ranks, self.d_ranks = [], [], [], []

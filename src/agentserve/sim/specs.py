@@ -233,13 +233,33 @@ H200 = HardwareSpec(
 )
 
 CPU_PROFILE_ENV = "AGENTSERVE_SIM_CPU_PROFILE"
-CPU_PROFILE_DEFAULT = Path("benchmarks/results/sim_cpu_profile.json")
+# The checkout's committed profile, found from this file rather than the working directory
+# (src/agentserve/sim/specs.py -> the repository root), so `agentserve sim` run from elsewhere
+# reads the same one.
+CPU_PROFILE_DEFAULT = (Path(__file__).resolve().parents[3] / "benchmarks" / "results"
+                       / "sim_cpu_profile.json")
 
 
-def cpu_local(profile: str | Path | None = None) -> HardwareSpec:
-    """This machine: placeholder rates, replaced by `benchmarks/sim_calibrate_cpu.py`'s JSON."""
-    path = Path(profile or os.environ.get(CPU_PROFILE_ENV) or CPU_PROFILE_DEFAULT)
-    measured = json.loads(path.read_text()) if path.is_file() else None
+def cpu_profile_path(profile: str | Path | None = None) -> Path | None:
+    """The cpu-local profile to read: `profile`, else `$AGENTSERVE_SIM_CPU_PROFILE`, else the
+    checkout's committed one (None when that is absent: placeholder rates). A profile named by
+    either of the first two must exist: a typo must not turn into placeholder rates."""
+    named = profile or os.environ.get(CPU_PROFILE_ENV)
+    if named:
+        path = Path(named)
+        if not path.is_file():
+            origin = "--cpu-profile" if profile else f"${CPU_PROFILE_ENV}"
+            raise ValueError(f"the cpu-local profile {path} ({origin}) is not a file; write one "
+                             "with benchmarks/sim_calibrate_cpu.py")
+        return path
+    return CPU_PROFILE_DEFAULT if CPU_PROFILE_DEFAULT.is_file() else None
+
+
+def cpu_local(profile: str | Path | None = None, *, bare: bool = False) -> HardwareSpec:
+    """This machine: placeholder rates, replaced by `benchmarks/sim_calibrate_cpu.py`'s JSON
+    (`cpu_profile_path(profile)`); `bare`: the placeholders, no profile read."""
+    path = None if bare else cpu_profile_path(profile)
+    measured = json.loads(path.read_text()) if path is not None else None
     base = HardwareSpec(
         name="cpu-local", hbm_bytes=8 * GiB, hbm_bw=10e9, bf16_flops=50e9, fp8_flops=50e9,
         gpus_per_node=1, nvlink_bw=5e9, net_bw=1e9, price_per_hour=0.10, measured=measured,
@@ -251,13 +271,15 @@ def cpu_local(profile: str | Path | None = None) -> HardwareSpec:
     return base
 
 
-def hardware_spec(name: str, cpu_restore_s_per_gb: float | None = None) -> HardwareSpec:
+def hardware_spec(name: str, cpu_restore_s_per_gb: float | None = None,
+                  cpu_profile: str | Path | None = None) -> HardwareSpec:
     """The named hardware; `cpu_restore_s_per_gb` replaces its CPU -> GPU restore rate (how
-    the CPU tier is reached, pinned or pageable, is a property of the deployment)."""
+    the CPU tier is reached, pinned or pageable, is a property of the deployment);
+    `cpu_profile`: cpu-local's calibration profile (`cpu_profile_path`)."""
     if name == "h200":
         hw = H200
     elif name == "cpu-local":
-        hw = cpu_local()
+        hw = cpu_local(cpu_profile)
     else:
         raise ValueError(f"unknown gpu {name!r}; choose one of: h200, cpu-local")
     if cpu_restore_s_per_gb is None:

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from agentserve.sim.cost import pool_cost
-from agentserve.sim.specs import GiB, hardware_spec
+from agentserve.sim.specs import GiB
 from agentserve.workload.record import RequestRecord
 from agentserve.workload.report import summarize
 
@@ -74,7 +74,7 @@ def stage_summary(sim: Simulation) -> dict:
     s = summarize(done, _span(sim, done), label={"producer": "sim"}, gpus=gpus_p + gpus_d)
     s.update(_rejections(done))
     cost = pool_cost(gpus_p, gpus_d, s["input_tok_s"], s["output_tok_s"],
-                     hardware_spec(cfg.gpu).price_per_hour)
+                     cfg.hardware().price_per_hour)
     s.update({
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
         "cost_per_m_input": cost.per_m_input, "cost_per_m_output": cost.per_m_output,
