@@ -48,6 +48,23 @@ def _replay(seed: int, n_blocks: int = 40, ops: int = 600) -> None:
             ref.touch([ref.blocks[i] for i in ids])
             ref.free([ref.blocks[i] for i in ids])
             sim.to_newest([sim.blocks[i] for i in ids])
+        elif op < 0.62 and ref.cached:  # a session's refresh: queue neighbours, in queue order,
+            queue = [b.block_id for b in ref.free_queue]  # mixed with held and repeated blocks
+            start, k = rng.randrange(len(queue) or 1), rng.randrange(1, 12)
+            ids = [i for i in queue[start:start + k] if ref.blocks[i].block_hash is not None]
+            if held and rng.random() < 0.5:
+                ids.insert(rng.randrange(len(ids) + 1), rng.choice(rng.choice(held)))
+            if ids and rng.random() < 0.2:
+                ids.append(ids[0])
+            for pool in (ref, sim):
+                bs = [pool.blocks[i] for i in ids]
+                if pool is sim:
+                    sim.to_newest(bs)
+                    continue
+                for b in bs:  # the engine pool's touch-then-free, a block at a time
+                    if b.ref_cnt == 0:
+                        ref.touch([b])
+                        ref.free([b])
         elif held:
             ids = held.pop(rng.randrange(len(held)))
             ref.free([ref.blocks[i] for i in reversed(ids)])
@@ -83,3 +100,13 @@ def test_lazy_blocks_are_created_on_demand() -> None:
     assert [b.block_id for b in got] == [0, 1, 2] and len(p.blocks) == 3
     p.free(got)
     assert [b.block_id for b in p.allocate(2)] == [0, 1]  # uncached frees go to the head, in order
+
+
+def test_one_call_caching_the_same_hash_twice_keeps_the_first_block_as_the_engine_pool() -> None:
+    """The C-level path for fresh blocks must not take a call whose hashes repeat."""
+    ref, sim = BlockPool(8, 4), SimBlockPool(8, 4)
+    for pool in (ref, sim):
+        a = pool.allocate(3)
+        pool.cache_blocks(a, [7, 8, 7], range(12), 0, None)
+    assert _state(ref) == _state(sim)
+    assert sim.cached[7].block_id == 0 and sim.blocks[2].block_hash is None

@@ -158,3 +158,25 @@ def test_cli_end_to_end_weka_and_mooncake(stub_thread: StubServer, tmp_path: Pat
         assert summary[0]["requests_ok"] >= 2 and summary[0]["requests_failed"] == 0, mode
         assert (out / "report.html").exists()
     assert json.loads((tmp_path / "out-sessions" / "summary.json").read_text())[0]["requests_ok"] == 3
+
+
+def test_itl_token_samples_are_the_records_own_samples_concatenated() -> None:
+    """The vectorized token-weighted ITL equals `RequestRecord.itl_samples()` record by record,
+    chunk token counts shorter or longer than the chunk times, empty chunks and all."""
+    import random
+
+    import numpy as np
+
+    from agentserve.workload.report import itl_token_samples
+
+    rng = random.Random(7)
+    recs = []
+    for i in range(300):
+        times = sorted(rng.uniform(0, 5) for _ in range(rng.randrange(0, 12)))
+        toks = [rng.choice([0, 1, 1, 2, 3, 4]) for _ in range(len(times) + rng.randrange(-3, 3))]
+        recs.append(RequestRecord(f"r{i}", "s", i, start=0.0, chunk_times=times,
+                                  chunk_tokens=toks))
+    want = [x for r in recs for x in r.itl_samples()]
+    got = itl_token_samples(recs)
+    assert len(want) > 500 and got.tolist() == want  # exactly, value for value
+    assert itl_token_samples([]).size == 0 and np.asarray(want).mean() == got.mean()

@@ -17,6 +17,7 @@ import contextlib
 import gc
 import heapq
 import itertools
+from itertools import filterfalse
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -224,14 +225,10 @@ def store_cpu(cpu: SimBlockPool | None, hashes: list[int]) -> int:
     """Write-through of full blocks to the CPU pool (LRU refresh for ones it holds); blocks stored."""
     if cpu is None or not hashes:
         return 0
-    cached, held, new = cpu.cached, [], []
-    for h in hashes:  # one pass: the held ones are refreshed, the others stored
-        if h in cached:
-            held.append(cached[h])
-        else:
-            new.append(h)
-    cpu.to_newest(held)  # to the LRU tail, before the stores evict anything
-    new = new[: cpu.num_free_blocks]
+    cached = cpu.cached
+    held = cached.__contains__  # the held ones are refreshed, the others stored (in C)
+    cpu.to_newest(list(map(cached.__getitem__, filter(held, hashes))))  # before stores evict
+    new = list(filterfalse(held, hashes))[: cpu.num_free_blocks]
     if new:
         blocks = cpu.allocate(len(new))
         bs = cpu.block_size

@@ -9,7 +9,12 @@ on both and compares every returned block id, the prefix map and the free-queue 
 - `allocate`, `free`, `touch` and `cache_blocks` are the base class's loops with the
   free-queue links and the per-block caching step inlined (they run ~10^7 times in 30
   simulated minutes), and `to_newest` is `touch` then `free` in one pass; `match_prefix` is
-  its loop as `takewhile` over the prefix map; never-used blocks are created in one batch per `allocate`.
+  its loop as `takewhile` over the prefix map; never-used blocks are created in one batch per `allocate`;
+- the queue is relinked once per run of neighbours rather than once per block: `allocate`
+  takes the head's first n, `free` chains the blocks it queues, and `touch` and `to_newest`
+  cut out each run of blocks that already sit together (a request's blocks, freed or
+  refreshed together last time) with one splice (stop 43: free ~1.8x, touch ~1.5x, allocate
+  ~1.2x faster on a request-shaped microbenchmark; 30 simulated minutes of 3P1D c128 ~15%).
 Never-used blocks always form one contiguous run of the queue, between uncached freed blocks
 (put at the head) and cached freed blocks (appended at the tail), so one marker node stands for
 the whole run. Events, invariants and the argument checks of caching are the base class's own code.
@@ -121,13 +126,31 @@ class SimBlockPool(BlockPool):
         return list(map(cached.__getitem__, takewhile(cached.__contains__, hashes)))
 
     def touch(self, blocks: Sequence[Block]) -> None:
-        q = self.free_queue
-        for b in blocks:
-            if b.ref_cnt == 0:
-                b.prev.next, b.next.prev = b.next, b.prev
+        """Take a reference on each block; free ones leave the queue. A request's hits were
+        freed last-block-first, so they sit in the queue back to front (measured: 99.9% of the
+        free hits touched follow their predecessor so): each such run of queue neighbours is
+        cut out with one splice at its ends instead of a relink per block."""
+        it, taken = iter(blocks), 0
+        for b in it:
+            while b is not None:  # b starts a run (or is held)
+                if b.ref_cnt:
+                    b.ref_cnt += 1
+                    break
+                nx, p = b.next, b.prev  # the run's neighbours in the queue, after and before
                 b.prev = b.next = None
-                q.n -= 1
-            b.ref_cnt += 1
+                b.ref_cnt = 1
+                taken += 1
+                for b in it:
+                    if b.ref_cnt or b is not p:
+                        break  # b is not the run's next: it starts the next one
+                    p = b.prev
+                    b.prev = b.next = None
+                    b.ref_cnt = 1
+                    taken += 1
+                else:
+                    b = None
+                p.next, nx.prev = nx, p
+        self.free_queue.n -= taken
 
     def allocate(self, n: int) -> list[Block]:
         q = self.free_queue
@@ -135,33 +158,38 @@ class SimBlockPool(BlockPool):
             raise NoFreeBlocks(f"asked for {n} KV blocks but only {q.n} of {self.num_blocks} are free")
         out, head, marker, cached = [], q.head, q.marker, self.cached
         evicted: list | None = [] if self.on_evict_blocks is not None else None
-        i = 0
+        # The blocks taken are the queue's first n: walk them, and relink the head to what
+        # follows them once, after the loop (not each block's neighbours as it leaves).
+        node, i = head.next, 0
         while i < n:  # each pass takes >= 1 block
-            b = head.next
-            if b is marker:  # the never-used run: create all the blocks still needed at once
+            if node is marker:  # the never-used run: create all the blocks still needed at once
                 k = min(q.virgin, n - i)
                 base = len(self.blocks)
                 new = [Block(j, 1) for j in range(base, base + k)]
                 self.blocks.extend(new)
                 out.extend(new)
                 q.virgin -= k
-                if q.virgin == 0:
-                    marker.prev.next, marker.next.prev = marker.next, marker.prev
+                if q.virgin == 0:  # the marker leaves the queue with the last of its run
+                    node = marker.next
                     marker.prev = marker.next = None
                 i += k
                 continue
-            b.prev.next, b.next.prev = b.next, b.prev
-            b.prev = b.next = None
-            h = b.block_hash
-            if h is not None:  # eviction (no events in the simulator)
-                b.block_hash = None
-                if cached.get(h) is b:
-                    del cached[h]
-                    if evicted is not None:
-                        evicted.append((h, b.block_id))
-            b.ref_cnt = 1
-            out.append(b)
-            i += 1
+            for _ in range(n - i):  # up to the marker, if it comes first
+                if node is marker:
+                    break
+                b, node = node, node.next
+                b.prev = b.next = None
+                h = b.block_hash
+                if h is not None:  # eviction (no events in the simulator)
+                    b.block_hash = None
+                    if cached.get(h) is b:
+                        del cached[h]
+                        if evicted is not None:
+                            evicted.append((h, b.block_id))
+                b.ref_cnt = 1
+                out.append(b)
+            i = len(out)
+        head.next, node.prev = node, head
         q.n -= n
         if evicted:  # after the loop, as the base class: the hook may touch other pools
             self.on_evict_blocks(evicted)
@@ -169,13 +197,25 @@ class SimBlockPool(BlockPool):
 
     def to_newest(self, blocks: Sequence[Block]) -> None:
         """Move the free blocks among `blocks` (cached ones) to the LRU's newest end, in order:
-        what `touch` then `free` do, in one pass (the CPU tier refreshes ~1K blocks a request)."""
-        tail = self.free_queue.tail
-        for b in blocks:
-            if b.ref_cnt == 0:
-                b.prev.next, b.next.prev = b.next, b.prev
-                p = tail.prev
-                p.next, b.prev, b.next, tail.prev = b, p, tail, b
+        what `touch` then `free` do, in one pass (the CPU tier refreshes ~1K blocks a request).
+        A session's blocks usually sit in the queue as one run in this order already (its last
+        refresh moved them together), so each run of queue neighbours moves as one splice."""
+        tail, it = self.free_queue.tail, iter(blocks)
+        for b in it:
+            while b is not None:  # b starts a run (or is held)
+                if b.ref_cnt:
+                    break
+                first = last = b
+                for b in it:  # extend the run while the next block follows in the queue
+                    if b.ref_cnt or b is not last.next:
+                        break  # b starts the next run
+                    last = b
+                else:
+                    b = None
+                if last.next is not tail:  # splice first..last out and onto the newest end
+                    p, nx, t = first.prev, last.next, tail.prev
+                    p.next, nx.prev = nx, p
+                    t.next, first.prev, last.next, tail.prev = first, t, tail, last
 
     def cache_blocks(self, blocks: Sequence[Block], hashes: Sequence[BlockHash],
                      token_ids: Sequence[int], first_block_index: int, parent: BlockHash | None,
@@ -201,17 +241,22 @@ class SimBlockPool(BlockPool):
 
     def free(self, blocks: Sequence[Block]) -> None:
         q = self.free_queue
-        tail, uncached = q.tail, []
-        for b in blocks:
-            if b.ref_cnt <= 0:
-                raise ValueError(f"double free of KV block {b.block_id} (ref_cnt {b.ref_cnt})")
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                if b.block_hash is None:
-                    uncached.append(b)
-                else:
-                    p = tail.prev
-                    p.next, b.prev, b.next, tail.prev = b, p, tail, b
-                    q.n += 1
+        tail, uncached, freed = q.tail, [], 0
+        last = tail.prev  # cached blocks chain on here; the tail is relinked once, at the end
+        try:
+            for b in blocks:
+                rc = b.ref_cnt - 1
+                if rc < 0:
+                    raise ValueError(f"double free of KV block {b.block_id} (ref_cnt {b.ref_cnt})")
+                b.ref_cnt = rc
+                if rc == 0:
+                    if b.block_hash is None:
+                        uncached.append(b)
+                    else:
+                        last.next, b.prev, last = b, last, b
+                        freed += 1
+        finally:  # a double free leaves the queue linked and counted, as the base class does
+            last.next, tail.prev = tail, last
+            q.n += freed
         for b in reversed(uncached):
             q.appendleft(b)

@@ -39,6 +39,24 @@ def stats(values: list[float] | np.ndarray, scale: float = 1.0,
     return out
 
 
+def itl_token_samples(records: list[RequestRecord]) -> np.ndarray:
+    """Every record's `itl_samples()`, concatenated, computed with numpy: a simulated stage
+    streams ~10^6 chunks, which the per-record Python loop took seconds over."""
+    parts = []
+    for r in records:
+        t = r.chunk_times
+        if len(t) < 2:
+            continue
+        n = np.ones(len(t) - 1, dtype=np.int64)  # chunk i >= 1 carries toks[i] (1 if unknown)
+        k = min(len(r.chunk_tokens), len(t)) - 1
+        if k > 0:
+            n[:k] = r.chunk_tokens[1:k + 1]
+        keep = n > 0  # an empty chunk (e.g. the usage chunk) carries no token
+        n = n[keep]
+        parts.append(np.repeat(np.diff(np.asarray(t, dtype=float))[keep] / n, n))
+    return np.concatenate(parts) if parts else np.empty(0)
+
+
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den > 0 else None
 
@@ -87,7 +105,7 @@ def summarize(records: list[RequestRecord], duration: float, label: dict | None 
         "errors": dict(Counter(r.error for r in failed).most_common(5)),
         "ttft_s": stats([r.ttft for r in ok if r.ttft is not None]),
         "itl_ms": stats(itl, 1e3),
-        "itl_token_ms": stats([x for r in ok for x in r.itl_samples()], 1e3),
+        "itl_token_ms": stats(itl_token_samples(ok), 1e3),
         "e2e_s": stats([r.e2e for r in ok if r.e2e is not None]),
         "input_tokens": in_tok, "output_tokens": out_tok, "cached_tokens": cached,
         "reusable_tokens": reusable,
