@@ -75,7 +75,7 @@ import torch
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.request import SamplingParams
 from agentserve.engine.sequence import Sequence
-from agentserve.sim.perf import CACHED_PREFILL_KERNEL
+from agentserve.sim.constants import CACHED_PREFILL_KERNEL
 from agentserve.sim.specs import model_spec
 
 

@@ -629,7 +629,7 @@ def test_a_rank_api_server_takes_prompts_one_after_another() -> None:
 def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
     """Outside engine steps a prompt passes two vLLM API servers in P/D (prefill, then decode),
     each paying the measured request path; aggregated engines pass one; a flag overrides it."""
-    from agentserve.sim.perf import VLLM_REQUEST_PATH
+    from agentserve.sim.constants import VLLM_REQUEST_PATH
     from agentserve.sim.specs import H200
 
     pd = sim_run.Simulation._request_path(SimConfig(), H200)

@@ -29,7 +29,7 @@ from agentserve.kv.pool import Block, BlockPool
 from agentserve.router.picker import MaxScorePicker
 from agentserve.router.scorers import Candidate, build_scorers, weighted_scores
 from agentserve.sim.fastpool import SimBlockPool
-from agentserve.sim.perf import MTP_ACCEPT
+from agentserve.sim.constants import MTP_ACCEPT
 from agentserve.workload.record import RequestRecord
 
 # The reference deployment's endpoint picker (llm-d's GLM-5.2 P/D overrides,

@@ -132,7 +132,7 @@ class SimConfig:
     max_output: int | None = None
     # Client -> router -> engine and back, per request, outside engine steps (HTTP, routing,
     # tokenization, stream setup); None: the cpu-local profile's `request_overhead_s` (our
-    # engine), else vLLM's request path (`perf.VLLM_REQUEST_PATH`) once per API server the
+    # engine), else vLLM's request path (`constants.VLLM_REQUEST_PATH`) once per API server the
     # prompt passes (two in P/D, one aggregated). Aggregated engines pay it before routing; P/D
     # routes first and pays half at the prefill rank's API server, half at the decode rank's.
     request_overhead_s: float | None = None

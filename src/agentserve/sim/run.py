@@ -1,5 +1,4 @@
-"""Build an xPyD deployment, drive it with the reference's load generator, summarize as
-`agentserve bench`.
+"""An xPyD deployment driven by the reference's load generator, summarized as `agentserve bench`.
 
 xPyD stages (`SimConfig.clients` "agentx", the default) run AIPerf's agentic replay as llm-d's
 GLM-5.2 guide ran it (lanes.py): each lane replays a session tree with its recorded think
@@ -23,10 +22,11 @@ from agentserve.kv.manager import cdiv
 from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
 from agentserve.sim.config import SimConfig, check_clients, check_route_miss, parse_topology
+from agentserve.sim.constants import VLLM_REQUEST_PATH
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.memory import Topology, plan_memory
-from agentserve.sim.perf import VLLM_REQUEST_PATH, PerfModel
+from agentserve.sim.perf import PerfModel
 from agentserve.sim.policy_router import PolicyRouter
 from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.specs import GiB, model_spec

@@ -30,7 +30,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from agentserve.sim.perf import Efficiency
+    from agentserve.sim.constants import Efficiency
     from agentserve.sim.specs import HardwareSpec, ModelSpec
 
 NIXL_TRANSFER_BW = 4.3e9
