@@ -17,7 +17,6 @@ import contextlib
 import gc
 import heapq
 import itertools
-from itertools import filterfalse
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -228,7 +227,7 @@ def store_cpu(cpu: SimBlockPool | None, hashes: list[int]) -> int:
     cached = cpu.cached
     held = cached.__contains__  # the held ones are refreshed, the others stored (in C)
     cpu.to_newest(list(map(cached.__getitem__, filter(held, hashes))))  # before stores evict
-    new = list(filterfalse(held, hashes))[: cpu.num_free_blocks]
+    new = list(itertools.filterfalse(held, hashes))[: cpu.num_free_blocks]
     if new:
         blocks = cpu.allocate(len(new))
         bs = cpu.block_size

@@ -72,7 +72,7 @@ class PerfModel(TransferModel):
     mtp_draft: int = 3  # draft tokens per step when topo.mtp
     # measured profile: (batch, step) points of the decode curve, sorted; empty when under two
     _decode_curve: list[tuple[int, float]] = field(init=False, repr=False, default_factory=list)
-    _memo: dict = field(init=False, repr=False, default_factory=dict)  # `_once` methods' values
+    _memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)  # `_once`'s
 
     def __post_init__(self) -> None:
         """A measured profile (cpu-local) gives effective rates and overheads: no factors."""
