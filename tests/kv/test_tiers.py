@@ -210,7 +210,15 @@ def test_cpu_tier_memory_is_faulted_in_at_startup() -> None:
     allocator hands back memory an earlier test already faulted in, as in a full run.)"""
     tier = CPUTier(256, (2, 4, 64, 2, 64), torch.float32, LRUPolicy())  # 256 slots x 256 KiB
     assert tier.buf.nbytes == 64 << 20
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    tier.buf.fill_(1.0)  # what stores do, slot by slot
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+    # The fill runs on this thread alone and only this thread's faults are counted: the
+    # process-wide count also took other threads' faults (a server or pool thread an earlier
+    # test left running) and failed once in a long run.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        tier.buf.fill_(1.0)  # what stores do, slot by slot
+        faults = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before
+    finally:
+        torch.set_num_threads(threads)
     assert faults <= 8, faults  # never-touched: 16,384 (4 KiB pages) or 32 (2 MiB pages)
