@@ -167,7 +167,7 @@ def test_itl_token_samples_are_the_records_own_samples_concatenated() -> None:
 
     import numpy as np
 
-    from agentserve.workload.report import itl_token_samples
+    from agentserve.workload.record import itl_token_samples
 
     rng = random.Random(7)
     recs = []

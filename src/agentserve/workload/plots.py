@@ -10,7 +10,7 @@ matplotlib.use("Agg")  # files only; never needs a display
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from agentserve.workload.record import RequestRecord  # noqa: E402
+from agentserve.workload.record import RequestRecord, itl_token_samples  # noqa: E402
 
 MAX_POINTS = 20_000  # a CDF needs no more; keeps plotting fast on long runs
 
@@ -50,7 +50,7 @@ def write_plots(out: Path, stages: list[dict], records: list[RequestRecord]) -> 
     paths = []
     for name, xlabel, get in (
             ("ttft_cdf", "TTFT (s)", lambda rs: [r.ttft for r in rs if r.ttft is not None]),
-            ("itl_cdf", "ITL, token-weighted (ms)", lambda rs: [x * 1e3 for r in rs for x in r.itl_samples()])):
+            ("itl_cdf", "ITL, token-weighted (ms)", lambda rs: itl_token_samples(rs) * 1e3)):
         fig, ax = plt.subplots(figsize=(6, 4))
         for i, s in enumerate(stages):
             _cdf(ax, get(by_stage.get(s.get("stage", i), [])), _stage_label(s))

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from agentserve.workload.record import RequestRecord, SessionRecord
+from agentserve.workload.record import RequestRecord, SessionRecord, itl_token_samples
 
 CSV_FIELDS = ("request_id", "session_id", "stage", "turn", "agent", "sub_index", "start", "ttft", "e2e",
               "input_tokens", "output_tokens", "cached_tokens", "reusable_tokens", "max_tokens",
@@ -37,24 +37,6 @@ def stats(values: list[float] | np.ndarray, scale: float = 1.0,
     out: dict[str, float | None] = {f"p{p}": (float(np.percentile(a, p)) if a.size else None) for p in pcts}
     out["mean"] = float(a.mean()) if a.size else None
     return out
-
-
-def itl_token_samples(records: list[RequestRecord]) -> np.ndarray:
-    """Every record's `itl_samples()`, concatenated, computed with numpy: a simulated stage
-    streams ~10^6 chunks, which the per-record Python loop took seconds over."""
-    parts = []
-    for r in records:
-        t = r.chunk_times
-        if len(t) < 2:
-            continue
-        n = np.ones(len(t) - 1, dtype=np.int64)  # chunk i >= 1 carries toks[i] (1 if unknown)
-        k = min(len(r.chunk_tokens), len(t)) - 1
-        if k > 0:
-            n[:k] = r.chunk_tokens[1:k + 1]
-        keep = n > 0  # an empty chunk (e.g. the usage chunk) carries no token
-        n = n[keep]
-        parts.append(np.repeat(np.diff(np.asarray(t, dtype=float))[keep] / n, n))
-    return np.concatenate(parts) if parts else np.empty(0)
 
 
 def _ratio(num: float, den: float) -> float | None:
