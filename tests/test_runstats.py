@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from agentserve.runstats import describe, mean_records, spread, t_critical, value_at
+from agentserve.runstats import describe, interval_text, mean_records, spread, t_critical, value_at
 
 
 @pytest.mark.parametrize("confidence, df, expected", [
@@ -62,3 +62,11 @@ def test_spread_reads_each_figure_by_its_path_and_skips_records_without_it() -> 
     got = spread(records, {"out": ("out",), "ttft_p50": ("ttft", "p50"), "none": ("missing",)})
     assert got["out"]["values"] == [10.0, 14.0] and got["ttft_p50"]["values"] == [1.0, 3.0]
     assert got["none"]["n"] == 0
+
+
+def test_interval_text_prints_a_block_as_mean_interval_cv() -> None:
+    assert interval_text(describe([])) == "-" and interval_text(describe([2.5])) == "2.5"
+    b = describe([10.0, 12.0, 14.0])
+    assert interval_text(b) == f"12 [{b['ci_low']:.3g}, {b['ci_high']:.3g}] 16.7%"
+    assert interval_text(b, 4).startswith("12 [7.032, 16.97]")
+    assert interval_text(describe([-1.0, 1.0])).endswith("]")  # zero mean: no cv

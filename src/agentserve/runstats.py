@@ -9,7 +9,7 @@ report spread the same way.
   cv (None for a zero mean), se, and the Student-t confidence interval of the mean (ci_low,
   ci_high, t_critical).
 - `value_at`, `spread`: a figure read from a record by its path, and `describe` of each
-  named figure over records.
+  named figure over records; `interval_text`: a block as "mean [ci_low, ci_high] cv".
 - `t_critical`: Student's t quantile, from the regularized incomplete beta (no scipy).
 """
 
@@ -117,3 +117,15 @@ def spread(records: list[dict], paths: dict[str, tuple[str, ...]], confidence: f
     """`describe` of each named figure over `records`, leaving out records that lack it."""
     return {name: describe([v for r in records if (v := value_at(r, path)) is not None], confidence)
             for name, path in paths.items()}
+
+
+def interval_text(block: dict, digits: int = 3) -> str:
+    """A `describe` block in a line: "mean [ci_low, ci_high] cv" ("-" with no values, the mean
+    alone from a single one, no cv for a zero mean)."""
+    if not block["n"]:
+        return "-"
+    g = f".{digits}g"
+    if "ci_low" not in block:
+        return format(block["mean"], g)
+    cv = "" if block["cv"] is None else f" {block['cv']:.1%}"
+    return f"{block['mean']:{g}} [{block['ci_low']:{g}}, {block['ci_high']:{g}}]{cv}"

@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from agentserve.cli_checks import POSITIVE, check_flags, fail
+from agentserve.runstats import interval_text
 from agentserve.sim.config import (IDLE_GAP_CAP_S, LIMITS, ROUTE_MISS, check_clients,
                                    parse_idle_gap_cap)
 from agentserve.sim.run import SimConfig, parse_topology, simulate
@@ -122,8 +123,7 @@ def register(app: typer.Typer) -> None:
                        "(mean [95% CI] cv):")
             for k, m in s["seeds"]["metrics"].items():
                 if m["n"] > 1:
-                    cv = "" if m["cv"] is None else f" {m['cv']:.1%}"
-                    typer.echo(f"  {k:22s} {m['mean']:.4g} [{m['ci_low']:.4g}, {m['ci_high']:.4g}]{cv}")
+                    typer.echo(f"  {k:22s} {interval_text(m, 4)}")
 
     register_plan(app)
 

@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from agentserve.cli_checks import POSITIVE, flag_range_error
+from agentserve.runstats import interval_text
 
 
 def _ints(text: str) -> list[int]:
@@ -114,16 +115,8 @@ def _print_aggregate(record: dict, out: str) -> None:
     names = ("output_tok_s", "ttft_p50_s", "itl_p50_ms", "e2e_p50_s", "cached_token_ratio")
     for col in ("stage", *names):
         t.add_column(col, justify="right")
-
-    def cell(m: dict) -> str:
-        if not m["n"]:
-            return "-"
-        if "ci_low" not in m:
-            return f"{m['mean']:.3g}"
-        cv = "" if m["cv"] is None else f" {m['cv']:.0%}"
-        return f"{m['mean']:.3g} [{m['ci_low']:.3g}, {m['ci_high']:.3g}]{cv}"
     for st in record["stages"]:
-        t.add_row(st["stage"], *(cell(st["metrics"][n]) for n in names))
+        t.add_row(st["stage"], *(interval_text(st["metrics"][n]) for n in names))
     Console().print(t)
 
 
