@@ -19,6 +19,8 @@ Variants (each a point's `SimConfig` plus):
 - `path`: the footprint (`--footprint` 1.13 = 54.6 KB / 48,276 B: every restored token moves
   1.13x the bytes and the 100 GiB tier holds 1/1.13 the tokens) at `--restore-ms-per-gb` 211;
 - `all`: both.
+`--kv-scale` applies to every point: a no-MTP point (the offloading A/B) loads no MTP head, so
+under the 150K reading its `path` row is the one that applies.
 Restored GiB are reported at the footprint's bytes, as the reference's metric would count them.
 
     .venv/bin/python benchmarks/sim_dep8_factors.py --duration 900 --seeds 2 \
@@ -90,8 +92,10 @@ def main() -> None:
     ap.add_argument("--restore-ms-per-gb", type=float, default=211.0)
     ap.add_argument("--out", default="benchmarks/results/sim_dep8_factors.json")
     a = ap.parse_args()
-    if not (0 < a.kv_scale <= 1 and a.footprint >= 1 and a.restore_ms_per_gb > 0 and a.seeds >= 1):
-        ap.error("need 0 < --kv-scale <= 1, --footprint >= 1, --restore-ms-per-gb > 0, --seeds >= 1")
+    if not (0 < a.kv_scale <= 1 and a.footprint >= 1 and a.restore_ms_per_gb > 0 and a.seeds >= 1
+            and a.duration >= 1 and a.workers >= 1):
+        ap.error("need 0 < --kv-scale <= 1, --footprint >= 1, --restore-ms-per-gb > 0, --seeds >= 1, "
+                 "--duration >= 1, --workers >= 1")
     jobs = [(n, v, a.duration, s, a.kv_scale, a.footprint, a.restore_ms_per_gb)
             for n in NAMES for v in VARIANTS for s in range(a.seeds)]
     # A fresh process per job: each sets its own plan_memory wrap.
