@@ -40,3 +40,24 @@ def test_tiny_sweep_prices_points(monkeypatch, tmp_path) -> None:
     assert len(pts) == 2 and all(p["output_tok_s"] > 0 and p["cost_per_m_output"] for p in pts)
     pl.write(tmp_path, pts, pl.frontier(pts), pl.recommend(pts, 0.0), {"min_tok_s_per_user": 0})
     assert (tmp_path / "frontier.png").stat().st_size > 1000
+
+
+def test_known_optimistic_rows_are_marked(capsys, tmp_path) -> None:
+    """DEP8 prefill pools of GLM-5.2 on H200 carry the published comparison's caveat, in the
+    points and on the printed frontier; DEP16 rows and other models do not."""
+    from agentserve.sim.cli import _print_plan
+
+    assert "75%" in pl.caveat("glm-5.2-fp8", "h200", 8)
+    assert pl.caveat("glm-5.2-fp8", "h200", 16) is None
+    assert pl.caveat("tiny", "cpu-local", 8) is None
+    base = {"concurrency": 64, "tok_s_per_user": 40.0, "output_tok_s_per_gpu": 90.0,
+            "ttft_p50_s": 2.0, "itl_p50_ms": 15.0, "cost_per_m_input": 0.04, "cost_per_m_output": 4.0}
+    dep8 = {**base, "config": "4P4D DEP8 MTP cpu100", "caveat": pl.caveat("glm-5.2-fp8", "h200", 8)}
+    dep16 = {**base, "config": "2P2D DEP16 MTP cpu100", "caveat": None}
+    _print_plan([dep8, dep16], dep8, 30.0, tmp_path)
+    out = capsys.readouterr().out
+    assert "4P4D DEP8 MTP cpu100 *" in out and "DEP16 MTP cpu100 *" not in out
+    assert "* DEP8 prefill pools" in out and "caution:" in out
+    _print_plan([dep16], dep16, 30.0, tmp_path)
+    out = capsys.readouterr().out
+    assert "*" not in out and "caution" not in out

@@ -233,10 +233,16 @@ def _print_plan(front: list[dict], best: dict | None, target: float, out: Path) 
             "itl_p50_ms", "cost_per_m_input", "cost_per_m_output")
     for c in cols:
         t.add_column(c, justify="right")
+    notes = list(dict.fromkeys(p["caveat"] for p in front if p.get("caveat")))
     for p in front:
-        t.add_row(*[f"{p[c]:,.3g}" if isinstance(p[c], float) else str(p[c]) for c in cols])
+        row = [f"{p[c]:,.3g}" if isinstance(p[c], float) else str(p[c]) for c in cols]
+        if p.get("caveat"):  # a known-optimistic row: marked, its note printed below
+            row[0] += " " + "*" * (notes.index(p["caveat"]) + 1)
+        t.add_row(*row)
     con = Console(width=160)
     con.print(t)
+    for i, note in enumerate(notes):
+        con.print(f"{'*' * (i + 1)} {note}")
     if best is None:
         con.print(f"no configuration reaches {target:g} tok/s per user")
     else:
@@ -244,4 +250,7 @@ def _print_plan(front: list[dict], best: dict | None, target: float, out: Path) 
                   f"{best['tok_s_per_user']:.1f} tok/s/user, {best['output_tok_s_per_gpu']:.0f} "
                   f"output tok/s/GPU, ${best['cost_per_m_input']:.3f}/M input, "
                   f"${best['cost_per_m_output']:.2f}/M output")
+        if best.get("caveat"):
+            con.print(f"[bold yellow]caution:[/] the recommendation is a row the model is known to be "
+                      f"optimistic on: {best['caveat']}")
     con.print(f"wrote {out / 'plan.json'} and {out / 'frontier.png'}")
