@@ -61,3 +61,5 @@ def test_known_optimistic_rows_are_marked(capsys, tmp_path) -> None:
     _print_plan([dep16], dep16, 30.0, tmp_path)
     out = capsys.readouterr().out
     assert "*" not in out and "caution" not in out
+    pl.plot([dep8, dep16], [dep16], dep16, 30.0, tmp_path / "f.png")  # the footnoted figure
+    assert (tmp_path / "f.png").stat().st_size > 1000

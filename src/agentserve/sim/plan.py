@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import textwrap
 from dataclasses import asdict, dataclass
 from multiprocessing import Pool
 from pathlib import Path
@@ -143,7 +144,8 @@ def recommend(points: list[dict], min_per_user: float) -> dict | None:
 
 
 def plot(points: list[dict], front: list[dict], best: dict | None, target: float, path: Path) -> None:
-    """Scatter of all points, the frontier line, the target and the recommendation (PNG)."""
+    """Scatter of all points, the frontier line, the target and the recommendation (PNG);
+    configurations with a `caveat` are dotted, starred in the legend and footnoted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,8 +154,10 @@ def plot(points: list[dict], front: list[dict], best: dict | None, target: float
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for name in sorted({p["config"] for p in points}):
         ps = sorted((p for p in points if p["config"] == name), key=lambda p: p["concurrency"])
+        flagged = bool(ps[0].get("caveat"))
         ax.plot([p["tok_s_per_user"] for p in ps], [p["output_tok_s_per_gpu"] for p in ps],
-                marker="o", ms=3, lw=0.7, alpha=0.6, label=name)
+                marker="o", ms=3, lw=0.7, alpha=0.6, ls=":" if flagged else "-",
+                label=name + (" *" if flagged else ""))
     ax.plot([p["tok_s_per_user"] for p in front], [p["output_tok_s_per_gpu"] for p in front],
             "k--", lw=1.5, label="frontier")
     ax.axvline(target, color="red", lw=1, ls=":", label=f"target {target:g} tok/s/user")
@@ -163,7 +167,13 @@ def plot(points: list[dict], front: list[dict], best: dict | None, target: float
     ax.set_ylabel("output tok/s per GPU")
     ax.legend(fontsize=6, ncol=2)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
+    notes = sorted({p["caveat"] for p in points if p.get("caveat")})
+    if notes:  # the known-optimistic rows' note (`KNOWN_OPTIMISTIC`), wrapped under the axes
+        fig.text(0.01, 0.005, "\n".join(textwrap.fill("* " + n, 140) for n in notes), fontsize=6,
+                 va="bottom")
+        fig.tight_layout(rect=(0, 0.06, 1, 1))
+    else:
+        fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
