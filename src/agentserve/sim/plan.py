@@ -72,8 +72,8 @@ def candidates(model: str, gpu: str, gpus: int, widths: tuple[int, ...] = (8, 16
 KNOWN_OPTIMISTIC: dict[tuple[str, str, int], str] = {
     ("glm-5.2-fp8", "h200", 8): (
         "DEP8 prefill pools: the model's output runs up to 75% above the reference's published "
-        "DEP8 point (limited P8/D16 c128: 5,659 vs 3,233 tok/s, TTFT p50 4.6 vs 20.9 s); read "
-        "these rows as an upper bound (sim README, Open gaps)"),
+        "DEP8 point and its TTFT p50 at a fifth of it (limited P8/D16 c128, "
+        "benchmarks/sim_published.py); read these rows as an upper bound (sim README, Open gaps)"),
 }
 
 
