@@ -61,5 +61,8 @@ def test_known_optimistic_rows_are_marked(capsys, tmp_path) -> None:
     _print_plan([dep16], dep16, 30.0, tmp_path)
     out = capsys.readouterr().out
     assert "*" not in out and "caution" not in out
+    odd = {**dep8, "caveat": "a note with [brackets] printed as text"}  # not rich markup
+    _print_plan([odd], odd, 30.0, tmp_path)
+    assert capsys.readouterr().out.count("[brackets]") == 2  # the footnote and the caution
     pl.plot([dep8, dep16], [dep16], dep16, 30.0, tmp_path / "f.png")  # the footnoted figure
     assert (tmp_path / "f.png").stat().st_size > 1000

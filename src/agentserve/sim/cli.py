@@ -226,6 +226,7 @@ def register_plan(app: typer.Typer) -> None:
 
 def _print_plan(front: list[dict], best: dict | None, target: float, out: Path) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     t = Table(title="frontier: output tok/s per GPU vs tok/s per user")
@@ -242,7 +243,7 @@ def _print_plan(front: list[dict], best: dict | None, target: float, out: Path) 
     con = Console(width=160)
     con.print(t)
     for i, note in enumerate(notes):
-        con.print(f"{'*' * (i + 1)} {note}")
+        con.print(f"{'*' * (i + 1)} {note}", markup=False)  # notes are text, not rich markup
     if best is None:
         con.print(f"no configuration reaches {target:g} tok/s per user")
     else:
@@ -252,5 +253,5 @@ def _print_plan(front: list[dict], best: dict | None, target: float, out: Path) 
                   f"${best['cost_per_m_output']:.2f}/M output")
         if best.get("caveat"):
             con.print(f"[bold yellow]caution:[/] the recommendation is a row the model is known to be "
-                      f"optimistic on: {best['caveat']}")
+                      f"optimistic on: {escape(best['caveat'])}")
     con.print(f"wrote {out / 'plan.json'} and {out / 'frontier.png'}")
