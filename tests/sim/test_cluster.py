@@ -195,7 +195,7 @@ def _bad_traces(tmp_path) -> dict[str, tuple[object, str]]:
         "notgz.jsonl.gz": (good.encode(), "cannot read the trace"),
         "short_hashes.jsonl": (good.replace("[1, 2]", "[1]").encode(), "has 1 hash ids"),
         "mooncake.jsonl": (json.dumps({"timestamp": 0, "input_length": 128, "output_length": 8,
-                                       "hash_ids": [1, 2]}).encode(), "is a mooncake trace"),
+                                       "hash_ids": [1, 2]}).encode(), "convert one at another size first"),
     }
     out = {}
     for name, (data, message) in files.items():

@@ -46,7 +46,8 @@ def register(app: typer.Typer) -> None:
                                          "$AGENTSERVE_SIM_CPU_PROFILE, else the checkout's "
                                          "benchmarks/results/sim_cpu_profile.json)"),
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
-        duration: float = typer.Option(600.0, help="stage length, simulated seconds"),
+        duration: float = typer.Option(900.0, help="stage length, simulated seconds (the "
+                                       "reference's AIPerf stages: 900)"),
         clients: str = typer.Option(None, help="load generator: agentx (AIPerf's agentic replay, "
                                     "as the reference ran: recorded think times, sub-agents in "
                                     "parallel, a warm-up of primers; default for xPyD) or closed "

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from agentserve.sim.workload import GLOBAL_NS
 from agentserve.workload.schema import Session, Subagent, TraceRequest
 
 
@@ -79,6 +80,7 @@ class Tree:
 
     def __init__(self, s: Session, idle_cap: float | None = None) -> None:
         self.id, self.block_size = s.id, s.block_size
+        self.shared = s.hash_id_scope == "global"  # its ids live in GLOBAL_NS, not a play's own
         self.main: list[Call] = []
         self.children: list[Child] = []
         for it in s.items:
@@ -147,7 +149,7 @@ class Lane:
 
     # -- a play of one tree ---------------------------------------------------------------
     def _begin(self, tree: Tree) -> None:
-        self.tree, self.ns = tree, next(self.ns_ids)
+        self.tree, self.ns = tree, GLOBAL_NS if tree.shared else next(self.ns_ids)
         self.outstanding = 0  # requests in flight or scheduled
         self.stopped = False
         self.answered = False

@@ -33,8 +33,8 @@ from agentserve.sim.specs import GiB, model_spec
 from agentserve.sim.summary import REJECTED, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
-from agentserve.sim.workload import (REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
-                                     RunSampler, bench_order, flatten, load_workload, output_scale,
+from agentserve.sim.workload import (GLOBAL_NS, REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH,
+                                     WARMUP_S, RunSampler, bench_order, flatten, load_workload, output_scale,
                                      session_stream)
 from agentserve.workload.schema import Session, TraceRequest
 
@@ -159,6 +159,8 @@ class Simulation:
                 if nxt is None:
                     return
                 si, s = nxt
+                if s.hash_id_scope == "global":
+                    si = GLOBAL_NS
                 flat = (bench_order if self.drains else flatten)(s)  # as the bench, or by time
                 queue, sid = [(*x, s.block_size) for x in flat], s.id
                 if self.cfg.join_midway and len(queue) > 1:  # stationary inputs (see SimConfig)

@@ -6,7 +6,6 @@ clients of a synthesized sweep stage draw from (see `RunSampler`).
 from __future__ import annotations
 
 import itertools
-import json
 import os
 import stat
 import zlib
@@ -58,6 +57,14 @@ def output_scale(workload: str) -> float:
 # whose peak request (input + max_tokens) exceeds it, and replays the rest whole (the scenario
 # forbids truncating inputs); the full sweep passes 10,000,000, which drops nothing.
 LIMITED_CONTEXT = 142_000
+# The simulator's KV block, tokens (SimConfig.block_size's default; SPEC: 64-token blocks): a
+# trace at another block size is re-blocked to it on loading (`at_sim_blocks`)
+SIM_BLOCK = 64
+# The hash namespace all sessions of a `global`-scope trace share (their ids mean the same
+# content in every session); the replay's plays count theirs up from 2**20, closed clients'
+# sessions from 0
+GLOBAL_NS = 1 << 40
+MOONCAKE_BLOCK = 512  # tokens per hash id of a mooncake_trace file (AIPerf's default block size)
 
 
 def _peak(s: Session) -> int:
@@ -111,14 +118,18 @@ def _load_trace(name: str) -> list[Session]:
 
 
 def _parse_trace(name: str) -> list[Session]:
-    from agentserve.workload.traces import TraceFormatError, load_sessions
+    """Sessions of a Weka trace or of AIPerf's mooncake_trace JSONL (detected; its hash ids at
+    `MOONCAKE_BLOCK` tokens each), checked and put on the simulator's 64-token blocks."""
+    from agentserve.workload.traces import TraceFormatError, is_mooncake, load_any
 
     try:
-        sessions = load_sessions(name).sessions
-    except TraceFormatError:
-        if _looks_mooncake(name):
-            raise ValueError(f"{name} is a mooncake trace; the simulator replays Weka sessions: "
-                             "convert it first (agentserve trace convert)") from None
+        sessions = load_any(name, block_size=MOONCAKE_BLOCK).sessions
+    except TraceFormatError as e:
+        if is_mooncake(name):  # the trace CLI's hint names its own --block-size flag
+            raise ValueError(f"{e} (the simulator reads a mooncake trace's hash ids at "
+                             f"{MOONCAKE_BLOCK} tokens each, AIPerf's default; convert one at "
+                             "another size first: agentserve trace convert --to weka "
+                             "--block-size N)") from None
         raise
     except (EOFError, OSError, zlib.error) as e:  # a truncated or mislabelled gzip, unreadable
         raise ValueError(f"{name}: cannot read the trace: {e or type(e).__name__}") from None
@@ -126,26 +137,43 @@ def _parse_trace(name: str) -> list[Session]:
     for s in sessions:
         for _, _, r in flatten(s):
             n += 1
-            if len(r.hash_ids) < r.input_tokens // s.block_size:
+            # ids must cover every full simulator block of the prompt
+            need = -(-(r.input_tokens // SIM_BLOCK) * SIM_BLOCK // s.block_size)
+            if len(r.hash_ids) < need:
                 raise ValueError(f"{name}: session {s.id}: a request of {r.input_tokens} input "
                                  f"tokens has {len(r.hash_ids)} hash ids; at block size "
-                                 f"{s.block_size} it needs {r.input_tokens // s.block_size}")
+                                 f"{s.block_size} it needs {need}")
     if not n:
         raise ValueError(f"{name}: the trace holds no requests")
-    return sessions
+    return at_sim_blocks(sessions)
 
 
-def _looks_mooncake(name: str) -> bool:
-    """Is the file's first line a mooncake_trace record (hash ids, no session id)?"""
-    from agentserve.workload.traces import iter_lines
+def at_sim_blocks(sessions: list[Session]) -> list[Session]:
+    """The sessions with one hash id per `SIM_BLOCK` tokens. A trace recorded at another block
+    size (mooncake's 512) is re-blocked as `agentserve trace convert` does (`reblock`): a
+    64-token block's id stands for the trace ids it spans and its offset in them, so equal
+    prefixes keep equal ids and the prefix cache sees what AIPerf's prompts, built from the
+    same ids, would share. One id table per scope: the whole file for `global` ids (mooncake's:
+    requests of different sessions share prefixes), each session for `local` ones."""
+    from dataclasses import replace
 
-    try:
-        for _, _, text in iter_lines(name):
-            d = json.loads(text)
-            return isinstance(d, dict) and "hash_ids" in d and "id" not in d
-    except (ValueError, OSError, EOFError, zlib.error):
-        return False
-    return False
+    from agentserve.workload.traces import reblock
+
+    shared: dict = {}
+    out = []
+    for s in sessions:
+        if s.block_size == SIM_BLOCK:
+            out.append(s)
+            continue
+        table = shared if s.hash_id_scope == "global" else {}
+
+        def ids(r: TraceRequest) -> TraceRequest:
+            return replace(r, hash_ids=reblock(r.hash_ids, r.input_tokens, s.block_size,
+                                               SIM_BLOCK, table))
+        items = [ids(it) if isinstance(it, TraceRequest)
+                 else replace(it, requests=[ids(r) for r in it.requests]) for it in s.items]
+        out.append(replace(s, block_size=SIM_BLOCK, items=items))
+    return out
 
 
 def session_stream(name: str, batch: int, seed: int) -> Iterator[Session]:
