@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from agentserve.sim.specs import HardwareSpec, hardware_spec
 
 __all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig",
-           "check_clients", "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
+           "check_clients", "check_config", "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
 
 CLIENTS = ("agentx", "closed")  # `SimConfig.clients`, besides None (the default for the deployment)
 # AIPerf's per-trace idle-gap cap as some of its docs state it (`--trace-idle-gap-cap-seconds
@@ -166,6 +166,19 @@ def check_clients(clients: str | None) -> None:
     """Refuse a load generator other than those of `CLIENTS` (None: the deployment's default)."""
     if clients is not None and clients not in CLIENTS:
         raise ValueError(f"--clients must be {' or '.join(CLIENTS)}, got {clients!r}")
+
+
+def check_config(cfg: SimConfig) -> None:
+    """Refuse the knobs a simulation cannot run with, each with its flag's name."""
+    check_clients(cfg.clients)
+    check_route_miss(cfg.route_miss)
+    if cfg.cpu_store_on not in ("fill", "evict"):
+        raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
+    if cfg.prefix_index not in ("precise", "approx"):
+        raise ValueError(f"--prefix-index must be precise or approx, got {cfg.prefix_index!r}")
+    if cfg.prefix_index == "approx" and cfg.aggregated:
+        raise ValueError("--prefix-index approx is the P/D prefill picker's; aggregated engines "
+                         "route with our router's own policy")
 
 
 def parse_idle_gap_cap(s: str) -> float | None:

@@ -21,7 +21,7 @@ import numpy as np
 from agentserve.kv.manager import cdiv
 from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
-from agentserve.sim.config import SimConfig, check_clients, check_route_miss, parse_topology
+from agentserve.sim.config import SimConfig, check_config, parse_topology
 from agentserve.sim.constants import VLLM_REQUEST_PATH
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.lanes import Replay, trees
@@ -33,8 +33,8 @@ from agentserve.sim.specs import GiB, model_spec
 from agentserve.sim.summary import REJECTED, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
-from agentserve.sim.workload import (GLOBAL_NS, REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH,
-                                     WARMUP_S, RunSampler, bench_order, flatten, load_workload, output_scale,
+from agentserve.sim.workload import (GLOBAL_NS, REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
+                                     RunSampler, bench_order, flatten, load_workload, output_scale,
                                      session_stream)
 from agentserve.workload.schema import Session, TraceRequest
 
@@ -47,15 +47,7 @@ class Simulation:
     """The deployment, its router and the load generator."""
 
     def __init__(self, cfg: SimConfig, sessions: Iterable[Session]) -> None:
-        check_clients(cfg.clients)
-        check_route_miss(cfg.route_miss)
-        if cfg.cpu_store_on not in ("fill", "evict"):
-            raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
-        if cfg.prefix_index not in ("precise", "approx"):
-            raise ValueError(f"--prefix-index must be precise or approx, got {cfg.prefix_index!r}")
-        if cfg.prefix_index == "approx" and cfg.aggregated:
-            raise ValueError("--prefix-index approx is the P/D prefill picker's; aggregated engines "
-                             "route with our router's own policy")
+        check_config(cfg)
         self.cfg, self.clock, self.rng = cfg, Clock(), np.random.default_rng(cfg.seed)
         self.miss_rng = np.random.default_rng([cfg.seed, 1])  # own stream: 0 changes no other draw
         m, hw = model_spec(cfg.model), cfg.hardware()
@@ -159,8 +151,7 @@ class Simulation:
                 if nxt is None:
                     return
                 si, s = nxt
-                if s.hash_id_scope == "global":
-                    si = GLOBAL_NS
+                si = GLOBAL_NS if s.hash_id_scope == "global" else si  # ids shared by sessions
                 flat = (bench_order if self.drains else flatten)(s)  # as the bench, or by time
                 queue, sid = [(*x, s.block_size) for x in flat], s.id
                 if self.cfg.join_midway and len(queue) > 1:  # stationary inputs (see SimConfig)
