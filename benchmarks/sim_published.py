@@ -80,6 +80,14 @@ POINTS: dict[str, tuple[dict, int, dict]] = {
     "offload A/B P8/D16 no-MTP CPU c128": ({**P8D16, "mtp": False}, 128, {"out": 2776}),
     "offload A/B P8/D16 no-MTP none c128": ({**P8D16, "mtp": False, "cpu_offload_gib": 0.0}, 128,
                                             {"out": 951}),
+    # "When HBM fills": the compact 16-GPU DEP8 layout (P8/D8), MTP off, the tier on or off; only
+    # the ratios are published (below). Its workload is not stated: the A/B's limited sweep.
+    "offload A/B P8/D8 no-MTP CPU c16": ({**P8D16, "decode_width": 8, "mtp": False}, 16, {}),
+    "offload A/B P8/D8 no-MTP none c16": ({**P8D16, "decode_width": 8, "mtp": False,
+                                           "cpu_offload_gib": 0.0}, 16, {}),
+    "offload A/B P8/D8 no-MTP CPU c128": ({**P8D16, "decode_width": 8, "mtp": False}, 128, {}),
+    "offload A/B P8/D8 no-MTP none c128": ({**P8D16, "decode_width": 8, "mtp": False,
+                                            "cpu_offload_gib": 0.0}, 128, {}),
 }
 
 # Published comparisons between two points: (a, b, metric, published a/b - 1)
@@ -94,6 +102,11 @@ RATIOS = [
     ("full 3P1D c128", "full 2P2D c128", "restore", -0.63),
     ("full 3P2D c128", "full 3P1D c128", "out", 0.21),
     ("lim 1P1D MTP c128", "lim 2P1D no-MTP no-CPU c128", "out", 0.54),
+    # "output is effectively unchanged at concurrency 16. At concurrency 128, offloading raises
+    # output 27% and cuts median turn completion 36%" (write-up, "When HBM fills")
+    ("offload A/B P8/D8 no-MTP CPU c16", "offload A/B P8/D8 no-MTP none c16", "out", 0.0),
+    ("offload A/B P8/D8 no-MTP CPU c128", "offload A/B P8/D8 no-MTP none c128", "out", 0.27),
+    ("offload A/B P8/D8 no-MTP CPU c128", "offload A/B P8/D8 no-MTP none c128", "e2e", -0.36),
 ]
 
 METRICS = ("out", "itl", "ttft", "e2e", "per_user", "restore", "dlocal", "hit")
