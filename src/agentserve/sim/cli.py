@@ -45,7 +45,8 @@ def register(app: typer.Typer) -> None:
                                          "(benchmarks/sim_calibrate_cpu.py's JSON; default "
                                          "$AGENTSERVE_SIM_CPU_PROFILE, else the checkout's "
                                          "benchmarks/results/sim_cpu_profile.json)"),
-        workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
+        workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace "
+                                     "FILE (Weka sessions or AIPerf mooncake_trace)"),
         duration: float = typer.Option(900.0, help="stage length, simulated seconds (the "
                                        "reference's AIPerf stages: 900)"),
         clients: str = typer.Option(None, help="load generator: agentx (AIPerf's agentic replay, "
@@ -152,7 +153,8 @@ def register_plan(app: typer.Typer) -> None:
         gpu: str = typer.Option("h200", help="hardware spec"),
         gpus: int = typer.Option(64, help="GPU budget"),
         min_tok_s_per_user: float = typer.Option(30.0, help="end-to-end output tok/s per user"),
-        workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace FILE"),
+        workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace "
+                                     "FILE (Weka sessions or AIPerf mooncake_trace)"),
         price: float = typer.Option(2.71, help="$ per GPU-hour"),
         concurrency: str = typer.Option("32,64,128,192", help="concurrency ladder per config"),
         duration: float = typer.Option(100.0, help="stage length, simulated s (short by default)"),
