@@ -159,6 +159,7 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     (["sim", "--route-miss", "-0.1"], "--route-miss must be a share between 0 and 1"),
     (["sim", "--route-miss", "nan"], "--route-miss must be a share between 0 and 1"),
     (["sim", "--cpu-restore-ms-per-gb", "0"], "--cpu-restore-ms-per-gb must be positive"),
+    (["sim", "--max-output", "0"], "--max-output must be >= 1"),
     (["sim", "--cpu-restore-ms-per-gb", "inf"], "--cpu-restore-ms-per-gb must be a finite number"),
     (["sim", "--workload", "/nonexistent/trace.jsonl"], "no such trace file"),
     (["plan", "--gpus", "0"], "--gpus must be >= 1"),

@@ -73,7 +73,11 @@ def test_the_cli_simulates_a_mooncake_file_and_names_a_bad_one(tmp_path) -> None
             "--workload"]
     res = CliRunner().invoke(app, args + [_write(tmp_path / "mc.jsonl", MOONCAKE)])
     assert res.exit_code == 0, res.output
-    assert json.loads(res.output)["requests_ok"] > 0
+    out = json.loads(res.output)
+    assert out["requests_ok"] > 0 and out["output_tokens"] == 4 * out["requests_ok"]
+    res = CliRunner().invoke(app, args + [str(tmp_path / "mc.jsonl"), "--max-output", "2"])
+    out = json.loads(res.output)  # every record asks for 4 tokens; the cap answers 2
+    assert out["requests_ok"] > 0 and out["output_tokens"] == 2 * out["requests_ok"]
     short = [{"timestamp": 0, "input_length": 1100, "output_length": 4, "hash_ids": [1]}]
     bad = _write(tmp_path / "short.jsonl", short)  # 1,088 tokens of full blocks need 3 ids
     res = CliRunner().invoke(app, args + [bad])

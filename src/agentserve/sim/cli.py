@@ -70,6 +70,8 @@ def register(app: typer.Typer) -> None:
         replay_run: int = typer.Option(None, help="closed clients, synthesized xPyD stages: turns a client replays "
                                        "before it starts a fresh (cold) conversation (default: to "
                                        "the session's end, the reference's reusable-prefix ceiling)"),
+        max_output: int = typer.Option(None, help="cap on each request's output tokens (max_tokens), "
+                                       "as `agentserve bench --max-output` (default: as recorded)"),
         seed: int = typer.Option(0),
         seeds: int = typer.Option(1, help="simulate seeds SEED .. SEED + N - 1 and report their "
                                   "mean, with each headline figure's spread under `seeds`"),
@@ -85,6 +87,7 @@ def register(app: typer.Typer) -> None:
                      duration=(duration, 1, lim["duration"]), warmup=(warmup, 0, lim["duration"]),
                      replay_run=(replay_run, 1), gap_cap_s=(gap_cap_s, 0, lim["duration"]),
                      cpu_restore_ms_per_gb=(cpu_restore_ms_per_gb, POSITIVE, 1e6),
+                     max_output=(max_output, 1),
                      seed=(seed, 0, lim["seed"]), seeds=(seeds, 1, lim["seeds"]),
                      workers=(workers, 1, 256))
         check_flags(seed=(seed + seeds - 1, 0, lim["seed"]))  # the last seed drawn
@@ -105,7 +108,8 @@ def register(app: typer.Typer) -> None:
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
                             replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
                             idle_gap_cap_s=idle_cap, prefix_index=prefix_index,
-                            route_miss=route_miss, cpu_profile=profile, cpu_restore_s_per_gb=(
+                            route_miss=route_miss, cpu_profile=profile, max_output=max_output,
+                            cpu_restore_s_per_gb=(
                                 None if cpu_restore_ms_per_gb is None else cpu_restore_ms_per_gb / 1e3))
             if seeds > 1:
                 from agentserve.sim.seeds import simulate_seeds
