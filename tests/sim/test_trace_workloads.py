@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from agentserve.sim import workload as wl
@@ -83,3 +84,12 @@ def test_the_cli_simulates_a_mooncake_file_and_names_a_bad_one(tmp_path) -> None
     res = CliRunner().invoke(app, args + [bad])
     assert res.exit_code == 2 and "has 1 hash ids; at block size 512 it needs 3" in res.output
     assert bad in res.output
+
+
+def test_pool_blocks_must_match_the_workloads_blocks() -> None:
+    """Hash ids stand for 64-token blocks (or token_scale tokens when scaled): other pool
+    blocks would misread every trace, so the config is refused up front."""
+    with pytest.raises(ValueError, match="block_size 16 does not match"):
+        simulate(SimConfig(model="tiny", gpu="cpu-local", block_size=16, duration=10.0))
+    with pytest.raises(ValueError, match="block_size 64 does not match"):
+        simulate(SimConfig(model="tiny", gpu="cpu-local", token_scale=16, duration=10.0))

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass
 
 from agentserve.sim.specs import HardwareSpec, hardware_spec
+from agentserve.sim.workload import SIM_BLOCK
 
 __all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig",
            "check_clients", "check_config", "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
@@ -179,6 +180,12 @@ def check_config(cfg: SimConfig) -> None:
     if cfg.prefix_index == "approx" and cfg.aggregated:
         raise ValueError("--prefix-index approx is the P/D prefill picker's; aggregated engines "
                          "route with our router's own policy")
+    # a hash id stands for one SIM_BLOCK-token block of a loaded trace, or for token_scale
+    # tokens of it when scaled: the pools' blocks must be that long
+    block = min(cfg.token_scale, SIM_BLOCK) if cfg.token_scale else SIM_BLOCK
+    if cfg.block_size != block:
+        raise ValueError(f"block_size {cfg.block_size} does not match the workload's blocks "
+                         f"({block} tokens a hash id with token_scale {cfg.token_scale})")
 
 
 def parse_idle_gap_cap(s: str) -> float | None:
