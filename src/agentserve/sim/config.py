@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from agentserve.sim.specs import HardwareSpec, hardware_spec
-from agentserve.sim.workload import SIM_BLOCK
+from agentserve.sim.memory import BLOCK_SIZE
 
 __all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig",
            "check_clients", "check_config", "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
@@ -113,7 +113,7 @@ class SimConfig:
     # replayed once (all of it counts) and aggregated engines are compared with
     # `agentserve bench`, which starts cold: both default to 0.
     warmup: float | None = None
-    block_size: int = 64
+    block_size: int = BLOCK_SIZE
     # Stationary request mix. Synthesized workloads (xPyD): clients replay runs of turns, each
     # from a request drawn uniformly over the pool's requests (`workload.RunSampler`), so the
     # stage's inputs are the corpus's pooled distribution whatever its length. A trace file:
@@ -180,9 +180,9 @@ def check_config(cfg: SimConfig) -> None:
     if cfg.prefix_index == "approx" and cfg.aggregated:
         raise ValueError("--prefix-index approx is the P/D prefill picker's; aggregated engines "
                          "route with our router's own policy")
-    # a hash id stands for one SIM_BLOCK-token block of a loaded trace, or for token_scale
+    # a hash id stands for one BLOCK_SIZE-token block of a loaded trace, or for token_scale
     # tokens of it when scaled: the pools' blocks must be that long
-    block = min(cfg.token_scale, SIM_BLOCK) if cfg.token_scale else SIM_BLOCK
+    block = min(cfg.token_scale, BLOCK_SIZE) if cfg.token_scale else BLOCK_SIZE
     if cfg.block_size != block:
         raise ValueError(f"block_size {cfg.block_size} does not match the workload's blocks "
                          f"({block} tokens a hash id with token_scale {cfg.token_scale})")

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from agentserve.sim.memory import BLOCK_SIZE
 from agentserve.workload.schema import Session, TraceRequest
 
 SYNTH = ("sweep-full", "sweep-limited", "sweep", "claude-code")
@@ -57,9 +58,6 @@ def output_scale(workload: str) -> float:
 # whose peak request (input + max_tokens) exceeds it, and replays the rest whole (the scenario
 # forbids truncating inputs); the full sweep passes 10,000,000, which drops nothing.
 LIMITED_CONTEXT = 142_000
-# The simulator's KV block, tokens (SimConfig.block_size's default; SPEC: 64-token blocks): a
-# trace at another block size is re-blocked to it on loading (`at_sim_blocks`)
-SIM_BLOCK = 64
 # The hash namespace all sessions of a `global`-scope trace share (their ids mean the same
 # content in every session); the replay's plays count theirs up from 2**20, closed clients'
 # sessions from 0
@@ -138,7 +136,7 @@ def _parse_trace(name: str) -> list[Session]:
         for _, _, r in flatten(s):
             n += 1
             # ids must cover every full simulator block of the prompt
-            need = -(-(r.input_tokens // SIM_BLOCK) * SIM_BLOCK // s.block_size)
+            need = -(-(r.input_tokens // BLOCK_SIZE) * BLOCK_SIZE // s.block_size)
             if len(r.hash_ids) < need:
                 raise ValueError(f"{name}: session {s.id}: a request of {r.input_tokens} input "
                                  f"tokens has {len(r.hash_ids)} hash ids; at block size "
@@ -149,9 +147,10 @@ def _parse_trace(name: str) -> list[Session]:
 
 
 def at_sim_blocks(sessions: list[Session]) -> list[Session]:
-    """The sessions with one hash id per `SIM_BLOCK` tokens. A trace recorded at another block
-    size (mooncake's 512) is re-blocked as `agentserve trace convert` does (`reblock`): a
-    64-token block's id stands for the trace ids it spans and its offset in them, so equal
+    """The sessions with one hash id per `BLOCK_SIZE` tokens (the simulator's KV block). A trace
+    recorded at another block size (mooncake's 512) is re-blocked as `agentserve trace convert`
+    does (`reblock`): a 64-token block's id stands for the trace ids it spans and its offset in
+    them, so equal
     prefixes keep equal ids and the prefix cache sees what AIPerf's prompts, built from the
     same ids, would share. One id table per scope: the whole file for `global` ids (mooncake's:
     requests of different sessions share prefixes), each session for `local` ones."""
@@ -162,17 +161,17 @@ def at_sim_blocks(sessions: list[Session]) -> list[Session]:
     shared: dict = {}
     out = []
     for s in sessions:
-        if s.block_size == SIM_BLOCK:
+        if s.block_size == BLOCK_SIZE:
             out.append(s)
             continue
         table = shared if s.hash_id_scope == "global" else {}
 
         def ids(r: TraceRequest) -> TraceRequest:
             return replace(r, hash_ids=reblock(r.hash_ids, r.input_tokens, s.block_size,
-                                               SIM_BLOCK, table))
+                                               BLOCK_SIZE, table))
         items = [ids(it) if isinstance(it, TraceRequest)
                  else replace(it, requests=[ids(r) for r in it.requests]) for it in s.items]
-        out.append(replace(s, block_size=SIM_BLOCK, items=items))
+        out.append(replace(s, block_size=BLOCK_SIZE, items=items))
     return out
 
 
