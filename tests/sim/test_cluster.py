@@ -16,6 +16,7 @@ from agentserve.sim import cli as sim_cli
 from agentserve.sim import run as sim_run
 from agentserve.sim import workload as sim_workload
 from agentserve.sim.cluster import Clock, mtp_accepted, store_cpu
+from agentserve.sim.config import request_path
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 from agentserve.workload.schema import Session, TraceRequest
 
@@ -151,7 +152,7 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     (["sim", "--concurrency", "-4"], "--concurrency must be >= 1"),
     (["sim", "--duration", "0"], "--duration must be >= 1"),
     (["sim", "--replay-run", "0"], "--replay-run must be >= 1"),
-    (["sim", "--clients", "open"], "--clients must be agentx or closed"),
+    (["sim", "--clients", "open"], "--clients must be agentx, closed or schedule"),
     (["sim", "--gap-cap-s", "-1"], "--gap-cap-s must be >= 0"),
     (["sim", "--idle-gap-cap-s", "soon"], "--idle-gap-cap-s takes seconds or off"),
     (["sim", "--idle-gap-cap-s", "-3"], "--idle-gap-cap-s must be >= 0 s or off"),
@@ -164,7 +165,7 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     (["sim", "--workload", "/nonexistent/trace.jsonl"], "no such trace file"),
     (["plan", "--gpus", "0"], "--gpus must be >= 1"),
     (["plan", "--widths", "a"], "comma-separated integers"),
-    (["plan", "--clients", "open"], "--clients must be agentx or closed"),
+    (["plan", "--clients", "open"], "--clients must be agentx, closed or schedule"),
     (["plan", "--gpus", "8", "--widths", "16"], "fits 8 GPUs"),
     (["plan", "--gpus", "1000000000000"], "--gpus must be <= 16384"),
     (["plan", "--price", "nan"], "--price must be a finite number"),
@@ -633,9 +634,9 @@ def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
     from agentserve.sim.constants import VLLM_REQUEST_PATH
     from agentserve.sim.specs import H200
 
-    pd = sim_run.Simulation._request_path(SimConfig(), H200)
+    pd = request_path(SimConfig(), H200)
     assert pd == pytest.approx((2 * VLLM_REQUEST_PATH[0], 2 * VLLM_REQUEST_PATH[1]))
-    agg = sim_run.Simulation._request_path(SimConfig(aggregated=2), H200)
+    agg = request_path(SimConfig(aggregated=2), H200)
     assert agg == pytest.approx(VLLM_REQUEST_PATH)
     sim = sim_run.Simulation(SimConfig(request_overhead_s=0.5, request_overhead_per_token_s=0.0),
                              [_session(0)])
@@ -644,7 +645,7 @@ def test_pd_requests_pay_vllm_request_path_on_both_legs() -> None:
     from agentserve.sim.specs import cpu_local
 
     bare = cpu_local(bare=True)
-    assert sim_run.Simulation._request_path(SimConfig(aggregated=2), bare) == (0.0, 0.0)
+    assert request_path(SimConfig(aggregated=2), bare) == (0.0, 0.0)
     # a 100K-token prompt spends ~0.82 s in the two API servers (prose at AIPerf's density)
     assert 0.7 < pd[0] + pd[1] * 100_000 < 0.95
 

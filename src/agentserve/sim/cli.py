@@ -51,8 +51,13 @@ def register(app: typer.Typer) -> None:
                                        "reference's AIPerf stages: 900)"),
         clients: str = typer.Option(None, help="load generator: agentx (AIPerf's agentic replay, "
                                     "as the reference ran: recorded think times, sub-agents in "
-                                    "parallel, a warm-up of primers; default for xPyD) or closed "
-                                    "(no think time; default for aggregated engines)"),
+                                    "parallel, a warm-up of primers; default for xPyD), closed "
+                                    "(no think time; default for aggregated engines) or schedule "
+                                    "(a trace FILE's requests at their recorded times, open loop, "
+                                    "as `agentserve bench --mode schedule`)"),
+        session_rate: float = typer.Option(None, help="schedule: sessions per second, session i "
+                                           "at i / rate (default: their recorded starts, a "
+                                           "mooncake trace's timestamps)"),
         gap_cap_s: float = typer.Option(None, help="agentx: cap on each replayed think time, s "
                                         "(default: as recorded)"),
         prefix_index: str = typer.Option("precise", help="how the prefill picker sees prefixes: "
@@ -87,7 +92,7 @@ def register(app: typer.Typer) -> None:
                      duration=(duration, 1, lim["duration"]), warmup=(warmup, 0, lim["duration"]),
                      replay_run=(replay_run, 1), gap_cap_s=(gap_cap_s, 0, lim["duration"]),
                      cpu_restore_ms_per_gb=(cpu_restore_ms_per_gb, POSITIVE, 1e6),
-                     max_output=(max_output, 1),
+                     max_output=(max_output, 1), session_rate=(session_rate, POSITIVE, 1e6),
                      seed=(seed, 0, lim["seed"]), seeds=(seeds, 1, lim["seeds"]),
                      workers=(workers, 1, 256))
         check_flags(seed=(seed + seeds - 1, 0, lim["seed"]))  # the last seed drawn
@@ -106,7 +111,8 @@ def register(app: typer.Typer) -> None:
                             cpu_offload_gib=cpu_offload_gib, cpu_store_on=cpu_store_on,
                             workload=workload, duration=duration,
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
-                            replay_run=replay_run, clients=clients, gap_cap_s=gap_cap_s,
+                            replay_run=replay_run, clients=clients, session_rate=session_rate,
+                            gap_cap_s=gap_cap_s,
                             idle_gap_cap_s=idle_cap, prefix_index=prefix_index,
                             route_miss=route_miss, cpu_profile=profile, max_output=max_output,
                             cpu_restore_s_per_gb=(
@@ -207,6 +213,9 @@ def register_plan(app: typer.Typer) -> None:
             check_clients(clients)
         except ValueError as e:
             fail(str(e))
+        if clients == "schedule":  # one load per trace: nothing for a concurrency ladder to vary
+            fail("plan sweeps a concurrency ladder; --clients schedule has none (simulate a "
+                 "schedule per configuration with agentserve sim --clients schedule)")
         try:  # an unwritable --out fails before the sweep, not after it
             out.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -6,13 +6,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from agentserve.sim.constants import VLLM_REQUEST_PATH
 from agentserve.sim.specs import HardwareSpec, hardware_spec
 from agentserve.sim.memory import BLOCK_SIZE
 
 __all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig",
-           "check_clients", "check_config", "check_route_miss", "parse_idle_gap_cap", "parse_topology"]
+           "check_clients", "check_config", "check_route_miss", "parse_idle_gap_cap", "parse_topology",
+           "request_path"]
 
-CLIENTS = ("agentx", "closed")  # `SimConfig.clients`, besides None (the default for the deployment)
+CLIENTS = ("agentx", "closed", "schedule")  # `SimConfig.clients`, besides None (the default for the deployment)
 # AIPerf's per-trace idle-gap cap as some of its docs state it (`--trace-idle-gap-cap-seconds
 # 10`), the replay's default. Which rule the reference's AIPerf image applied is not known; with
 # this one the synthesized corpus's lanes hold a request in flight as much of the time as the
@@ -94,9 +96,14 @@ class SimConfig:
     # parallel on their parent's lane, joined at a uniform instant of the trace after a warm-up
     # of primers; `duration` s are profiled, plus AIPerf's 30 s grace for requests in flight.
     # "closed": every client sends its next request the moment the last one finishes (no think
-    # time; `warmup`, `join_midway`, `replay_run` apply to it only). None: "agentx" for xPyD,
-    # "closed" for aggregated engines (compared with `agentserve bench`, a closed loop).
+    # time; `warmup`, `join_midway`, `replay_run` apply to it only). "schedule": a trace file's
+    # requests at their recorded times, open loop (`agentserve bench --mode schedule`;
+    # schedule.py; `concurrency` unused). None: "agentx" for xPyD, "closed" for aggregated
+    # engines (compared with `agentserve bench`, a closed loop).
     clients: str | None = None
+    # schedule: sessions per second, session i starting at i / rate (None: at their recorded
+    # starts, a mooncake trace's timestamps), as `agentserve bench --session-rate`
+    session_rate: float | None = None
     # agentx: cap on each replayed think time (s); None: as recorded (the scenario forbids a
     # cap; its first versions capped each trace's gaps at 60 s).
     gap_cap_s: float | None = None
@@ -157,6 +164,19 @@ class SimConfig:
         return hardware_spec(self.gpu, self.cpu_restore_s_per_gb, self.cpu_profile)
 
 
+def request_path(cfg: SimConfig, hw: HardwareSpec) -> tuple[float, float]:
+    """Per-request time outside engine steps, (fixed s, s per prompt token). cpu-local is our
+    engine: what its profile measured (0 without one). Other hardware runs the reference's
+    vLLM: `VLLM_REQUEST_PATH` once per vLLM API server the prompt passes, two in P/D (llm-d's
+    sidecar sends it to a prefill and then a decode server, each parsing, rendering,
+    tokenizing and hashing all of it), one for aggregated engines."""
+    if hw.name == "cpu-local":
+        m = hw.measured or {}
+        return float(m.get("request_overhead_s", 0.0)), float(m.get("request_overhead_per_token_s", 0.0))
+    legs = 1 if cfg.aggregated else 2
+    return legs * VLLM_REQUEST_PATH[0], legs * VLLM_REQUEST_PATH[1]
+
+
 def check_route_miss(share: float) -> None:
     """Refuse a `--route-miss` share outside [0, 1]."""
     if not 0.0 <= share <= 1.0:
@@ -166,13 +186,17 @@ def check_route_miss(share: float) -> None:
 def check_clients(clients: str | None) -> None:
     """Refuse a load generator other than those of `CLIENTS` (None: the deployment's default)."""
     if clients is not None and clients not in CLIENTS:
-        raise ValueError(f"--clients must be {' or '.join(CLIENTS)}, got {clients!r}")
+        raise ValueError(f"--clients must be {', '.join(CLIENTS[:-1])} or {CLIENTS[-1]}, "
+                         f"got {clients!r}")
 
 
 def check_config(cfg: SimConfig) -> None:
     """Refuse the knobs a simulation cannot run with, each with its flag's name."""
     check_clients(cfg.clients)
     check_route_miss(cfg.route_miss)
+    if cfg.session_rate is not None and (cfg.clients != "schedule" or not cfg.session_rate > 0):
+        raise ValueError(f"--session-rate spaces the sessions of --clients schedule and must be "
+                         f"> 0, got {cfg.session_rate!r} with --clients {cfg.clients}")
     if cfg.cpu_store_on not in ("fill", "evict"):
         raise ValueError(f"--cpu-store-on must be fill or evict, got {cfg.cpu_store_on!r}")
     if cfg.prefix_index not in ("precise", "approx"):

@@ -21,16 +21,16 @@ import numpy as np
 from agentserve.kv.manager import cdiv
 from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
-from agentserve.sim.config import SimConfig, check_config, parse_topology
-from agentserve.sim.constants import VLLM_REQUEST_PATH
+from agentserve.sim.config import SimConfig, check_config, parse_topology, request_path
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import PerfModel
 from agentserve.sim.policy_router import PolicyRouter
 from agentserve.sim.pools import PrefillInstance
+from agentserve.sim.schedule import Schedule
 from agentserve.sim.specs import GiB, model_spec
-from agentserve.sim.summary import REJECTED, stage_summary
+from agentserve.sim.summary import REJECTED, pool_counters, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
 from agentserve.sim.workload import (GLOBAL_NS, REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
@@ -54,7 +54,7 @@ class Simulation:
         self.router: Router | None = None  # the P/D picker (`_route_prefill`); aggregated: `policy`
         self.aggs: list = []
         self.prefills, self.decodes, self.p_ranks, self.d_ranks = [], [], [], []
-        fixed, per_token = self._request_path(cfg, hw)
+        fixed, per_token = request_path(cfg, hw)
         self.overhead = fixed if cfg.request_overhead_s is None else cfg.request_overhead_s
         self.overhead_per_token = (per_token if cfg.request_overhead_per_token_s is None
                                    else cfg.request_overhead_per_token_s)
@@ -64,10 +64,13 @@ class Simulation:
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
         self.runs: RunSampler | None = None
         self._t0: float | None = None  # agentx: when the profiling phase began
-        self._c0 = self._c1 = None  # pool counters at the stage start and end (`_counters`)
+        self._c0 = self._c1 = None  # pool counters at the stage start and end (`summary.pool_counters`)
         # stages that count what they sent, drained (`counted`): AIPerf's replay; since stop 39
         # the aggregated engines' closed clients too, as `agentserve bench` (in its order)
-        self._send_until, self.drains = float("inf"), self.agentx or bool(cfg.aggregated)
+        self._send_until = float("inf")
+        self.drains = self.agentx or bool(cfg.aggregated) or cfg.clients == "schedule"
+        self.grace = SCHEDULE_DRAIN_S if cfg.clients == "schedule" else GRACE_S
+        self.window_full = True  # False: a fixed schedule ended before the window (`_span`)
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES
         self.seen: dict[int, set[int]] = {}
@@ -96,19 +99,6 @@ class Simulation:
         budget = cfg.decode_tokens_per_node * -(-w // hw.gpus_per_node)
         self.decodes = [DecodeInstance(self.clock, self.dperf, self.d_ranks[i * w:(i + 1) * w],
                                        budget, self.rng) for i in range(cfg.decode)]
-
-    @staticmethod
-    def _request_path(cfg: SimConfig, hw) -> tuple[float, float]:
-        """Per-request time outside engine steps, (fixed s, s per prompt token). cpu-local is our
-        engine: what its profile measured (0 without one). Other hardware runs the reference's
-        vLLM: `VLLM_REQUEST_PATH` once per vLLM API server the prompt passes, two in P/D (llm-d's
-        sidecar sends it to a prefill and then a decode server, each parsing, rendering,
-        tokenizing and hashing all of it), one for aggregated engines."""
-        if hw.name == "cpu-local":
-            m = hw.measured or {}
-            return float(m.get("request_overhead_s", 0.0)), float(m.get("request_overhead_per_token_s", 0.0))
-        legs = 1 if cfg.aggregated else 2
-        return legs * VLLM_REQUEST_PATH[0], legs * VLLM_REQUEST_PATH[1]
 
     def _build_aggregated(self, m, hw) -> None:
         from agentserve.sim.agg import AggInstance
@@ -308,26 +298,36 @@ class Simulation:
         and answered within the grace period after it; else: finished in the window."""
         t0, t1 = self.t0, self.t0 + self.cfg.duration
         if self.drains:
-            return t0 <= start < t1 and end <= t1 + GRACE_S
+            return t0 <= start < t1 and end <= t1 + self.grace
         return t0 < end <= t1
-
-    def _counters(self) -> dict[str, float]:
-        """Cumulative pool counters, read at the stage start and end."""
-        ps, ds = self.prefills, self.decodes
-        return {"busy_p": sum(p.busy_s for p in ps), "busy_d": sum(d.busy_s for d in ds),
-                "restore": sum(p.cpu_restore_bytes for p in ps),
-                "store": sum(p.cpu_store_blocks for p in ps), "prompt": sum(p.prompt_tokens for p in ps),
-                "hit": sum(p.hit_tokens for p in ps), "cpu_hit": sum(p.cpu_hit_tokens for p in ps),
-                "preempt": sum(d.preemptions for d in ds),
-                "p_preempt": sum(p.preemptions for p in ps), "unjam": sum(p.unjams for p in ps),
-                "recomp": sum(d.recomputed_tokens for d in ds),
-                "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds)}
 
     def run(self) -> dict:
         """Run the stage with its load generator (`agentx`) and return `summary()`."""
         if self.agentx:
             return self._run_agentx()
+        if self.cfg.clients == "schedule":
+            return self._run_schedule()
         return self._run_closed()
+
+    def _run_schedule(self) -> dict:
+        """A trace's requests at their recorded times (schedule.py), from simulated time 0: the
+        window opens at `t0` (the warm-up, 0 by default) and sends nothing from `t0 + duration`
+        on; what it sent counts when answered within `SCHEDULE_DRAIN_S` after it closes."""
+        cfg = self.cfg
+        if cfg.workload in SYNTH and not isinstance(self.source, (list, tuple)):
+            raise ValueError(f"--clients schedule replays a trace file's recorded times; "
+                             f"{cfg.workload} is synthesized without a schedule: pass --workload FILE")
+        t1 = self._send_until = self.t0 + cfg.duration
+        sched = Schedule(self.clock, self._send, self.source, t1,
+                         1.0 / cfg.session_rate if cfg.session_rate else 0.0)
+        sched.start()
+        self.clock.run(self.t0)
+        self._c0 = pool_counters(self)
+        self.clock.run(t1)
+        self._c1 = pool_counters(self)
+        self.window_full = sched.cut
+        self.clock.run(t1 + self.grace)
+        return self.summary()
 
     def _closed_clients(self) -> None:
         """For a synthesized reference-sweep xPyD stage (`join_midway`), closed clients
@@ -344,10 +344,10 @@ class Simulation:
             self._client()
         if self.t0 > 0:
             self.clock.run(self.t0)
-        self._c0 = self._counters()
+        self._c0 = pool_counters(self)
         t1 = self._send_until = self.t0 + self.cfg.duration  # nothing new from the deadline on
         self.clock.run(t1)
-        self._c1 = self._counters()
+        self._c1 = pool_counters(self)
         if self.drains:
             self.clock.run(t1 + GRACE_S)
         return self.summary()
@@ -360,7 +360,7 @@ class Simulation:
             source = itertools.cycle(source)  # a finite corpus is replayed round-robin (AIPerf)
 
         def profile() -> None:
-            self._t0, self._c0 = self.clock.now, self._counters()
+            self._t0, self._c0 = self.clock.now, pool_counters(self)
         replay = Replay(self.clock, lambda call, ns, tree, cap, then: self._send(
             ns, tree.id, call.turn, call.agent, call.req, tree.block_size, then, cap),
             source, itertools.count(1 << 20), self.rng, cfg.concurrency, cfg.gap_cap_s, profile)
@@ -372,7 +372,7 @@ class Simulation:
             self.clock.run(self.clock.now + 10.0)
         t1 = self._t0 + cfg.duration
         self.clock.run(t1)
-        self._c1 = self._counters()
+        self._c1 = pool_counters(self)
         self.clock.run(t1 + GRACE_S)
         return self.summary()
 
@@ -382,6 +382,9 @@ class Simulation:
 
 
 GRACE_S = 30.0  # AIPerf's --benchmark-grace-period default: answers counted after the window
+# A fixed schedule's drain: `agentserve bench --mode schedule` waits for every request it sent,
+# each bounded by its --request-timeout (600 s by default)
+SCHEDULE_DRAIN_S = 600.0
 WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a slow cluster
 
 

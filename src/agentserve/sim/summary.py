@@ -38,10 +38,12 @@ def _share(num: float, den: float) -> float | None:
 
 def _span(sim: Simulation, done: list[RequestRecord]) -> float:
     """Seconds the throughputs are over: for a stage that `drains`, its start to its last
-    counted response, as AIPerf's benchmark duration and `agentserve bench`'s stage wall time;
-    else the stage."""
+    counted response, as AIPerf's benchmark duration and `agentserve bench`'s stage wall time
+    (not shorter than the window, unless a fixed schedule ended before it); else the stage."""
     d = sim.cfg.duration
-    return max(d, max(r.end for r in done) - sim.t0) if sim.drains and done else d
+    if not (sim.drains and done):
+        return d
+    return max(d if sim.window_full else 0.0, max(r.end for r in done) - sim.t0)
 
 
 def in_flight(sim: Simulation) -> dict:
@@ -60,6 +62,19 @@ def in_flight(sim: Simulation) -> dict:
     return {"requests_in_flight": reqs / d, "prompt_tokens_in_flight": held / d}
 
 
+def pool_counters(sim: Simulation) -> dict[str, float]:
+    """The P/D pools' cumulative counters, read at the stage start and end."""
+    ps, ds = sim.prefills, sim.decodes
+    return {"busy_p": sum(p.busy_s for p in ps), "busy_d": sum(d.busy_s for d in ds),
+            "restore": sum(p.cpu_restore_bytes for p in ps),
+            "store": sum(p.cpu_store_blocks for p in ps), "prompt": sum(p.prompt_tokens for p in ps),
+            "hit": sum(p.hit_tokens for p in ps), "cpu_hit": sum(p.cpu_hit_tokens for p in ps),
+            "preempt": sum(d.preemptions for d in ds),
+            "p_preempt": sum(p.preemptions for p in ps), "unjam": sum(p.unjams for p in ps),
+            "recomp": sum(d.recomputed_tokens for d in ds),
+            "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds)}
+
+
 def stage_summary(sim: Simulation) -> dict:
     """The stage's record: `agentserve bench`'s summary of the counted requests, plus GPUs,
     cost, tier hit rates, restores, queues and the TTFT breakdown (xPyD)."""
@@ -67,7 +82,7 @@ def stage_summary(sim: Simulation) -> dict:
     done = [r for r in sim.records if sim.counted(r.start, r.end)]
     if cfg.aggregated:
         return _summary_agg(sim, done)
-    c1 = sim._c1 or sim._counters()
+    c1 = sim._c1 or pool_counters(sim)
     c0 = sim._c0 or dict.fromkeys(c1, 0.0)  # counters at the stage start
     d = {k: c1[k] - c0[k] for k in c1}
     gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width

@@ -104,12 +104,23 @@ def session_jobs(session: Session, max_turns: int | None = None) -> list[Job]:
     return jobs
 
 
+def session_starts(sessions: list[Session], spacing: float = 0.0) -> list[float]:
+    """When each session starts on a fixed schedule, in seconds: session i at i * `spacing`
+    (`--session-rate`) when given; else at its recorded start (`extra["start_ms"]`, which a
+    mooncake trace's timestamps become, relative to the earliest; 0 for sessions without one)."""
+    if spacing:
+        return [i * spacing for i in range(len(sessions))]
+    ms = [float(s.extra.get("start_ms", 0.0) or 0.0) for s in sessions]
+    first = min(ms, default=0.0)
+    return [(m - first) / 1000.0 for m in ms]
+
+
 def schedule_jobs(sessions: list[Session], spacing: float = 0.0) -> list[Job]:
-    """Jobs at their recorded times (session i offset by i * spacing), sorted by time."""
+    """Jobs at their recorded times (each session from `session_starts`), sorted by time."""
     jobs: list[Job] = []
-    for i, s in enumerate(sessions):
+    for s, start in zip(sessions, session_starts(sessions, spacing)):
         for j in session_jobs(s):
-            j.at = i * spacing + j.offset + j.req.t
+            j.at = start + j.offset + j.req.t
             jobs.append(j)
     jobs.sort(key=lambda j: j.at)
     return jobs
