@@ -93,3 +93,22 @@ def test_pool_blocks_must_match_the_workloads_blocks() -> None:
         simulate(SimConfig(model="tiny", gpu="cpu-local", block_size=16, duration=10.0))
     with pytest.raises(ValueError, match="block_size 64 does not match"):
         simulate(SimConfig(model="tiny", gpu="cpu-local", token_scale=16, duration=10.0))
+
+
+def test_a_token_scaled_mooncake_trace_sends_what_the_bench_sends(tmp_path) -> None:
+    """`agentserve bench --token-scale 8` sends 8 tokens per 512-token mooncake block; the
+    simulator with the same scale sends as many (until stop 46 it re-blocked the trace to 64
+    tokens first and sent 8 per 64: 8x the bench's prompts), and each trace id is one 8-token
+    pool block, so r1 still finds r0's prefix."""
+    from agentserve.workload.prompts import scaled_length
+
+    path = _write(tmp_path / "mc.jsonl", MOONCAKE)
+    s = simulate(SimConfig(model="tiny", gpu="cpu-local", aggregated=1, concurrency=1,
+                           duration=600.0, mtp=False, cpu_offload_gib=0.0, warmup=0.0,
+                           clients="closed", workload=path, token_scale=8, block_size=8))
+    bench = [scaled_length(r["input_length"], 512, 8) for r in MOONCAKE]
+    assert s["requests_ok"] == 3 and s["input_tokens"] == sum(bench) == 16 + 23 + 5
+    assert s["cached_tokens"] == 16  # r0's two ids: two 8-token blocks
+    with pytest.raises(ValueError, match="token scale of 64 or less"):
+        wl.load_workload(path, 1, 0, token_scale=128)
+    assert [s.block_size for s in wl.load_workload(path, 1, 0)] == [64, 64, 64]  # unscaled

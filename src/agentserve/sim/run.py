@@ -391,5 +391,5 @@ WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a s
 def simulate(cfg: SimConfig, sessions: Iterable[Session] | None = None) -> dict:
     """Run one stage and return the summary (bench's keys plus the simulator's)."""
     if sessions is None:
-        sessions = session_stream(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed)
+        sessions = session_stream(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed, cfg.token_scale)
     return Simulation(cfg, sessions).run()

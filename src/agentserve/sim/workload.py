@@ -69,9 +69,11 @@ def _peak(s: Session) -> int:
     return max((r.input_tokens + r.output_tokens for _, _, r in flatten(s)), default=0)
 
 
-def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
+def load_workload(name: str, sessions: int, seed: int, token_scale: int | None = None) -> list[Session]:
     """`sessions` synthesized sessions of a named workload (`sweep-limited`: those of them whose
-    peak request fits LIMITED_CONTEXT, so fewer), or a trace file's sessions."""
+    peak request fits LIMITED_CONTEXT, so fewer), or a trace file's sessions: on the simulator's
+    64-token blocks, or with `token_scale` (`SimConfig.token_scale`) at the trace's own block
+    size, as `agentserve bench --token-scale` sends K tokens per trace block (`_load_trace`)."""
     if name in SYNTH:
         from agentserve.workload.synth import synthesize
 
@@ -85,19 +87,22 @@ def load_workload(name: str, sessions: int, seed: int) -> list[Session]:
         if name == "sweep-limited":
             out = [s for s in out if _peak(s) <= LIMITED_CONTEXT]
         return out
-    return _load_trace(name)
+    return _load_trace(name, token_scale)
 
 
 # The last trace file read in this process, keyed by its path and stat: `agentserve plan` checks
 # the file up front and then simulates ~100 stages of it in worker processes forked after that
 # check, so they share the parsed sessions instead of each parsing the file again.
 # Nothing downstream mutates a loaded session (lanes and the stream only read them).
-_TRACE_CACHE: dict[tuple[str, int, int], list[Session]] = {}
+_TRACE_CACHE: dict[tuple[str, int, int], dict[str, list[Session]]] = {}
 
 
-def _load_trace(name: str) -> list[Session]:
-    """A Weka session trace's sessions, checked for what a simulation needs: at least one
-    request, and a hash id for every full block of each prompt. Errors name the file. A file
+def _load_trace(name: str, token_scale: int | None = None) -> list[Session]:
+    """A trace file's sessions, checked for what a simulation needs: at least one request, and
+    a hash id for every full block of each prompt. Errors name the file. Unscaled, on the
+    simulator's 64-token blocks (`at_sim_blocks`). Token-scaled, at the trace's own block size:
+    the bench sends min(K, block) tokens per trace block, so each of its ids is one pool block
+    of that many tokens, which must be the pools' (`config.check_config`: min(K, 64)). A file
     read before in this process (same path, size and mtime) is not parsed again; a folder always is."""
     if not name.strip():
         raise ValueError("--workload is empty: give sweep-full, sweep-limited or a trace FILE")
@@ -106,18 +111,31 @@ def _load_trace(name: str) -> list[Session]:
     except OSError:
         st = None
     if st is None or not stat.S_ISREG(st.st_mode):  # missing (its error), or a folder of files
-        return _parse_trace(name)
-    key = (os.path.abspath(name), st.st_size, st.st_mtime_ns)
-    if key not in _TRACE_CACHE:
-        sessions = _parse_trace(name)
-        _TRACE_CACHE.clear()  # one file at a time: a planner run reads one
-        _TRACE_CACHE[key] = sessions
-    return _TRACE_CACHE[key]
+        entry = {"native": _parse_trace(name)}
+    else:
+        key = (os.path.abspath(name), st.st_size, st.st_mtime_ns)
+        if key not in _TRACE_CACHE:
+            native = _parse_trace(name)
+            _TRACE_CACHE.clear()  # one file at a time: a planner run reads one
+            _TRACE_CACHE[key] = {"native": native}
+        entry = _TRACE_CACHE[key]
+    native = entry["native"]
+    if token_scale is None:
+        if "sim" not in entry:
+            entry["sim"] = at_sim_blocks(native)
+        return entry["sim"]
+    for s in native:
+        if min(token_scale, s.block_size) != min(token_scale, BLOCK_SIZE):
+            raise ValueError(f"{name}: --token-scale {token_scale} sends "
+                             f"{min(token_scale, s.block_size)} tokens per {s.block_size}-token "
+                             f"block of this trace, but the simulator's pools take blocks of at "
+                             f"most {BLOCK_SIZE} tokens: use a token scale of {BLOCK_SIZE} or less")
+    return native
 
 
 def _parse_trace(name: str) -> list[Session]:
     """Sessions of a Weka trace or of AIPerf's mooncake_trace JSONL (detected; its hash ids at
-    `MOONCAKE_BLOCK` tokens each), checked and put on the simulator's 64-token blocks."""
+    `MOONCAKE_BLOCK` tokens each), checked, at the trace's block size."""
     from agentserve.workload.traces import TraceFormatError, is_mooncake, load_any
 
     try:
@@ -143,7 +161,7 @@ def _parse_trace(name: str) -> list[Session]:
                                  f"{s.block_size} it needs {need}")
     if not n:
         raise ValueError(f"{name}: the trace holds no requests")
-    return at_sim_blocks(sessions)
+    return sessions
 
 
 def at_sim_blocks(sessions: list[Session]) -> list[Session]:
@@ -175,12 +193,12 @@ def at_sim_blocks(sessions: list[Session]) -> list[Session]:
     return out
 
 
-def session_stream(name: str, batch: int, seed: int) -> Iterator[Session]:
+def session_stream(name: str, batch: int, seed: int, token_scale: int | None = None) -> Iterator[Session]:
     """Sessions for a stage of any length: synthesized `batch` at a time (batch b > 0 with its
-    own seed) as clients use them up; a trace file is replayed once."""
+    own seed) as clients use them up; a trace file is replayed once (`load_workload`)."""
     b = 0
     while True:
-        yield from load_workload(name, batch, seed if b == 0 else seed + 100_003 * b)
+        yield from load_workload(name, batch, seed if b == 0 else seed + 100_003 * b, token_scale)
         if name not in SYNTH:
             return
         b += 1
