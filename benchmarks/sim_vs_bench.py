@@ -34,7 +34,16 @@
    `set_aside_runs`), and a calibration that did does not price a run: every check since
    stop 38 with a phase above 10% missed, none with every phase at or under 8.7% did.
 
+
+`--mode schedule` (stop 46) checks the open loop instead: `agentserve bench --mode schedule` of
+a mooncake trace (default SPEC's shared `mooncake-conversation`, its timestamps multiplied by
+`--time-scale`, written to the work dir), each request at its recorded time for one `--stage`,
+against `agentserve sim --clients schedule` on the same file (`--token-scale` tokens per
+512-token trace block); the rows are labelled "schedule".
+
     .venv/bin/python benchmarks/sim_vs_bench.py --out benchmarks/results/sim_vs_bench.json
+    .venv/bin/python benchmarks/sim_vs_bench.py --mode schedule --stage 90 --token-scale 8 \
+        --max-output 64 --out benchmarks/results/sim_vs_bench_schedule.json
 """
 
 from __future__ import annotations
@@ -280,11 +289,28 @@ def add_workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--seed", type=int, default=0)
 
 
+MOONCAKE = HERE.parent.parent / "shared" / "traces" / "mooncake-conversation.jsonl.gz"
+
+
 def corpus(args: argparse.Namespace, work: Path) -> tuple[Path, list]:
-    """The synthesized corpus, written to a file in `work` (both sides replay that file)."""
+    """The workload, written to a file in `work` (both sides replay that file): the
+    synthesized corpus, or (`--mode schedule`) the mooncake trace with its timestamps
+    multiplied by `--time-scale` (its sessions then come from the simulator's loader)."""
     from agentserve.workload.synth import synthesize
     from agentserve.workload.traces import load_sessions, write_sessions
 
+    if getattr(args, "mode", "concurrency") == "schedule":
+        import gzip
+
+        trace = work / "schedule.jsonl"
+        with gzip.open(args.trace, "rt") if str(args.trace).endswith(".gz") else open(args.trace) as f:
+            recs = [json.loads(line) for line in f if line.strip()]
+        with trace.open("w") as f:
+            for r in recs:
+                if r.get("timestamp") is not None:
+                    r["timestamp"] = r["timestamp"] * args.time_scale
+                f.write(json.dumps(r) + "\n")
+        return trace, []
     trace = work / f"{args.profile}.jsonl"
     write_sessions(synthesize(args.profile, args.sessions, args.seed), trace)
     return trace, load_sessions(trace).sessions
@@ -305,7 +331,10 @@ def sim_config(args: argparse.Namespace, concurrency: int, trace: Path, engine_b
     """The simulator's side: 2 aggregated engines, the same corpus file, knobs and block size."""
     from agentserve.sim.run import SimConfig
 
-    return SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=concurrency,
+    schedule = getattr(args, "mode", "concurrency") == "schedule"
+    return SimConfig(model="tiny", gpu="cpu-local", aggregated=2,
+                     concurrency=1 if schedule else concurrency,
+                     clients="schedule" if schedule else None,
                      duration=args.stage, mtp=False, cpu_offload_gib=0, chunk=args.chunk,
                      max_seqs=128, block_size=args.token_scale, token_scale=args.token_scale,
                      engine_block_tokens=engine_block, kv_tokens=args.kv_tokens,
@@ -406,10 +435,14 @@ def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir
         engine_urls = [e[0].url for e in cluster.engines]
         reads_before = _attn_reads(engine_urls)
         t0, m0, st0 = time.time(), time.perf_counter(), cpu_steal()  # the step trace's clock
+        if args.mode == "schedule":  # the bench reads the mooncake file itself
+            load = dict(trace=str(args.workload_file), mode="schedule", duration=args.stage)
+        else:
+            load = dict(trace_sessions=sessions, mode="concurrency", concurrency=conc,
+                        stage_duration=args.stage)
         out["stages"] = run_bench(BenchConfig(
-            url=url, trace_sessions=sessions, mode="concurrency", concurrency=conc,
-            stage_duration=args.stage, token_scale=args.token_scale, max_output=args.max_output,
-            out=str(run_dir / "bench"), progress=False, plots=False, seed=args.seed))
+            url=url, token_scale=args.token_scale, max_output=args.max_output,
+            out=str(run_dir / "bench"), progress=False, plots=False, seed=args.seed, **load))
         out["wall_s"], out["window"] = time.time() - t0, (m0, time.perf_counter())
         out["steal"] = steal_frac(st0, cpu_steal())
         reads = _attn_reads(engine_urls)
@@ -439,14 +472,28 @@ def main() -> None:
     ap.add_argument("--calibration", choices=["server", "core"], default="server",
                     help="fit the cpu-local profile from client timings through the running "
                          "cluster (server) or from the engine core in-process (core)")
+    ap.add_argument("--mode", choices=["concurrency", "schedule"], default="concurrency",
+                    help="closed loop at each --concurrency, or the --trace's requests at their "
+                         "recorded times (open loop) for one --stage")
+    ap.add_argument("--trace", type=Path, default=MOONCAKE,
+                    help="--mode schedule: a mooncake trace (default SPEC's shared conversation trace)")
+    ap.add_argument("--time-scale", type=float, default=1.0,
+                    help="--mode schedule: multiply the trace's timestamps (0.5: twice the rate)")
     ap.add_argument("--out", default="benchmarks/results/sim_vs_bench.json")
     args = ap.parse_args()
-    try:
-        conc = [int(x) for x in args.concurrency.split(",")]
-    except ValueError:
-        ap.error(f"--concurrency takes whole numbers separated by commas, got {args.concurrency!r}")
-    if not conc or min(conc) < 1:
-        ap.error(f"--concurrency values must be >= 1, got {args.concurrency!r}")
+    if args.mode == "schedule":
+        if not args.trace.is_file():
+            ap.error(f"--trace {args.trace}: no such file")
+        if not 0 < args.time_scale <= 1e3:
+            ap.error(f"--time-scale must be > 0, got {args.time_scale}")
+        conc = ["schedule"]  # one stage; the rows' label
+    else:
+        try:
+            conc = [int(x) for x in args.concurrency.split(",")]
+        except ValueError:
+            ap.error(f"--concurrency takes whole numbers separated by commas, got {args.concurrency!r}")
+        if not conc or min(conc) < 1:
+            ap.error(f"--concurrency values must be >= 1, got {args.concurrency!r}")
     if not 1 <= args.repeats <= 20:
         ap.error(f"--repeats must be between 1 and 20, got {args.repeats}")
     if not 0.0 < args.max_steal <= 1.0:
@@ -456,6 +503,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_"))
     trace, sessions = corpus(args, work)
+    args.workload_file = trace
     PROFILE.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     steal: dict = {}  # phase -> stolen shares, one a calibration / a bench run
@@ -525,7 +573,8 @@ def main() -> None:
             for j, c in enumerate(conc):
                 cfg = sim_config(args, c, trace, runs[0]["engine_block"])
                 t = time.time()
-                sims.append(simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50))))
+                sims.append(simulate(cfg) if args.mode == "schedule" else  # the file, as loaded
+                            simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50))))
                 sim_wall[j] += time.time() - t
             sim_runs.append(sims)
     finally:
@@ -535,7 +584,8 @@ def main() -> None:
         row["sim_wall_s"] = w / len(sim_runs)
     steal["bench"] = [a["steal"] for a in attempts]
 
-    result = {"args": vars(args), "profile": profile, "engine_block_tokens": runs[0]["engine_block"],
+    result = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+              "profile": profile, "engine_block_tokens": runs[0]["engine_block"],
               "loadavg_before": load_before, "loadavg_after": load_after, "rows": rows,
               "bench_runs": runs, "set_aside_runs": set_aside, "max_steal": args.max_steal,
               "cpu_steal_frac": steal,
