@@ -263,3 +263,35 @@ def test_a_busy_engine_slows_its_api_server(tmp_path, monkeypatch) -> None:
     # at concurrency 4 on 2 engines most requests meet a stepping engine: 10 ms more, and the
     # step boundary it may then miss (steps here ~6-7 ms)
     assert base["ttft_s"]["p50"] + 0.005 < busy["ttft_s"]["p50"] < base["ttft_s"]["p50"] + 0.02
+
+
+def test_a_burst_reaches_the_engines_in_its_order_spaced_by_its_prompts(tmp_path,
+                                                                      monkeypatch) -> None:
+    """Requests sent at one instant go through the client, the router and the API servers one
+    at a time: in the order sent (a short prompt does not overtake a long one), each waiting
+    for the per-token work of those before it; the fixed part is latency each pays alone, and
+    a request sent alone pays the whole path as before."""
+    _hw(tmp_path, monkeypatch, request_overhead_s=0.01, request_overhead_per_token_s=1e-5)
+    cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=2, concurrency=1, duration=60.0,
+                    mtp=False, cpu_offload_gib=0, chunk=2048, kv_tokens=20_000, max_output=4,
+                    join_midway=False)
+    sim = Simulation(cfg, iter([]))
+    reached: list[tuple[float, int]] = []
+    route = sim._route_agg
+    monkeypatch.setattr(sim, "_route_agg", lambda req: (reached.append((sim.clock.now, req.n_in)),
+                                                        route(req)))
+
+    def send(n: int, i: int) -> None:
+        tr = TraceRequest(t=0.0, input_tokens=n, output_tokens=4,
+                          hash_ids=[100 * i + j for j in range(n // 64)])
+        sim._send(i, f"s{i}", 0, "main", tr, 64, lambda ok: None)
+    for i, n in enumerate((640, 64, 320)):  # a burst, long prompt first
+        send(n, i)
+    sim.clock.run(1.0)
+    send(128, 3)  # alone, later
+    sim.clock.run(2.0)
+    assert [n for _, n in reached] == [640, 64, 320, 128]
+    expect = [0.01 + 6.4e-3, 0.01 + 6.4e-3 + 0.64e-3, 0.01 + 6.4e-3 + 0.64e-3 + 3.2e-3,
+              1.0 + 0.01 + 1.28e-3]
+    assert [t for t, _ in reached] == pytest.approx(expect)
+    assert len(sim.records) == 4 and all(r.error is None for r in sim.records)

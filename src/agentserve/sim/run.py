@@ -8,7 +8,8 @@ count. Closed clients ("closed", aggregated engines' default, as `agentserve ben
 session's next request the moment the last one finishes; synthesized sweep workloads replay
 from a request drawn uniformly over the corpus's requests to the session's end (REPLAY_RUN),
 in their own namespace (cold first request); a trace file's sessions are joined at a random
-turn. Synthesized sweep outputs are scaled to the reference's mean (REFERENCE_OUTPUT_MEAN).
+turn; "schedule" sends a trace file's requests at their recorded times (schedule.py).
+Synthesized sweep outputs are scaled to the reference's mean (REFERENCE_OUTPUT_MEAN).
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ class Simulation:
                                  cfg.engine_block_tokens) for r in self.p_ranks]
         # our router's own policy, as `agentserve up` runs it (sim/policy_router.py)
         self.policy = PolicyRouter(self.p_ranks, cfg.seed)
+        self._path_free = 0.0  # when the request path is next free (`_send`)
         for a in self.aggs:
             a.on_first = lambda q: self.policy.first_byte(q, self.clock.now)
 
@@ -191,7 +193,12 @@ class Simulation:
             req.leg = delay / 2
             self._route_prefill(req)
         elif delay > 0:
-            self.clock.at(self.clock.now + delay, lambda: self._route_agg(req))
+            # In order: client, router and API server take requests one at a time, so the
+            # per-token part (a prompt's JSON, its hashing) is waited on by those behind it;
+            # the fixed part is latency each pays alone; a lone request pays `delay` (stop 46)
+            self._path_free = max(self.clock.now + self.overhead, self._path_free) \
+                + self.overhead_per_token * n_in
+            self.clock.at(self._path_free, lambda: self._route_agg(req))
         else:
             self._route_agg(req)
 
@@ -382,9 +389,7 @@ class Simulation:
 
 
 GRACE_S = 30.0  # AIPerf's --benchmark-grace-period default: answers counted after the window
-# A fixed schedule's drain: `agentserve bench --mode schedule` waits for every request it sent,
-# each bounded by its --request-timeout (600 s by default)
-SCHEDULE_DRAIN_S = 600.0
+SCHEDULE_DRAIN_S = 600.0  # a schedule's drain: `bench --mode schedule`'s --request-timeout
 WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a slow cluster
 
 
