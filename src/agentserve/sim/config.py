@@ -11,10 +11,11 @@ from agentserve.sim.specs import HardwareSpec, hardware_spec
 from agentserve.sim.memory import BLOCK_SIZE
 
 __all__ = ["CLIENTS", "IDLE_GAP_CAP_S", "LIMITS", "MAX_INSTANCES", "ROUTE_MISS", "SimConfig",
-           "check_clients", "check_config", "check_route_miss", "parse_idle_gap_cap", "parse_topology",
-           "request_path"]
+           "check_clients", "check_config", "check_route_miss", "parse_idle_gap_cap",
+           "parse_topology", "request_path"]
 
-CLIENTS = ("agentx", "closed", "schedule")  # `SimConfig.clients`, besides None (the default for the deployment)
+# `SimConfig.clients`, besides None (the default for the deployment)
+CLIENTS = ("agentx", "closed", "schedule")
 # AIPerf's per-trace idle-gap cap as some of its docs state it (`--trace-idle-gap-cap-seconds
 # 10`), the replay's default. Which rule the reference's AIPerf image applied is not known; with
 # this one the synthesized corpus's lanes hold a request in flight as much of the time as the
@@ -172,7 +173,8 @@ def request_path(cfg: SimConfig, hw: HardwareSpec) -> tuple[float, float]:
     tokenizing and hashing all of it), one for aggregated engines."""
     if hw.name == "cpu-local":
         m = hw.measured or {}
-        return float(m.get("request_overhead_s", 0.0)), float(m.get("request_overhead_per_token_s", 0.0))
+        return (float(m.get("request_overhead_s", 0.0)),
+                float(m.get("request_overhead_per_token_s", 0.0)))
     legs = 1 if cfg.aggregated else 2
     return legs * VLLM_REQUEST_PATH[0], legs * VLLM_REQUEST_PATH[1]
 

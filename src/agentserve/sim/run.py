@@ -65,7 +65,7 @@ class Simulation:
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
         self.runs: RunSampler | None = None
         self._t0: float | None = None  # agentx: when the profiling phase began
-        self._c0 = self._c1 = None  # pool counters at the stage start and end (`summary.pool_counters`)
+        self._c0 = self._c1 = None  # pool counters at the stage start and end (`pool_counters`)
         # stages that count what they sent, drained (`counted`): AIPerf's replay; since stop 39
         # the aggregated engines' closed clients too, as `agentserve bench` (in its order)
         self._send_until = float("inf")
@@ -193,9 +193,8 @@ class Simulation:
             req.leg = delay / 2
             self._route_prefill(req)
         elif delay > 0:
-            # In order: client, router and API server take requests one at a time, so the
-            # per-token part (a prompt's JSON, its hashing) is waited on by those behind it;
-            # the fixed part is latency each pays alone; a lone request pays `delay` (stop 46)
+            # in order: client, router and API server take one request at a time, so those
+            # behind wait for its per-token work (JSON, hashing); a lone one pays `delay`
             self._path_free = max(self.clock.now + self.overhead, self._path_free) \
                 + self.overhead_per_token * n_in
             self.clock.at(self._path_free, lambda: self._route_agg(req))
@@ -323,7 +322,7 @@ class Simulation:
         cfg = self.cfg
         if cfg.workload in SYNTH and not isinstance(self.source, (list, tuple)):
             raise ValueError(f"--clients schedule replays a trace file's recorded times; "
-                             f"{cfg.workload} is synthesized without a schedule: pass --workload FILE")
+                             f"{cfg.workload} is synthesized without them: pass --workload FILE")
         t1 = self._send_until = self.t0 + cfg.duration
         sched = Schedule(self.clock, self._send, self.source, t1,
                          1.0 / cfg.session_rate if cfg.session_rate else 0.0)
@@ -396,5 +395,6 @@ WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a s
 def simulate(cfg: SimConfig, sessions: Iterable[Session] | None = None) -> dict:
     """Run one stage and return the summary (bench's keys plus the simulator's)."""
     if sessions is None:
-        sessions = session_stream(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed, cfg.token_scale)
+        sessions = session_stream(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed,
+                                  cfg.token_scale)
     return Simulation(cfg, sessions).run()

@@ -69,7 +69,8 @@ def _peak(s: Session) -> int:
     return max((r.input_tokens + r.output_tokens for _, _, r in flatten(s)), default=0)
 
 
-def load_workload(name: str, sessions: int, seed: int, token_scale: int | None = None) -> list[Session]:
+def load_workload(name: str, sessions: int, seed: int,
+                  token_scale: int | None = None) -> list[Session]:
     """`sessions` synthesized sessions of a named workload (`sweep-limited`: those of them whose
     peak request fits LIMITED_CONTEXT, so fewer), or a trace file's sessions: on the simulator's
     64-token blocks, or with `token_scale` (`SimConfig.token_scale`) at the trace's own block
@@ -193,7 +194,8 @@ def at_sim_blocks(sessions: list[Session]) -> list[Session]:
     return out
 
 
-def session_stream(name: str, batch: int, seed: int, token_scale: int | None = None) -> Iterator[Session]:
+def session_stream(name: str, batch: int, seed: int,
+                   token_scale: int | None = None) -> Iterator[Session]:
     """Sessions for a stage of any length: synthesized `batch` at a time (batch b > 0 with its
     own seed) as clients use them up; a trace file is replayed once (`load_workload`)."""
     b = 0
