@@ -40,8 +40,10 @@ engine), not the trace the simulator is then checked against:
   are skewed right (GC, the router, the other engine): the median of a wave's gaps sat
   1.5-9% below their mean at batches 1-4 per engine, 0.6-2.6% at 8;
   batches 1, 2, 4, 8, 16 at context `--prompt` (the simulator interpolates between them:
-  the step grows faster per request at small batches than the 1-16 line says), and batch 8
-  at contexts 256 and 2048;
+  the step grows faster per request at small batches than the 1-16 line says), batch 8
+  at contexts 256 and 2048 (`attn_decode_s`), and batches 1, 2, 4 at context 256
+  (`decode_step_short_s`: a small batch's step grows far less with context than batch 8's
+  slope says, so the simulator prices context at each batch's own slope below batch 8);
 - prefill: two cold prompts at once of `chunk` and `2 x chunk` tokens, kept when the
   router put one on each engine (TTFT: their mean, the median of such pairs);
   TTFT(chunk) - TTFT(16) is one chunk at prefix 0; TTFT(2 chunk) - TTFT(chunk) one at
@@ -283,6 +285,7 @@ def _itl(wave: list[tuple[str, list[float]]], batch: int) -> tuple[float, float]
 
 
 DECODE_BATCHES = (1, 2, 4, 8, 16)  # per engine; perf.measured_step interpolates between them
+SHORT_CTX, SHORT_BATCHES = 256, (1, 2, 4)  # the curve's small batches again at a short context
 
 
 def model_id(url: str) -> str:
@@ -353,8 +356,14 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
                            "streams decoding")
 
     drawn: dict[str, int] = {}  # waves drawn for each batch@context, `reps` of them good
-    (lo, ctx_lo), (hi, ctx_hi) = itl(8, 256), itl(8, 2048)
+    (lo, ctx_lo), (hi, ctx_hi) = itl(8, SHORT_CTX), itl(8, 2048)
     attn_d = max((hi - lo) / (8 * (ctx_hi - ctx_lo)), 0.0)
+    # the small batches at the short context too: their steps grow far less with context
+    # than batch 8's (stop 48), so the simulator takes each batch's own slope below batch 8
+    short = {}
+    for b in SHORT_BATCHES:
+        t, ctx = itl(b, SHORT_CTX)
+        short[b] = t - attn_d * b * (ctx - SHORT_CTX)
     # each batch's step, moved to context `prompt` exactly (its streams had decoded a few dozen
     # tokens more, more at larger batches), so the curve varies in batch size only
     dec = {}
@@ -395,6 +404,8 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         "decode_step_s": {str(b): t for b, t in dec.items()},
         "decode_ref_ctx": prompt,  # the context `decode_step_s` is stated at
         "decode_step_b8_s": {"256": lo, "2048": hi}, "decode_waves_drawn": drawn,
+        "decode_step_short_s": {str(b): t for b, t in short.items()},
+        "decode_short_ctx": SHORT_CTX,  # the context `decode_step_short_s` is stated at
         "step_overhead_s": intercept, "per_seq_s": per_seq, "tok_s": tok,
         "attn_prefill_s": attn_p, "attn_cold_s": attn_c, "attn_decode_s": attn_d,
         "cached_prefill": CACHED_PREFILL_KERNEL,

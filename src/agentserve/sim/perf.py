@@ -43,6 +43,24 @@ def interp(points: list[tuple[int, float]], x: float) -> float:
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+def _context_slopes(m: dict, curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """Decode attention per context token by batch size, from a profile that measured the
+    decode curve at a short context as well (`decode_step_short_s` at `decode_short_ctx`):
+    (step at the reference context - step at the short one) / (batch x the contexts' gap) at
+    each batch measured at both, and `attn_decode_s` (the batch-8 fit over 256-2,048 tokens)
+    from batch 8 up. On this box a step at batches 1-4 grows far less with context than
+    batch 8's slope says (stop 48: the bench's own steps at 150-400 tokens a sequence ran
+    17-19% longer than that slope priced them at batches 3-4). Empty without such points."""
+    short = m.get("decode_step_short_s")
+    if not short or not curve:
+        return []
+    ref, low, big = m["decode_ref_ctx"], m["decode_short_ctx"], m["attn_decode_s"]
+    pts = [(int(b), max((interp(curve, int(b)) - float(t)) / (int(b) * (ref - low)), 0.0))
+           for b, t in short.items() if int(b) < 8]
+    # interp's end segments extend beyond its points: flat from batch 8 up, by two points
+    return sorted(pts) + [(8, big), (16, big)] if pts else []
+
+
 def mtp_tokens_per_step(accept: tuple[float, ...] = MTP_ACCEPT) -> float:
     """Expected tokens per verify step: the bonus token plus each accepted draft position."""
     return 1.0 + sum(accept)
@@ -72,6 +90,9 @@ class PerfModel(TransferModel):
     mtp_draft: int = 3  # draft tokens per step when topo.mtp
     # measured profile: (batch, step) points of the decode curve, sorted; empty when under two
     _decode_curve: list[tuple[int, float]] = field(init=False, repr=False, default_factory=list)
+    # (batch, decode attention per context token) where the profile measured the curve at a
+    # short context too; empty: `attn_decode_s` (the batch-8 fit) at every batch
+    _ctx_slope: list[tuple[int, float]] = field(init=False, repr=False, default_factory=list)
     _memo: dict = field(init=False, repr=False, compare=False, default_factory=dict)  # `_once`'s
 
     def __post_init__(self) -> None:
@@ -79,6 +100,7 @@ class PerfModel(TransferModel):
         m = self.hw.measured
         pts = sorted((int(b), float(t)) for b, t in (m or {}).get("decode_step_s", {}).items())
         self._decode_curve = pts if len(pts) >= 2 else []
+        self._ctx_slope = _context_slopes(m or {}, self._decode_curve)
         if m and self.eff == Efficiency():
             self.eff = Efficiency(flops=1.0, attn_flops=1.0, hbm=1.0, sparse_prefill=1.0,
                                   sparse_decode=1.0, sparse_decode_h64=1.0,
@@ -320,8 +342,9 @@ class PerfModel(TransferModel):
         """One engine step of a mixed batch from the calibrated profile (no roofline).
 
         Decoding part: the measured decode steps (`decode_step_s`, per batch size at the
-        calibration context `decode_ref_ctx`) interpolated in batch size, plus
-        `attn_decode_s` x the context read beyond the calibration's; without measured points,
+        calibration context `decode_ref_ctx`) interpolated in batch size, plus the context
+        read beyond (less: short of) the calibration's at that batch's cost per context token
+        (`_context_slopes`; `attn_decode_s` when the profile has no short-context curve); without measured points,
         the line `step_overhead_s + (per_seq_s + tok_s) x decode_n + attn_decode_s x decode_ctx`.
         Each prefill chunk adds `per_seq_s + tok_s x new` and its attention as the engine runs
         it on CPU (engine/attention.py, paged_prefix.py): over its own tokens the plain causal
@@ -350,6 +373,8 @@ class PerfModel(TransferModel):
         curve = self._decode_curve
         if decode_n and curve:
             ref = m.get("decode_ref_ctx", m.get("prompt", 0))
-            return step + interp(curve, decode_n) + m["attn_decode_s"] * (decode_ctx - decode_n * ref)
+            slope = (max(interp(self._ctx_slope, decode_n), 0.0) if self._ctx_slope
+                     else m["attn_decode_s"])
+            return step + interp(curve, decode_n) + slope * (decode_ctx - decode_n * ref)
         return (step + m["step_overhead_s"] + (m["per_seq_s"] + m["tok_s"]) * decode_n
                 + m["attn_decode_s"] * decode_ctx)
