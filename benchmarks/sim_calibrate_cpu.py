@@ -42,8 +42,9 @@ engine), not the trace the simulator is then checked against:
   batches 1, 2, 4, 8, 16 at context `--prompt` (the simulator interpolates between them:
   the step grows faster per request at small batches than the 1-16 line says), batch 8
   at contexts 256 and 2048 (`attn_decode_s`), and batches 1, 2, 4 at context 256
-  (`decode_step_short_s`: a small batch's step grows far less with context than batch 8's
-  slope says, so the simulator prices context at each batch's own slope below batch 8);
+  (`decode_step_short_s`: below the reference context a small batch's step shrinks less
+  than batch 8's slope says, so there the simulator prices context at each batch's own
+  slope below batch 8);
 - prefill: two cold prompts at once of `chunk` and `2 x chunk` tokens, kept when the
   router put one on each engine (TTFT: their mean, the median of such pairs);
   TTFT(chunk) - TTFT(16) is one chunk at prefix 0; TTFT(2 chunk) - TTFT(chunk) one at
@@ -358,8 +359,8 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     drawn: dict[str, int] = {}  # waves drawn for each batch@context, `reps` of them good
     (lo, ctx_lo), (hi, ctx_hi) = itl(8, SHORT_CTX), itl(8, 2048)
     attn_d = max((hi - lo) / (8 * (ctx_hi - ctx_lo)), 0.0)
-    # the small batches at the short context too: their steps grow far less with context
-    # than batch 8's (stop 48), so the simulator takes each batch's own slope below batch 8
+    # the small batches at the short context too: below `prompt` their steps shrink less
+    # than batch 8's slope says (stop 48); the simulator takes each one's own slope there
     short = {}
     for b in SHORT_BATCHES:
         t, ctx = itl(b, SHORT_CTX)

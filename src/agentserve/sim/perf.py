@@ -45,12 +45,14 @@ def interp(points: list[tuple[int, float]], x: float) -> float:
 
 def _context_slopes(m: dict, curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
     """Decode attention per context token by batch size, from a profile that measured the
-    decode curve at a short context as well (`decode_step_short_s` at `decode_short_ctx`):
+    decode curve at a short context as well (`decode_step_short_s` at `decode_short_ctx`),
+    for contexts below the curve's reference (above it every batch takes `attn_decode_s`):
     (step at the reference context - step at the short one) / (batch x the contexts' gap) at
     each batch measured at both, and `attn_decode_s` (the batch-8 fit over 256-2,048 tokens)
-    from batch 8 up. On this box a step at batches 1-4 grows far less with context than
-    batch 8's slope says (stop 48: the bench's own steps at 150-400 tokens a sequence ran
-    17-19% longer than that slope priced them at batches 3-4). Empty without such points."""
+    from batch 8 up. On this box a step at batches 1-4 shrinks less below the reference
+    context than batch 8's slope says (stop 48: 0.8-1.7e-6 s a token against 1.6-1.8e-6; with
+    that slope the bench's own steps at 150-400 tokens a sequence ran 17-19% longer than
+    priced at batches 3-4). Empty without such points."""
     short = m.get("decode_step_short_s")
     if not short or not curve:
         return []
@@ -343,8 +345,9 @@ class PerfModel(TransferModel):
 
         Decoding part: the measured decode steps (`decode_step_s`, per batch size at the
         calibration context `decode_ref_ctx`) interpolated in batch size, plus the context
-        read beyond (less: short of) the calibration's at that batch's cost per context token
-        (`_context_slopes`; `attn_decode_s` when the profile has no short-context curve); without measured points,
+        read beyond the calibration's at `attn_decode_s`, and what it reads short of it at that
+        batch's own cost per context token (`_context_slopes`; `attn_decode_s` when the
+        profile has no short-context curve); without measured points,
         the line `step_overhead_s + (per_seq_s + tok_s) x decode_n + attn_decode_s x decode_ctx`.
         Each prefill chunk adds `per_seq_s + tok_s x new` and its attention as the engine runs
         it on CPU (engine/attention.py, paged_prefix.py): over its own tokens the plain causal
@@ -373,8 +376,9 @@ class PerfModel(TransferModel):
         curve = self._decode_curve
         if decode_n and curve:
             ref = m.get("decode_ref_ctx", m.get("prompt", 0))
-            slope = (max(interp(self._ctx_slope, decode_n), 0.0) if self._ctx_slope
+            extra = decode_ctx - decode_n * ref
+            slope = (max(interp(self._ctx_slope, decode_n), 0.0) if self._ctx_slope and extra < 0
                      else m["attn_decode_s"])
-            return step + interp(curve, decode_n) + slope * (decode_ctx - decode_n * ref)
+            return step + interp(curve, decode_n) + slope * extra
         return (step + m["step_overhead_s"] + (m["per_seq_s"] + m["tok_s"]) * decode_n
                 + m["attn_decode_s"] * decode_ctx)
