@@ -359,18 +359,17 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     drawn: dict[str, int] = {}  # waves drawn for each batch@context, `reps` of them good
     (lo, ctx_lo), (hi, ctx_hi) = itl(8, SHORT_CTX), itl(8, 2048)
     attn_d = max((hi - lo) / (8 * (ctx_hi - ctx_lo)), 0.0)
+
+    def step_at(b: int, p: int) -> float:
+        """Batch `b`'s step moved to context `p` exactly (its streams had decoded a few dozen
+        tokens more, more at larger batches), so a curve varies in batch size only."""
+        t, ctx = itl(b, p)
+        return t - attn_d * b * (ctx - p)
+
     # the small batches at the short context too: below `prompt` their steps shrink less
     # than batch 8's slope says (stop 48); the simulator takes each one's own slope there
-    short = {}
-    for b in SHORT_BATCHES:
-        t, ctx = itl(b, SHORT_CTX)
-        short[b] = t - attn_d * b * (ctx - SHORT_CTX)
-    # each batch's step, moved to context `prompt` exactly (its streams had decoded a few dozen
-    # tokens more, more at larger batches), so the curve varies in batch size only
-    dec = {}
-    for b in DECODE_BATCHES:
-        t, ctx = itl(b, prompt)
-        dec[b] = t - attn_d * b * (ctx - prompt)
+    short = {b: step_at(b, SHORT_CTX) for b in SHORT_BATCHES}
+    dec = {b: step_at(b, prompt) for b in DECODE_BATCHES}
     slope = (dec[16] - dec[1]) / 15
     intercept = max(dec[1] - slope, 0.0)
     t_p0 = max(ttft[chunk] - ttft[16], 1e-6)
