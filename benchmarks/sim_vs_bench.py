@@ -55,6 +55,7 @@ import itertools
 import json
 import os
 import re
+import shlex
 import signal
 import sys
 import tempfile
@@ -321,8 +322,10 @@ def start_cluster(args: argparse.Namespace, run_dir: Path):
     from agentserve.launch import Cluster, parse_topology
 
     run_dir.mkdir(parents=True, exist_ok=True)
+    extra = shlex.split(getattr(args, "engine_args", "") or "")
     c = Cluster(run_dir, port=args.port, engine_args=["--kv-cache-tokens", str(args.kv_tokens),
-                                                      "--max-num-batched-tokens", str(args.chunk)])
+                                                      "--max-num-batched-tokens", str(args.chunk),
+                                                      *extra])
     c.start(parse_topology("2"))
     return c
 
@@ -479,6 +482,9 @@ def main() -> None:
                     help="--mode schedule: a mooncake trace (default SPEC's shared conversation trace)")
     ap.add_argument("--time-scale", type=float, default=1.0,
                     help="--mode schedule: multiply the trace's timestamps (0.5: twice the rate)")
+    ap.add_argument("--engine-args", default="",
+                    help="more `agentserve serve` flags for both engines, e.g. \"--device cuda\" "
+                         "on a lent GPU (the profile then measures that device: same code)")
     ap.add_argument("--out", default="benchmarks/results/sim_vs_bench.json")
     args = ap.parse_args()
     if args.mode == "schedule":

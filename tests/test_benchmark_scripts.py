@@ -455,3 +455,31 @@ def test_vllm_request_path_runs(tmp_path: Path) -> None:
     assert large["prompt_tokens"] > 5 * small["prompt_tokens"]
     assert 2.5 < res["chars_per_token"] < 4.5
     assert res["chat_per_token_s"] > 0 and large["warm_chat_s"] > small["warm_chat_s"]
+
+
+def test_sim_gpu_rank_dry_run(tmp_path: Path) -> None:
+    """The GPU check of the step model's GEMM term (benchmarks/sim_gpu_rank.py) at toy widths
+    on the CPU: one row per load, each with its kernels' bytes, FLOPs and timings."""
+    res = _run("sim_gpu_rank.py", "--device", "cpu", "--scale", "32", "--layers", "2",
+               "--decode", "16", "--prefill", "64", "--reps", "1", out=tmp_path / "rank.json")
+    assert [(r["phase"], r["tokens_rank"]) for r in res["rows"]] == [("decode", 16), ("prefill", 64)]
+    for r in res["rows"]:
+        assert r["measured_s"] > 0 and r["kernels"] > 0 and r["roofline_s"] > 0
+        assert r["weight_gb"] > 0 and r["fp8_tflop"] > 0 and r["bf16_tflop"] > 0
+    assert res["rows"][1]["act_gb"] > res["rows"][0]["act_gb"]
+
+
+def test_sim_gpu_rank_streams_the_weights_the_step_model_prices() -> None:
+    """The emulated DEP16 rank (allocated on the meta device: no memory) holds the weight bytes
+    that `PerfModel` says a decode step with every local expert touched streams."""
+    import torch
+    from sim_gpu_rank import Rank
+
+    from agentserve.sim.memory import Topology
+    from agentserve.sim.perf import PerfModel
+    from agentserve.sim.specs import GLM_5_2_FP8, H200
+
+    rank = Rank(GLM_5_2_FP8, 16, torch.device("meta"), fp8=True, grouped=False)
+    pm = PerfModel(model=GLM_5_2_FP8, hw=H200, topo=Topology("dep", 16, "decode"))
+    assert rank.local == 16
+    assert rank.weight_gib() * 2**30 == pytest.approx(pm.rank_weight_bytes(1.0), rel=0.01)
