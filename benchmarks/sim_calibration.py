@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.sim.config import IDLE_GAP_CAP_S, ROUTE_MISS, parse_idle_gap_cap
+from agentserve.sim.config import IDLE_GAP_CAP_S, ROUTE_MISS, parse_efficiency, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, simulate
 
 # SPEC.md "Reference scale", calibration run (None: not published)
@@ -109,6 +109,8 @@ def main() -> None:
                     help="AIPerf's per-trace idle-gap cap, s or off (SimConfig.idle_gap_cap_s)")
     ap.add_argument("--route-miss", type=float, default=ROUTE_MISS,
                     help="share of prefill picks made on load alone (SimConfig.route_miss)")
+    ap.add_argument("--efficiency", type=parse_efficiency, default=None,
+                    help="what-if factors, e.g. hbm=0.5 (SimConfig.efficiency; default: the model's)")
     a = ap.parse_args()
     if a.trends:
         return trends(a)
@@ -117,18 +119,21 @@ def main() -> None:
         over = {} if a.replay_run is None else {"replay_run": a.replay_run}
         over["idle_gap_cap_s"] = a.idle_gap_cap_s
         over["route_miss"] = a.route_miss
+        over["efficiency"] = a.efficiency
         runs = pool.map(point, [(c, a.duration, sd, a.warmup, over) for c in (128, 64, 16) for sd in seeds])
     rows = [_mean([r for r in runs if r["concurrency"] == c]) for c in (16, 64, 128)]
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps({"duration": a.duration, "warmup": a.warmup, "seeds": list(seeds),
                                       "replay_run": a.replay_run,
                                       "idle_gap_cap_s": a.idle_gap_cap_s,
-                                      "route_miss": a.route_miss, "rows": rows,
+                                      "route_miss": a.route_miss, "efficiency": a.efficiency,
+                                      "rows": rows,
                                       "reference": REFERENCE},
                                       indent=2))
     rr = "" if a.replay_run is None else f", runs of {a.replay_run} turns"
     rr += ", no idle-gap cap" if a.idle_gap_cap_s is None else f", idle-gap cap {a.idle_gap_cap_s:g} s"
     rr += f", route miss {a.route_miss:g}"
+    rr += f", efficiency {a.efficiency}" if a.efficiency else ""
     t = Table(title=f"3P1D DEP16 calibration, {a.duration:.0f} simulated s, mean of {a.seeds} seeds{rr}")
     keys = ("output_tok_s", "itl_p50_ms", "ttft_p50_s", "input_tok_s", "cost_in", "cost_out",
             "ttft_p90_s", "itl_p90_ms", "e2e_p50_s", "output_tok_s_per_user", "prompt_tokens_in_flight",

@@ -174,3 +174,22 @@ def test_glm52_indexcache_indexer_layers() -> None:
     d_ev = PerfModel(every, H200, Topology("dep", 16, "decode", mtp=True))
     grow_every = d_ev.decode_step(_ranks(8, 200_000)) - d_ev.decode_step(_ranks(8, 3_000))
     assert grow_every > 2.5 * grow
+
+
+def test_efficiency_overrides_reach_the_step_model() -> None:
+    """`SimConfig.efficiency` (`agentserve sim --efficiency`) replaces the named factors only:
+    weights streamed at 0.5 of HBM instead of 0.8 lengthen a bytes-bound decode step, and a
+    simulated stage's ITL with it; the prefill chunk is FLOP-bound and hardly moves."""
+    from agentserve.sim.config import efficiency
+    from agentserve.sim.run import SimConfig, simulate
+
+    eff = efficiency({"hbm": 0.5})
+    assert eff.hbm == 0.5 and eff.flops == efficiency(None).flops
+    slow = PerfModel(M, H200, Topology("dep", 16, "decode", mtp=True), eff)
+    assert slow.decode_step(_ranks(1)) > 1.3 * DEC.decode_step(_ranks(1))
+    pre = PerfModel(M, H200, Topology("dep", 16, "prefill"), eff)
+    chunk = [[(2048, 40_000)]] * 16
+    assert pre.prefill_step(chunk) == pytest.approx(PRE.prefill_step(chunk), rel=0.05)
+    base = simulate(SimConfig(concurrency=16, duration=60, warmup=30))
+    what_if = simulate(SimConfig(concurrency=16, duration=60, warmup=30, efficiency={"hbm": 0.5}))
+    assert what_if["itl_ms"]["p50"] > 1.2 * base["itl_ms"]["p50"]

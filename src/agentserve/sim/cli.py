@@ -12,7 +12,7 @@ import typer
 from agentserve.cli_checks import POSITIVE, check_flags, fail
 from agentserve.runstats import interval_text
 from agentserve.sim.config import (IDLE_GAP_CAP_S, LIMITS, ROUTE_MISS, check_clients,
-                                   parse_idle_gap_cap)
+                                   parse_efficiency, parse_idle_gap_cap)
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 from agentserve.sim.specs import CPU_PROFILE_ENV, cpu_profile_path
 from agentserve.sim.workload import SYNTH, load_workload
@@ -70,6 +70,9 @@ def register(app: typer.Typer) -> None:
         idle_gap_cap_s: str = typer.Option(str(IDLE_GAP_CAP_S), help="agentx: AIPerf's per-trace "
                                            "idle-gap cap, s: consecutive request starts of a trace "
                                            "at most this far apart; off for none"),
+        efficiency: str = typer.Option(None, help="override the step model's global factors, "
+                                       "name=value pairs (e.g. hbm=0.5,flops=0.5): what-if "
+                                       "kernels; see `sim/constants.py` Efficiency"),
         warmup: float = typer.Option(None, help="closed clients: simulated seconds before the "
                                      "stage (default: 120 for xPyD on a synthesized workload, else 0)"),
         replay_run: int = typer.Option(None, help="closed clients, synthesized xPyD stages: turns a client replays "
@@ -101,6 +104,7 @@ def register(app: typer.Typer) -> None:
         try:
             profile = _cpu_profile(gpu, cpu_profile)
             idle_cap = parse_idle_gap_cap(idle_gap_cap_s)
+            eff = parse_efficiency(efficiency) if efficiency is not None else None
             p, d = parse_topology(topology)
             n_gpus = p * prefill_width + d * decode_width if p else d
             if n_gpus > lim["gpus"]:
@@ -115,7 +119,7 @@ def register(app: typer.Typer) -> None:
                             gap_cap_s=gap_cap_s,
                             idle_gap_cap_s=idle_cap, prefix_index=prefix_index,
                             route_miss=route_miss, cpu_profile=profile, max_output=max_output,
-                            cpu_restore_s_per_gb=(
+                            efficiency=eff, cpu_restore_s_per_gb=(
                                 None if cpu_restore_ms_per_gb is None else cpu_restore_ms_per_gb / 1e3))
             if seeds > 1:
                 from agentserve.sim.seeds import simulate_seeds

@@ -4,9 +4,10 @@ sim`'s flags, SIM-1), and the topology notation shared with `agentserve up`."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, fields
 
-from agentserve.sim.constants import VLLM_REQUEST_PATH
+from agentserve.sim.constants import VLLM_REQUEST_PATH, Efficiency
 from agentserve.sim.specs import HardwareSpec, hardware_spec
 from agentserve.sim.memory import BLOCK_SIZE
 
@@ -159,6 +160,11 @@ class SimConfig:
     # cpu-local's calibration profile (`specs.cpu_profile_path`: None, the environment's or the
     # checkout's committed one).
     cpu_profile: str | None = None
+    # Overrides of the step model's global factors (`constants.Efficiency`), e.g. {"hbm": 0.5}:
+    # what-if runs, such as kernels that stream weights at what PyTorch's FP8 GEMMs reached on
+    # an H200 (`benchmarks/sim_gpu_rank.py`; sim README, "Checked on an H200"). None: the
+    # defaults. Not with cpu-local, whose profile measured its own rates.
+    efficiency: dict[str, float] | None = None
 
     def hardware(self) -> HardwareSpec:
         """The deployment's hardware: `gpu`'s spec with this stage's restore rate and profile."""
@@ -206,12 +212,49 @@ def check_config(cfg: SimConfig) -> None:
     if cfg.prefix_index == "approx" and cfg.aggregated:
         raise ValueError("--prefix-index approx is the P/D prefill picker's; aggregated engines "
                          "route with our router's own policy")
+    if cfg.efficiency:
+        if cfg.gpu == "cpu-local":
+            raise ValueError("--efficiency sets the roofline's factors; cpu-local's profile "
+                             "measured its own rates")
+        efficiency(cfg.efficiency)
     # a hash id stands for one BLOCK_SIZE-token block of a loaded trace, or for token_scale
     # tokens of it when scaled: the pools' blocks must be that long
     block = min(cfg.token_scale, BLOCK_SIZE) if cfg.token_scale else BLOCK_SIZE
     if cfg.block_size != block:
         raise ValueError(f"block_size {cfg.block_size} does not match the workload's blocks "
                          f"({block} tokens a hash id with token_scale {cfg.token_scale})")
+
+
+def efficiency(overrides: dict[str, float] | None) -> Efficiency:
+    """The step model's factors with `overrides` applied; an unknown name or a value the
+    model cannot take (a factor or time <= 0, an overlap outside [0, 1]) is refused."""
+    known = {f.name for f in fields(Efficiency) if isinstance(f.default, float)}
+    for k, v in (overrides or {}).items():
+        if k not in known:
+            raise ValueError(f"--efficiency: unknown factor {k!r}; choose from {', '.join(sorted(known))}")
+        if not (isinstance(v, (int, float)) and math.isfinite(v)):
+            raise ValueError(f"--efficiency {k}: a number, got {v!r}")
+        if (not 0.0 <= v <= 1.0) if k == "prefill_overlap" else v <= 0:
+            raise ValueError(f"--efficiency {k}={v}: " + ("a share between 0 and 1"
+                             if k == "prefill_overlap" else "must be > 0"))
+    return Efficiency(**(overrides or {}))
+
+
+def parse_efficiency(s: str) -> dict[str, float]:
+    """`--efficiency hbm=0.5,flops=0.5`: name=value pairs, each checked by `efficiency`."""
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in s.split(","))):
+        name, eq, val = part.partition("=")
+        try:
+            if not eq:
+                raise ValueError(part)
+            out[name.strip()] = float(val)
+        except ValueError:
+            raise ValueError(f"--efficiency {part!r}: name=number, e.g. hbm=0.5") from None
+    if not out:
+        raise ValueError(f"--efficiency {s!r}: name=number pairs, e.g. hbm=0.5,flops=0.5")
+    efficiency(out)
+    return out
 
 
 def parse_idle_gap_cap(s: str) -> float | None:

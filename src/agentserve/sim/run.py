@@ -22,7 +22,7 @@ import numpy as np
 from agentserve.kv.manager import cdiv
 from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
-from agentserve.sim.config import SimConfig, check_config, parse_topology, request_path
+from agentserve.sim.config import SimConfig, check_config, efficiency, parse_topology, request_path
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.memory import Topology, plan_memory
@@ -91,7 +91,7 @@ class Simulation:
                        else Router(cfg.seed, cfg.decode_scorers))
         self.d_ranks = [Rank(i, dm.kv_blocks, 0, cfg.block_size)
                         for i in range(cfg.decode * cfg.decode_width)]
-        self.pperf, self.dperf = PerfModel(m, hw, pt), PerfModel(m, hw, dt)
+        self.pperf, self.dperf = (PerfModel(m, hw, t, efficiency(cfg.efficiency)) for t in (pt, dt))
         w = cfg.prefill_width
         self.prefills = [PrefillInstance(self.clock, self.pperf, self.p_ranks[i * w:(i + 1) * w],
                                          cfg.chunk, self._handoff, cfg.cpu_store_on == "evict")
@@ -108,7 +108,7 @@ class Simulation:
         topo = Topology("dep", 1, "decode")
         kv = cfg.kv_tokens or plan_memory(m, hw, topo, block_size=cfg.block_size).kv_blocks * cfg.block_size
         self.p_ranks = [Rank(i, kv // cfg.block_size, 0, cfg.block_size) for i in range(cfg.aggregated)]
-        self.pperf = self.dperf = PerfModel(m, hw, topo)
+        self.pperf = self.dperf = PerfModel(m, hw, topo, efficiency(cfg.efficiency))
         self.aggs = [AggInstance(self.clock, self.pperf, r, cfg.chunk, cfg.max_seqs,
                                  cfg.engine_block_tokens) for r in self.p_ranks]
         # our router's own policy, as `agentserve up` runs it (sim/policy_router.py)
