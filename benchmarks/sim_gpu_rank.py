@@ -46,6 +46,7 @@ from agentserve.sim.perf import PerfModel
 from agentserve.sim.specs import GLM_5_2_FP8, H200, ModelSpec
 
 FP8 = torch.float8_e4m3fn
+PARTS = frozenset({"attn", "ffn", "experts", "head"})  # what a whole step runs (`Rank.step`)
 
 
 def r16(x: float) -> int:
@@ -179,33 +180,40 @@ class Rank:
         for e in range(self.local):
             self._mm(a[e * pe:(e + 1) * pe], w[e], t)
 
-    def step(self, inp: dict) -> Tally:
-        """Every GEMM of one forward of `inp["tokens"]` rows (no attention core, no comms)."""
+    def step(self, inp: dict, parts: frozenset[str] = PARTS) -> Tally:
+        """Every GEMM of one forward of `inp["tokens"]` rows (no attention core, no comms);
+        `parts` keeps some of them: "attn" (the attention and indexer projections), "ffn"
+        (router gate, shared expert, dense FFN), "experts" (the local routed experts), "head"."""
         m, x, ex, t = self.m, inp["x"], inp["ex"], Tally()
         h, H = m.hidden, m.n_heads
         for w in self.layers:
-            self._mm(x[h], w["q_a"], t)
-            self._mm(x[h], w["kv_a"], t)
-            self._mm(x[m.q_lora], w["q_b"], t)
-            self._mm(x[m.q_lora], w["idx_q"], t)
-            self._mm(x[h], w["idx_k"], t)
-            self._mm(x[h], w["idx_w"], t)
-            self._bmm(inp["qn"], w["uk"], t)
-            self._bmm(inp["lat"], w["uv"], t)
-            self._mm(x[H * m.v_head_dim], w["o"], t)
+            if "attn" in parts:
+                self._mm(x[h], w["q_a"], t)
+                self._mm(x[h], w["kv_a"], t)
+                self._mm(x[m.q_lora], w["q_b"], t)
+                self._mm(x[m.q_lora], w["idx_q"], t)
+                self._mm(x[h], w["idx_k"], t)
+                self._mm(x[h], w["idx_w"], t)
+                self._bmm(inp["qn"], w["uk"], t)
+                self._bmm(inp["lat"], w["uv"], t)
+                self._mm(x[H * m.v_head_dim], w["o"], t)
             if "ffn_gu" in w:
-                self._mm(x[h], w["ffn_gu"], t)
-                self._mm(x[m.dense_intermediate], w["ffn_d"], t)
+                if "ffn" in parts:
+                    self._mm(x[h], w["ffn_gu"], t)
+                    self._mm(x[m.dense_intermediate], w["ffn_d"], t)
                 continue
-            self._mm(x[h], w["gate"], t)
-            self._mm(x[h], w["sh_gu"], t)
-            self._mm(x[m.expert_intermediate], w["sh_d"], t)
-            self._experts(ex[h], w["ex_gu"], inp["sb_gu"], inp, t)
-            self._experts(ex[m.expert_intermediate], w["ex_d"], inp["sb_d"], inp, t)
-        t.kernels += 1  # LM head, bf16
-        t.weight_bytes += self.head.numel() * 2
-        t.bf16_flops += 2.0 * inp["tokens"] * h * m.vocab
-        inp["hb"] @ self.head.t()
+            if "ffn" in parts:
+                self._mm(x[h], w["gate"], t)
+                self._mm(x[h], w["sh_gu"], t)
+                self._mm(x[m.expert_intermediate], w["sh_d"], t)
+            if "experts" in parts:
+                self._experts(ex[h], w["ex_gu"], inp["sb_gu"], inp, t)
+                self._experts(ex[m.expert_intermediate], w["ex_d"], inp["sb_d"], inp, t)
+        if "head" in parts:  # LM head, bf16
+            t.kernels += 1
+            t.weight_bytes += self.head.numel() * 2
+            t.bf16_flops += 2.0 * inp["tokens"] * h * m.vocab
+            inp["hb"] @ self.head.t()
         return t
 
 
@@ -214,23 +222,24 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def time_step(rank: Rank, inp: dict, reps: int, graph: bool) -> tuple[float, Tally, bool]:
+def time_step(rank: Rank, inp: dict, reps: int, graph: bool,
+              parts: frozenset[str] = PARTS) -> tuple[float, Tally, bool]:
     """Median seconds of one step (CUDA graph replay where asked and possible)."""
     dev = rank.dev
-    tally = rank.step(inp)  # warm-up: cuBLAS picks its kernels, workspaces are allocated
+    tally = rank.step(inp, parts)  # warm-up: cuBLAS picks its kernels, workspaces are allocated
     _sync(dev)
-    run = lambda: rank.step(inp)  # noqa: E731
+    run = lambda: rank.step(inp, parts)  # noqa: E731
     used_graph = False
     if graph and dev.type == "cuda":
         try:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):
-                rank.step(inp)
+                rank.step(inp, parts)
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g):
-                rank.step(inp)
+                rank.step(inp, parts)
             run, used_graph = g.replay, True
         except RuntimeError as e:  # recorded, not hidden: the eager figure carries launch gaps
             print(f"CUDA graph capture failed ({e}); timing eagerly")
@@ -243,6 +252,16 @@ def time_step(rank: Rank, inp: dict, reps: int, graph: bool) -> tuple[float, Tal
         _sync(dev)
         times.append(time.perf_counter() - t0)
     return statistics.median(times), tally, used_graph
+
+
+def time_part(rank: Rank, inp: dict, args: argparse.Namespace, part: str, hw) -> dict:
+    """One part of a step timed alone: its bytes, FLOPs and what share of peak it reaches."""
+    sec, t, _ = time_step(rank, inp, args.reps, graph=not args.no_graph, parts=frozenset({part}))
+    byts = t.weight_bytes + t.act_bytes
+    return {"part": part, "measured_s": sec, "kernels": t.kernels,
+            "weight_gb": t.weight_bytes / 1e9, "act_gb": t.act_bytes / 1e9,
+            "implied_hbm": byts / sec / hw.hbm_bw,
+            "implied_flops": (t.fp8_flops / hw.fp8_flops + t.bf16_flops / hw.bf16_flops) / sec}
 
 
 def grouped_works(dev: torch.device) -> bool:
@@ -291,6 +310,8 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="fewer layers (dry runs)")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--parts", action="store_true",
+                    help="also time each part of a decode step alone (attn, ffn, experts, head)")
     ap.add_argument("--out", default="bench-out/sim_gpu_rank.json")
     args = ap.parse_args()
 
@@ -317,6 +338,7 @@ def main() -> None:
         total = tok * args.width  # the instance's tokens; each local expert gets its share
         per_expert = math.ceil(total * m.top_k / m.n_routed)
         inp = rank.inputs(tok, per_expert)
+        experts = "grouped" if rank.grouped else "loop"
         try:
             sec, t, used_graph = time_step(rank, inp, args.reps, graph=not args.no_graph)
         except RuntimeError as e:
@@ -324,7 +346,7 @@ def main() -> None:
                 raise
             # a grouped kernel that refuses this shape (rows per expert, say): loop, and say so
             print(f"{phase} {tok}: grouped experts failed ({e}); this load loops over them")
-            rank.grouped = False
+            rank.grouped, experts = False, "loop"
             sec, t, used_graph = time_step(rank, inp, args.reps, graph=not args.no_graph)
             rank.grouped = grouped
         byts = t.weight_bytes + t.act_bytes
@@ -339,7 +361,7 @@ def main() -> None:
         rows.append({
             "phase": phase, "tokens_rank": tok, "tokens_per_expert": per_expert,
             "measured_s": sec, "cuda_graph": used_graph, "kernels": t.kernels,
-            "experts": "grouped" if rank.grouped and t.kernels < 10 * m.layers else "loop",
+            "experts": experts,
             "weight_gb": t.weight_bytes / 1e9, "act_gb": t.act_bytes / 1e9,
             "fp8_tflop": t.fp8_flops / 1e12, "bf16_tflop": t.bf16_flops / 1e12,
             "roofline_s": max(t_bytes, t_flops), "bound": "bytes" if t_bytes >= t_flops else "flops",
@@ -349,6 +371,8 @@ def main() -> None:
             "implied_flops": (t.fp8_flops / hw.fp8_flops + t.bf16_flops / hw.bf16_flops) / sec,
             "perfmodel_gemm_s": pm_s, "perfmodel_weight_gb": pm_bytes / 1e9,
         })
+        if args.parts and phase == "decode":
+            rows[-1]["parts"] = [time_part(rank, inp, args, p, hw) for p in sorted(PARTS)]
         del inp
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
            "torch": torch.__version__, "model": asdict(m) if args.scale > 1 or args.layers else m.name,
@@ -370,6 +394,17 @@ def main() -> None:
                     f"{r['implied_flops']:.2f}", f"{r['perfmodel_gemm_s'] * 1e3:.2f}",
                     f"{r['weight_gb']:.1f} ({r['perfmodel_weight_gb']:.1f})")
     Console(width=170).print(tab)
+    parts = Table(title="decode steps by part, each timed alone")
+    for c in ("tok/rank", "part", "kernels", "measured ms", "weights GB", "hbm implied",
+              "flops implied"):
+        parts.add_column(c, justify="right")
+    for r in rows:
+        for p in r.get("parts", []):
+            parts.add_row(str(r["tokens_rank"]), p["part"], str(p["kernels"]),
+                          f"{p['measured_s'] * 1e3:.2f}", f"{p['weight_gb']:.2f}",
+                          f"{p['implied_hbm']:.2f}", f"{p['implied_flops']:.2f}")
+    if parts.row_count:
+        Console(width=170).print(parts)
     if stream:
         print(f"device-to-device copy: {stream:,.0f} GB/s (read + written) = "
               f"{stream * 1e9 / hw.hbm_bw:.2f} of the datasheet's bandwidth")
