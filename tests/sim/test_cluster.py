@@ -182,6 +182,9 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     (["plan", "--duration", "nan"], "--duration must be a finite number"),
     (["plan", "--concurrency", "64,1000000"], "--concurrency must be <= 10000"),
     (["plan", "--workload", ""], "--workload is empty"),
+    (["plan", "--efficiency", "hbm=-1"], "--efficiency hbm=-1.0: must be > 0"),
+    (["plan", "--model", "tiny", "--gpu", "cpu-local", "--efficiency", "hbm=0.5"],
+     "cpu-local's profile measured"),
 ])
 def test_cli_bad_flags_are_one_line_errors(args: list[str], message: str) -> None:
     app = typer.Typer()

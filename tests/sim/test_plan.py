@@ -66,3 +66,12 @@ def test_known_optimistic_rows_are_marked(capsys, tmp_path) -> None:
     assert capsys.readouterr().out.count("[brackets]") == 2  # the footnote and the caution
     pl.plot([dep8, dep16], [dep16], dep16, 30.0, tmp_path / "f.png")  # the footnoted figure
     assert (tmp_path / "f.png").stat().st_size > 1000
+
+
+def test_sweep_applies_efficiency_overrides_to_every_point() -> None:
+    """`plan --efficiency`: each simulated configuration runs with the overridden factors
+    (weights streamed at half the HBM bandwidth: slower decode, so a longer ITL)."""
+    cand = [c for c in pl.candidates("glm-5.2-fp8", "h200", 32, (16,)) if c.mtp and c.cpu_gib][:1]
+    base, slow = (pl.sweep(cand, [16], "glm-5.2-fp8", "h200", "sweep-full", 20.0, workers=1,
+                           efficiency=e)[0] for e in (None, {"hbm": 0.5}))
+    assert slow["itl_p50_ms"] > 1.2 * base["itl_p50_ms"]

@@ -12,7 +12,7 @@ import typer
 from agentserve.cli_checks import POSITIVE, check_flags, fail
 from agentserve.runstats import interval_text
 from agentserve.sim.config import (IDLE_GAP_CAP_S, LIMITS, ROUTE_MISS, check_clients,
-                                   parse_efficiency, parse_idle_gap_cap)
+                                   check_efficiency, parse_efficiency, parse_idle_gap_cap)
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 from agentserve.sim.specs import CPU_PROFILE_ENV, cpu_profile_path
 from agentserve.sim.workload import SYNTH, load_workload
@@ -179,6 +179,8 @@ def register_plan(app: typer.Typer) -> None:
         long: bool = typer.Option(False, "--long", help="600 s stages, 120 s warm-up for closed "
                                   "clients (slower, less warm-up bias)"),
         widths: str = typer.Option("8,16", help="DEP widths to try"),
+        efficiency: str = typer.Option(None, help="override the step model's global factors for "
+                                       "every configuration, e.g. hbm=0.5 (as `sim --efficiency`)"),
         workers: int = typer.Option(2, help="worker processes"),
         seed: int = typer.Option(0),
         out: Path = typer.Option(Path("bench-out/plan"), help="plan.json and frontier.png go here"),
@@ -215,6 +217,8 @@ def register_plan(app: typer.Typer) -> None:
         dur, warm = (600.0, 120.0) if long else (duration, warmup)
         try:  # before the workers start, not in each of them
             check_clients(clients)
+            eff = parse_efficiency(efficiency) if efficiency is not None else None
+            check_efficiency(eff, gpu)
         except ValueError as e:
             fail(str(e))
         if clients == "schedule":  # one load per trace: nothing for a concurrency ladder to vary
@@ -231,14 +235,15 @@ def register_plan(app: typer.Typer) -> None:
                    f"{lead} + {dur:g} s stages, {workers} workers")
         t0 = time.perf_counter()
         try:
-            points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm, clients)
+            points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm, clients,
+                              eff)
         except (ValueError, OSError) as e:  # an unreadable trace
             fail(str(e))
         pl.price(points, price)
         front, best = pl.frontier(points), pl.recommend(points, min_tok_s_per_user)
         pl.write(out, points, front, best, {"model": model, "gpu": gpu, "gpus": gpus,
                  "min_tok_s_per_user": min_tok_s_per_user, "price": price, "duration": dur,
-                 "warmup": warm, "clients": clients or "agentx",
+                 "warmup": warm, "clients": clients or "agentx", "efficiency": eff,
                  "concurrency": ladder, "workload": workload,
                  "wall_s": time.perf_counter() - t0})
         _print_plan(front, best, min_tok_s_per_user, out)

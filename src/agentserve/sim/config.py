@@ -212,11 +212,7 @@ def check_config(cfg: SimConfig) -> None:
     if cfg.prefix_index == "approx" and cfg.aggregated:
         raise ValueError("--prefix-index approx is the P/D prefill picker's; aggregated engines "
                          "route with our router's own policy")
-    if cfg.efficiency:
-        if cfg.gpu == "cpu-local":
-            raise ValueError("--efficiency sets the roofline's factors; cpu-local's profile "
-                             "measured its own rates")
-        efficiency(cfg.efficiency)
+    check_efficiency(cfg.efficiency, cfg.gpu)
     # a hash id stands for one BLOCK_SIZE-token block of a loaded trace, or for token_scale
     # tokens of it when scaled: the pools' blocks must be that long
     block = min(cfg.token_scale, BLOCK_SIZE) if cfg.token_scale else BLOCK_SIZE
@@ -238,6 +234,14 @@ def efficiency(overrides: dict[str, float] | None) -> Efficiency:
             raise ValueError(f"--efficiency {k}={v}: " + ("a share between 0 and 1"
                              if k == "prefill_overlap" else "must be > 0"))
     return Efficiency(**(overrides or {}))
+
+
+def check_efficiency(overrides: dict[str, float] | None, gpu: str) -> None:
+    """Refuse factor overrides the model cannot take, and any for cpu-local (measured rates)."""
+    if overrides and gpu == "cpu-local":
+        raise ValueError("--efficiency sets the roofline's factors; cpu-local's profile "
+                         "measured its own rates")
+    efficiency(overrides)
 
 
 def parse_efficiency(s: str) -> dict[str, float]:

@@ -83,11 +83,13 @@ def caveat(model: str, gpu: str, prefill_width: int) -> str | None:
     return KNOWN_OPTIMISTIC.get((model, gpu, prefill_width))
 
 
-def _job(args: tuple[Candidate, int, str, str, str, float, int, float | None, str | None]) -> dict:
-    c, conc, model, gpu, workload, duration, seed, warmup, clients = args
+def _job(args: tuple) -> dict:
+    """One (candidate, concurrency) stage: `sweep`'s job tuple in, a frontier point out."""
+    c, conc, model, gpu, workload, duration, seed, warmup, clients, eff = args
     cfg = SimConfig(model=model, gpu=gpu, prefill=c.prefill, decode=c.decode, prefill_width=c.width,
                     decode_width=c.width, concurrency=conc, mtp=c.mtp, cpu_offload_gib=c.cpu_gib,
-                    workload=workload, duration=duration, seed=seed, warmup=warmup, clients=clients)
+                    workload=workload, duration=duration, seed=seed, warmup=warmup, clients=clients,
+                    efficiency=eff)
     s = simulate(cfg)
     return {"config": c.name, **asdict(c), "gpus": c.gpus, "concurrency": conc,
             "output_tok_s": s["output_tok_s"], "input_tok_s": s["input_tok_s"],
@@ -101,11 +103,13 @@ def _job(args: tuple[Candidate, int, str, str, str, float, int, float | None, st
 
 def sweep(cands: list[Candidate], concurrencies: list[int], model: str, gpu: str, workload: str,
           duration: float, seed: int = 0, workers: int = 2,
-          warmup: float | None = None, clients: str | None = None) -> list[dict]:
+          warmup: float | None = None, clients: str | None = None,
+          efficiency: dict[str, float] | None = None) -> list[dict]:
     """Simulate every (candidate, concurrency); `workers` processes, biggest jobs first.
     `clients`: the load generator (`SimConfig.clients`; None: AIPerf's agentic replay);
-    `warmup`: closed clients' simulated seconds before each stage (None: the default)."""
-    jobs = [(c, k, model, gpu, workload, duration, seed, warmup, clients)
+    `warmup`: closed clients' simulated seconds before each stage (None: the default);
+    `efficiency`: overrides of the step model's factors (`SimConfig.efficiency`)."""
+    jobs = [(c, k, model, gpu, workload, duration, seed, warmup, clients, efficiency)
             for c in cands for k in concurrencies]
     jobs.sort(key=lambda j: -j[1])
     if workers <= 1:
