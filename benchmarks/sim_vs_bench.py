@@ -41,6 +41,11 @@ a mooncake trace (default SPEC's shared `mooncake-conversation`, its timestamps 
 against `agentserve sim --clients schedule` on the same file (`--token-scale` tokens per
 512-token trace block); the rows are labelled "schedule".
 
+`--resimulate RESULT.json` (stop 49) runs no benches: it prices a finished check's recorded
+bench runs again with this checkout's simulator (the corpus rebuilt from the recorded knobs,
+each run's profile from the recorded calibrations), so a model change is compared on the
+same benches in seconds; `--engine-args="--device cuda"` runs both engines on a lent GPU.
+
     .venv/bin/python benchmarks/sim_vs_bench.py --out benchmarks/results/sim_vs_bench.json
     .venv/bin/python benchmarks/sim_vs_bench.py --mode schedule --stage 90 --token-scale 8 \
         --max-output 64 --out benchmarks/results/sim_vs_bench_schedule.json
@@ -393,6 +398,75 @@ def compare(conc: list[int], sim_runs: list[list[dict]], bench_runs: list[list[d
     return rows
 
 
+def simulate_runs(args: argparse.Namespace, conc: list[int], trace: Path, sessions: list,
+                  engine_block: int, profiles: list[Path]) -> tuple[list[list[dict]], list[float]]:
+    """The simulator's side: for each profile (one a bench run, or one for all) a summary per
+    concurrency, on the same corpus file and knobs; and each concurrency's mean wall seconds."""
+    from agentserve.sim.run import simulate
+    from agentserve.sim.specs import CPU_PROFILE_ENV
+
+    sim_runs, sim_wall = [], [0.0] * len(conc)
+    try:
+        for path in profiles:
+            os.environ[CPU_PROFILE_ENV] = str(path)
+            sims = []
+            for j, c in enumerate(conc):
+                cfg = sim_config(args, c, trace, engine_block)
+                t = time.time()
+                sims.append(simulate(cfg) if args.mode == "schedule" else  # the file, as loaded
+                            simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50))))
+                sim_wall[j] += time.time() - t
+            sim_runs.append(sims)
+    finally:
+        os.environ.pop(CPU_PROFILE_ENV, None)
+    return sim_runs, [w / len(profiles) for w in sim_wall]
+
+
+def resimulate(path: Path, out: Path) -> dict:
+    """Price a finished check's bench runs again with this checkout's simulator, from its JSON
+    alone: the corpus is rebuilt from the recorded knobs (synthesized from the seed, or the
+    schedule trace), each run's profile from the recorded calibrations as the check priced it
+    (`price_runs` over those that kept their CPU), and the bench figures are the recorded
+    ones. Minutes of model iteration instead of a 15-30 minute rerun of the benches; the drift
+    gauge needs the step traces and is not recomputed (None)."""
+    old = json.loads(path.read_text())
+    args = argparse.Namespace(**old["args"])
+    args.trace = Path(args.trace)
+    conc = [r["concurrency"] for r in old["rows"]]
+    work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_resim_"))
+    trace, sessions = corpus(args, work)
+    runs = old["bench_runs"]
+    cals = old["profile"].get("calibrations")
+    if cals:  # each run between its two calibrations, as the check priced it
+        steal = old["cpu_steal_frac"]["calibration"]
+        usable = [c if steady(x, old.get("max_steal", 1.0)) else None for c, x in zip(cals, steal)]
+        by_run, _ = price_runs(usable)
+        priced = [by_run[run.get("attempt", k)] for k, run in enumerate(runs)]
+    else:  # --reuse-profile: one profile priced every run
+        priced = [old["profile"]]
+    profiles = []
+    for k, prof in enumerate(priced):
+        profiles.append(work / f"profile{k}.json")
+        profiles[-1].write_text(json.dumps(prof))
+    sim_runs, sim_wall = simulate_runs(args, conc, trace, sessions, old["engine_block_tokens"],
+                                       profiles)
+    # the recorded bench figures, as the summaries `compare` reads them
+    bench = [[{"output_tok_s": r["output_tok_s"]["bench_runs"][k],
+               "ttft_s": {"p50": r["ttft_p50_s"]["bench_runs"][k]},
+               "itl_ms": {"p50": r["itl_p50_ms"]["bench_runs"][k]},
+               "input_tok_s": r["input_tok_s"]["bench_runs"][k],
+               "requests_ok": r["requests_ok"]["bench_runs"][k]} for r in old["rows"]]
+             for k in range(len(runs))]
+    rows = compare(conc, sim_runs, bench)
+    for row, was, w in zip(rows, old["rows"], sim_wall):
+        row["sim_wall_s"], row["bench_cached_frac"] = w, was.get("bench_cached_frac")
+        row["sim_before"] = {k: was[k]["sim"] for k, _ in METRICS}
+    result = {**old, "rows": rows, "resimulated_from": str(path),
+              "bench_runs": [{**run, "step_drift": None} for run in runs]}
+    out.write_text(json.dumps(result, indent=2, default=float))
+    return result
+
+
 def warm_up(url: str, n: int = 4) -> None:
     """A few short requests through the router, so that a fresh cluster's first bench
     requests do not carry the engines' first-forward costs (the calibration does this for the
@@ -485,8 +559,23 @@ def main() -> None:
     ap.add_argument("--engine-args", default="",
                     help="more `agentserve serve` flags for both engines, e.g. \"--device cuda\" "
                          "on a lent GPU (the profile then measures that device: same code)")
+    ap.add_argument("--resimulate", type=Path, default=None, metavar="RESULT.json",
+                    help="run no benches: price a finished check's recorded bench runs again "
+                         "with this checkout's simulator (same corpus, profiles, figures)")
     ap.add_argument("--out", default="benchmarks/results/sim_vs_bench.json")
     args = ap.parse_args()
+    if args.resimulate:
+        if not args.resimulate.is_file():
+            ap.error(f"--resimulate {args.resimulate}: no such file")
+        if Path(args.out).resolve() == args.resimulate.resolve():
+            ap.error("--resimulate writes a new result: give --out another file")
+        result = resimulate(args.resimulate, Path(args.out))
+        print_table(result)
+        for r in result["rows"]:
+            print(f"c{r['concurrency']}: simulated before " + ", ".join(
+                f"{k} {v:.3g} -> {r[k]['sim']:.3g}" for k, v in r["sim_before"].items()))
+        print(f"wrote {args.out}", file=sys.stderr)
+        return
     if args.mode == "schedule":
         if not args.trace.is_file():
             ap.error(f"--trace {args.trace}: no such file")
@@ -568,26 +657,11 @@ def main() -> None:
                  for i, a in enumerate(attempts) if i not in kept]
 
     # 4. the simulator, same workload and knobs, once per run with that run's profile
-    from agentserve.sim.run import simulate
-    from agentserve.sim.specs import CPU_PROFILE_ENV
-
-    sim_runs, sim_wall = [], [0.0] * len(conc)
-    try:
-        for path in run_profiles if calibrate else [PROFILE]:  # one profile: one simulation
-            os.environ[CPU_PROFILE_ENV] = str(path)
-            sims = []
-            for j, c in enumerate(conc):
-                cfg = sim_config(args, c, trace, runs[0]["engine_block"])
-                t = time.time()
-                sims.append(simulate(cfg) if args.mode == "schedule" else  # the file, as loaded
-                            simulate(cfg, itertools.chain.from_iterable(itertools.repeat(sessions, 50))))
-                sim_wall[j] += time.time() - t
-            sim_runs.append(sims)
-    finally:
-        os.environ.pop(CPU_PROFILE_ENV, None)
+    sim_runs, sim_wall = simulate_runs(args, conc, trace, sessions, runs[0]["engine_block"],
+                                       run_profiles if calibrate else [PROFILE])
     rows = compare(conc, sim_runs, [run.pop("stages") for run in runs])
     for row, w in zip(rows, sim_wall):
-        row["sim_wall_s"] = w / len(sim_runs)
+        row["sim_wall_s"] = w
     steal["bench"] = [a["steal"] for a in attempts]
 
     result = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},

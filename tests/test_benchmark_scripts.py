@@ -483,3 +483,20 @@ def test_sim_gpu_rank_streams_the_weights_the_step_model_prices() -> None:
     pm = PerfModel(model=GLM_5_2_FP8, hw=H200, topo=Topology("dep", 16, "decode"))
     assert rank.local == 16
     assert rank.weight_gib() * 2**30 == pytest.approx(pm.rank_weight_bytes(1.0), rel=0.01)
+
+
+def test_sim_vs_bench_resimulate_reproduces_the_checks_own_simulations(tmp_path: Path) -> None:
+    """`sim_vs_bench.py --resimulate` rebuilds the corpus, each run's profile (from the recorded
+    calibrations) and the bench figures from a result file alone: with the simulator that
+    priced stop 48's closed-loop check (unchanged since for cpu-local) it gives the same
+    simulations, run by run, and keeps the bench figures as recorded."""
+    src = ROOT / "benchmarks" / "results" / "sim_vs_bench_stop48.json"
+    res = _run("sim_vs_bench.py", "--resimulate", str(src), out=tmp_path / "resim.json")
+    old = json.loads(src.read_text())
+    assert res["resimulated_from"] == str(src)
+    for was, now in zip(old["rows"], res["rows"]):
+        for key in ("output_tok_s", "ttft_p50_s", "itl_p50_ms", "requests_ok"):
+            assert now[key]["sim_runs"] == pytest.approx(was[key]["sim_runs"], rel=1e-9)
+            assert now[key]["bench_runs"] == was[key]["bench_runs"]
+            assert now[key]["err"] == pytest.approx(was[key]["err"], rel=1e-9)
+    assert all(run["step_drift"] is None for run in res["bench_runs"])
