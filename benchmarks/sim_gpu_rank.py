@@ -67,7 +67,8 @@ def scaled_spec(m: ModelSpec, scale: int, layers: int | None) -> ModelSpec:
                    expert_intermediate=r16(m.expert_intermediate / s),
                    dense_intermediate=r16(m.dense_intermediate / s),
                    n_routed=max(16, m.n_routed // s),
-                   layers=layers or m.layers, dense_layers=min(m.dense_layers, max(1, (layers or m.layers) // 2)))
+                   layers=layers or m.layers,
+                   dense_layers=min(m.dense_layers, max(1, (layers or m.layers) // 2)))
 
 
 @dataclass
@@ -143,7 +144,8 @@ class Rank:
                 "offs": torch.arange(per_expert, rows + 1, max(1, per_expert), device=d,
                                      dtype=torch.int32)[: self.local],
                 "sa": torch.ones(rows, dtype=torch.float32, device=d),
-                "sb_gu": torch.ones(self.local, 2 * m.expert_intermediate, dtype=torch.float32, device=d),
+                "sb_gu": torch.ones(self.local, 2 * m.expert_intermediate, dtype=torch.float32,
+                                    device=d),
                 "sb_d": torch.ones(self.local, m.hidden, dtype=torch.float32, device=d)}
 
     def _mm(self, a: torch.Tensor, w: torch.Tensor, t: Tally) -> torch.Tensor:
@@ -321,7 +323,7 @@ def main() -> None:
     m = scaled_spec(GLM_5_2_FP8, args.scale, args.layers)
     if m.n_routed % args.width:
         raise SystemExit(f"{m.n_routed} experts do not split over {args.width} ranks")
-    fp8 = dev.type == "cuda" or hasattr(torch, "_scaled_mm")
+    fp8 = hasattr(torch, "_scaled_mm")  # FP8 GEMMs (CPU builds have them too, for dry runs)
     grouped = grouped_works(dev)
     t0 = time.perf_counter()
     rank = Rank(m, args.width, dev, fp8, grouped)
@@ -351,10 +353,11 @@ def main() -> None:
             rank.grouped = grouped
         byts = t.weight_bytes + t.act_bytes
         t_bytes = byts / (hw.hbm_bw * eff.hbm)
-        t_flops = t.fp8_flops / (hw.fp8_flops * eff.flops) + t.bf16_flops / (hw.bf16_flops * eff.flops)
+        t_flops = (t.fp8_flops / (hw.fp8_flops * eff.flops)
+                   + t.bf16_flops / (hw.bf16_flops * eff.flops))
         # PerfModel's own GEMM term for this load (decode: weights touched vs linear FLOPs)
-        pm = PerfModel(model=m, hw=hw,
-                       topo=Topology("dep", args.width, "decode" if phase == "decode" else "prefill"))
+        role = "decode" if phase == "decode" else "prefill"
+        pm = PerfModel(model=m, hw=hw, topo=Topology("dep", args.width, role))
         pm_bytes = pm.rank_weight_bytes(pm._touched(total))
         pm_flops = tok * pm._lin_flops_rank() + total * pm._routed_flops() / args.width
         pm_s = max(pm_bytes / (hw.hbm_bw * eff.hbm), pm_flops / pm._lin_rate())
@@ -364,7 +367,8 @@ def main() -> None:
             "experts": experts,
             "weight_gb": t.weight_bytes / 1e9, "act_gb": t.act_bytes / 1e9,
             "fp8_tflop": t.fp8_flops / 1e12, "bf16_tflop": t.bf16_flops / 1e12,
-            "roofline_s": max(t_bytes, t_flops), "bound": "bytes" if t_bytes >= t_flops else "flops",
+            "roofline_s": max(t_bytes, t_flops),
+            "bound": "bytes" if t_bytes >= t_flops else "flops",
             "measured_over_roofline": sec / max(t_bytes, t_flops),
             # what this run implies for each factor, were the step bound by that resource alone
             "implied_hbm": byts / sec / hw.hbm_bw,
@@ -375,7 +379,8 @@ def main() -> None:
             rows[-1]["parts"] = [time_part(rank, inp, args, p, hw) for p in sorted(PARTS)]
         del inp
     res = {"device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "model": asdict(m) if args.scale > 1 or args.layers else m.name,
+           "torch": torch.__version__,
+           "model": asdict(m) if args.scale > 1 or args.layers else m.name,
            "width": args.width, "fp8": fp8, "experts": "grouped" if grouped else "loop",
            "copy_gb_s": stream, "efficiency": {"hbm": eff.hbm, "flops": eff.flops},
            "peaks": {"hbm_bw": hw.hbm_bw, "fp8_flops": hw.fp8_flops, "bf16_flops": hw.bf16_flops},
@@ -383,7 +388,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(res, indent=1))
 
-    tab = Table(title=f"one DEP{args.width} rank's GEMMs on {res['device']} ({res['experts']} experts)")
+    tab = Table(title=f"one DEP{args.width} rank's GEMMs on {res['device']} "
+                      f"({res['experts']} experts)")
     for c in ("phase", "tok/rank", "tok/expert", "measured ms", "roofline ms", "bound",
               "meas/roof", "hbm implied", "flops implied", "PerfModel ms", "weights GB (PM)"):
         tab.add_column(c, justify="right")

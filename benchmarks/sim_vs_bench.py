@@ -429,27 +429,33 @@ def resimulate(path: Path, out: Path) -> dict:
     (`price_runs` over those that kept their CPU), and the bench figures are the recorded
     ones. Minutes of model iteration instead of a 15-30 minute rerun of the benches; the drift
     gauge needs the step traces and is not recomputed (None)."""
+    import shutil
+
     old = json.loads(path.read_text())
-    args = argparse.Namespace(**old["args"])
+    args = argparse.Namespace(**{"mode": "concurrency", "time_scale": 1.0, "trace": MOONCAKE,
+                                 **old["args"]})  # checks before stop 46 had no open loop
     args.trace = Path(args.trace)
     conc = [r["concurrency"] for r in old["rows"]]
-    work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_resim_"))
-    trace, sessions = corpus(args, work)
     runs = old["bench_runs"]
     cals = old["profile"].get("calibrations")
     if cals:  # each run between its two calibrations, as the check priced it
-        steal = old["cpu_steal_frac"]["calibration"]
+        steal = old.get("cpu_steal_frac", {}).get("calibration") or [None] * len(cals)
         usable = [c if steady(x, old.get("max_steal", 1.0)) else None for c, x in zip(cals, steal)]
         by_run, _ = price_runs(usable)
         priced = [by_run[run.get("attempt", k)] for k, run in enumerate(runs)]
     else:  # --reuse-profile: one profile priced every run
         priced = [old["profile"]]
-    profiles = []
-    for k, prof in enumerate(priced):
-        profiles.append(work / f"profile{k}.json")
-        profiles[-1].write_text(json.dumps(prof))
-    sim_runs, sim_wall = simulate_runs(args, conc, trace, sessions, old["engine_block_tokens"],
-                                       profiles)
+    work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_resim_"))
+    try:
+        trace, sessions = corpus(args, work)
+        profiles = []
+        for k, prof in enumerate(priced):
+            profiles.append(work / f"profile{k}.json")
+            profiles[-1].write_text(json.dumps(prof))
+        sim_runs, sim_wall = simulate_runs(args, conc, trace, sessions,
+                                           old["engine_block_tokens"], profiles)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     # the recorded bench figures, as the summaries `compare` reads them
     bench = [[{"output_tok_s": r["output_tok_s"]["bench_runs"][k],
                "ttft_s": {"p50": r["ttft_p50_s"]["bench_runs"][k]},
@@ -569,7 +575,11 @@ def main() -> None:
             ap.error(f"--resimulate {args.resimulate}: no such file")
         if Path(args.out).resolve() == args.resimulate.resolve():
             ap.error("--resimulate writes a new result: give --out another file")
-        result = resimulate(args.resimulate, Path(args.out))
+        try:
+            result = resimulate(args.resimulate, Path(args.out))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError) as e:
+            ap.error(f"--resimulate {args.resimulate}: not a sim_vs_bench result this version "
+                     f"can re-price ({type(e).__name__}: {e})")
         print_table(result)
         for r in result["rows"]:
             print(f"c{r['concurrency']}: simulated before " + ", ".join(

@@ -500,3 +500,21 @@ def test_sim_vs_bench_resimulate_reproduces_the_checks_own_simulations(tmp_path:
             assert now[key]["bench_runs"] == was[key]["bench_runs"]
             assert now[key]["err"] == pytest.approx(was[key]["err"], rel=1e-9)
     assert all(run["step_drift"] is None for run in res["bench_runs"])
+
+
+def test_sim_vs_bench_history_prices_each_recorded_run_again(tmp_path: Path) -> None:
+    """The history of the small-scale check (benchmarks/sim_vs_bench_history.py) over a folder
+    holding stop 48's check and one result without per-run records: the check's six (run,
+    concurrency) pairs priced now as then (the model has not changed for cpu-local since), the
+    other listed as skipped."""
+    import shutil
+
+    shutil.copy(ROOT / "benchmarks" / "results" / "sim_vs_bench_stop48.json", tmp_path)
+    (tmp_path / "sim_vs_bench_old.json").write_text(json.dumps({"rows": [], "args": {}}))
+    res = _run("sim_vs_bench_history.py", "--results", str(tmp_path), out=tmp_path / "h.json")
+    s = res["summary"]
+    assert s["pairs"] == 6 and s["in_band_now"] == s["in_band_then"] == 6
+    assert res["skipped"] == ["sim_vs_bench_old.json"]
+    [check] = res["checks"]
+    for now, then in zip(check["now"], check["then"], strict=True):
+        assert now == pytest.approx(then, rel=1e-9)

@@ -3,8 +3,8 @@ sim`'s flags, SIM-1), and the topology notation shared with `agentserve up`."""
 
 from __future__ import annotations
 
-import re
 import math
+import re
 from dataclasses import dataclass, fields
 
 from agentserve.sim.constants import VLLM_REQUEST_PATH, Efficiency
@@ -227,7 +227,8 @@ def efficiency(overrides: dict[str, float] | None) -> Efficiency:
     known = {f.name for f in fields(Efficiency) if isinstance(f.default, float)}
     for k, v in (overrides or {}).items():
         if k not in known:
-            raise ValueError(f"--efficiency: unknown factor {k!r}; choose from {', '.join(sorted(known))}")
+            raise ValueError(f"--efficiency: unknown factor {k!r}; choose from "
+                             f"{', '.join(sorted(known))}")
         if not (isinstance(v, (int, float)) and math.isfinite(v)):
             raise ValueError(f"--efficiency {k}: a number, got {v!r}")
         if (not 0.0 <= v <= 1.0) if k == "prefill_overlap" else v <= 0:
