@@ -234,11 +234,12 @@ async def _repeat(url: str, model: str, prompt: list[int]) -> float:
         return (await _stream(session, url, model, prompt, 1))[1][0]
 
 
-async def _probe_busy(url: str, model: str, batch: int, probes: int, rng: random.Random
-                      ) -> tuple[list[float], bool]:
-    """TTFTs of `probes` 16-token requests sent one at a time (a random 0-20 ms apart, so they
-    land anywhere in a step) while `2 x batch` 256-token streams decode; and whether every
-    stream was still decoding when the last probe's first token came."""
+async def _probe_busy(url: str, model: str, batch: int, probes: int, rng: random.Random,
+                      prompt: list[int] | None = None) -> tuple[list[float], bool]:
+    """TTFTs of `probes` 16-token requests (or each `prompt`, when given) sent one at a time (a
+    random 0-20 ms apart, so they land anywhere in a step) while `2 x batch` 256-token streams
+    decode; and whether every stream was still decoding when the last probe's first token
+    came."""
     import aiohttp
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
@@ -250,8 +251,8 @@ async def _probe_busy(url: str, model: str, batch: int, probes: int, rng: random
         ttfts = []
         for _ in range(probes):
             await asyncio.sleep(rng.uniform(0.0, 0.02))
-            prompt = [rng.randrange(16, 4000) for _ in range(16)]
-            ttfts.append((await _stream(session, url, model, prompt, 1))[1][0])
+            probe = prompt or [rng.randrange(16, 4000) for _ in range(16)]
+            ttfts.append((await _stream(session, url, model, probe, 1))[1][0])
         last = time.perf_counter() - t0
         streams = await asyncio.gather(*bg)
         return ttfts, all(times[-1] > last for _, times in streams)
@@ -392,6 +393,18 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     step4 = dec[4] - attn_d * 4 * (prompt - 256) + tok * 16
     busy_extra = (max(statistics.median(busy) - (ttft[16] - one_step) - 1.5 * step4, 0.0)
                   if busy else 0.0)
+    # ... and per prompt token: the same probes with the cached `long` prompt (only its last
+    # token is computed, in a step like the 16-token probe's), beside the 16-token ones; what
+    # a token costs a busy engine's request path beyond its idle per-token cost
+    busy_long = []
+    for _ in range(reps):
+        ttfts, throughout = asyncio.run(_probe_busy(url, model, 4, 12, rng, prompt=long))
+        if throughout:
+            busy_long.append(statistics.median(ttfts))
+    idle_per_token = max((statistics.median(cached) - ttft[16]) / (len(long) - 16), 0.0)
+    busy_per_token = (max((statistics.median(busy_long) - statistics.median(busy))
+                          / (len(long) - 16) - idle_per_token, 0.0)
+                      if busy and busy_long else 0.0)
 
     m = model_spec("tiny")
     return {
@@ -411,9 +424,10 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         "cached_prefill": CACHED_PREFILL_KERNEL,
         "request_overhead_s": max(ttft[16] - one_step, 0.0),
         "cached_prompt_ttft_s": {str(len(long)): statistics.median(cached)},
-        "request_overhead_per_token_s": max((statistics.median(cached) - ttft[16])
-                                            / (len(long) - 16), 0.0),
+        "request_overhead_per_token_s": idle_per_token,
         "request_overhead_busy_s": busy_extra, "busy_probe_ttft_s": busy,
+        "request_overhead_busy_per_token_s": busy_per_token,
+        "busy_probe_long_ttft_s": {str(len(long)): busy_long},
         "flops": 2 * chunk / (t_p0 + t_p1) * 2 * m.total_params(),
         "mem_bw": (m.total_params() * m.weight_bytes + prompt * m.kv_bytes_per_token()) / dec[1],
         "per_request_s": max(slope, 0.0),

@@ -48,13 +48,14 @@ class AggInstance(Instance):
         self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
         self._join_base: dict[int, int] = {}  # id(parked request) -> its hit when it first parked
 
-    def arrive(self, req: SimRequest, busy_extra: float = 0.0) -> None:
-        """Queue `req` on this engine; `busy_extra` s later while the engine has requests
-        running: our engine's API server shares its process (and the GIL) with the core thread,
-        so a request's own handling waits while that thread steps (the cpu-local profile's
-        `request_overhead_busy_s`)."""
-        if busy_extra and self.rank.running:
-            self.clock.at(self.clock.now + busy_extra, lambda: self.arrive(req))
+    def arrive(self, req: SimRequest, busy_extra: float = 0.0, busy_per_token: float = 0.0) -> None:
+        """Queue `req` on this engine; `busy_extra + busy_per_token x its prompt tokens` s later
+        while the engine has requests running: our engine's API server shares its process (and
+        the GIL) with the core thread, so a request's own handling waits while that thread
+        steps (the cpu-local profile's `request_overhead_busy_s` and `_busy_per_token_s`)."""
+        if (busy_extra or busy_per_token) and self.rank.running:
+            delay = busy_extra + busy_per_token * req.n_in
+            self.clock.at(self.clock.now + delay, lambda: self.arrive(req))
             return
         self.rank.waiting.append(req)
         self.kick()

@@ -185,6 +185,18 @@ def request_path(cfg: SimConfig, hw: HardwareSpec) -> tuple[float, float]:
     return legs * VLLM_REQUEST_PATH[0], legs * VLLM_REQUEST_PATH[1]
 
 
+def busy_path(hw: HardwareSpec) -> tuple[float, float]:
+    """What a request takes extra when it reaches one of our engines while it steps (fixed s,
+    s per prompt token): our API server shares the engine core thread's process and GIL. The
+    cpu-local profile measures both (`request_overhead_busy_s`, and since stop 49
+    `request_overhead_busy_per_token_s`: a cached long prompt's busy probes beside 16-token
+    ones); 0 for a profile without them and for other hardware (vLLM's API servers are their
+    own processes)."""
+    m = hw.measured or {}
+    return (float(m.get("request_overhead_busy_s", 0.0)),
+            float(m.get("request_overhead_busy_per_token_s", 0.0)))
+
+
 def check_route_miss(share: float) -> None:
     """Refuse a `--route-miss` share outside [0, 1]."""
     if not 0.0 <= share <= 1.0:
