@@ -564,7 +564,8 @@ def main() -> None:
                     help="--mode schedule: multiply the trace's timestamps (0.5: twice the rate)")
     ap.add_argument("--engine-args", default="",
                     help="more `agentserve serve` flags for both engines, e.g. \"--device cuda\" "
-                         "on a lent GPU (the profile then measures that device: same code)")
+                         "on a lent GPU (the profile then measures that device: same code; it "
+                         "is written beside --out, not over the committed cpu-local one)")
     ap.add_argument("--resimulate", type=Path, default=None, metavar="RESULT.json",
                     help="run no benches: price a finished check's recorded bench runs again "
                          "with this checkout's simulator (same corpus, profiles, figures)")
@@ -609,7 +610,11 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="sim_vs_bench_"))
     trace, sessions = corpus(args, work)
     args.workload_file = trace
-    PROFILE.parent.mkdir(parents=True, exist_ok=True)
+    # the committed cpu-local profile is this box's; engines on another device (--engine-args)
+    # write theirs beside --out instead, so a GPU run cannot replace it
+    profile_file = (Path(args.out).with_name(Path(args.out).stem + "_profile.json")
+                    if args.engine_args.strip() else PROFILE)
+    profile_file.parent.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
     steal: dict = {}  # phase -> stolen shares, one a calibration / a bench run
 
@@ -619,7 +624,7 @@ def main() -> None:
     # calibration's waves unevenly between the engines). A run during which the hypervisor
     # stole more than `--max-steal` of the CPU is set aside and another one run, up to
     # `--repeats` more; a calibration that did is not used to price a run.
-    calibrate = not (args.reuse_profile and PROFILE.is_file())
+    calibrate = not (args.reuse_profile and profile_file.is_file())
     attempts, kept = steady_runs(
         lambda i: bench_run(args, sessions, conc, work / f"run{i}", calibrate),
         args.repeats, args.max_steal)
@@ -653,9 +658,9 @@ def main() -> None:
             run_profiles.append(work / f"run{i}" / "profile.json")
             run_profiles[-1].write_text(json.dumps(by_run[i], indent=2))
         profile["calibrations"], profile["calibration_errors"] = cals, calibration_errors
-        PROFILE.write_text(json.dumps(profile, indent=2))
+        profile_file.write_text(json.dumps(profile, indent=2))
     else:
-        profile, run_profiles = json.loads(PROFILE.read_text()), [PROFILE] * len(kept)
+        profile, run_profiles = json.loads(profile_file.read_text()), [profile_file] * len(kept)
     load_after = os.getloadavg()
     runs = [attempts[i] for i in kept]
     for i, run, path in zip(kept, runs, run_profiles):  # the run's profile prices its own steps
@@ -668,7 +673,7 @@ def main() -> None:
 
     # 4. the simulator, same workload and knobs, once per run with that run's profile
     sim_runs, sim_wall = simulate_runs(args, conc, trace, sessions, runs[0]["engine_block"],
-                                       run_profiles if calibrate else [PROFILE])
+                                       run_profiles if calibrate else [profile_file])
     rows = compare(conc, sim_runs, [run.pop("stages") for run in runs])
     for row, w in zip(rows, sim_wall):
         row["sim_wall_s"] = w
