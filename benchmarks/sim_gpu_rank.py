@@ -259,10 +259,14 @@ def time_step(rank: Rank, inp: dict, reps: int, graph: bool,
 def time_part(rank: Rank, inp: dict, args: argparse.Namespace, part: str, hw) -> dict:
     """One part of a step timed alone: its bytes, FLOPs and what share of peak it reaches."""
     sec, t, _ = time_step(rank, inp, args.reps, graph=not args.no_graph, parts=frozenset({part}))
-    byts = t.weight_bytes + t.act_bytes
     return {"part": part, "measured_s": sec, "kernels": t.kernels,
-            "weight_gb": t.weight_bytes / 1e9, "act_gb": t.act_bytes / 1e9,
-            "implied_hbm": byts / sec / hw.hbm_bw,
+            "weight_gb": t.weight_bytes / 1e9, "act_gb": t.act_bytes / 1e9, **implied(t, sec, hw)}
+
+
+def implied(t: Tally, sec: float, hw) -> dict:
+    """The share of peak HBM bandwidth and of peak FLOP/s kernels of `t` reached in `sec`, as if
+    the step were bound by that resource alone."""
+    return {"implied_hbm": (t.weight_bytes + t.act_bytes) / sec / hw.hbm_bw,
             "implied_flops": (t.fp8_flops / hw.fp8_flops + t.bf16_flops / hw.bf16_flops) / sec}
 
 
@@ -370,9 +374,7 @@ def main() -> None:
             "roofline_s": max(t_bytes, t_flops),
             "bound": "bytes" if t_bytes >= t_flops else "flops",
             "measured_over_roofline": sec / max(t_bytes, t_flops),
-            # what this run implies for each factor, were the step bound by that resource alone
-            "implied_hbm": byts / sec / hw.hbm_bw,
-            "implied_flops": (t.fp8_flops / hw.fp8_flops + t.bf16_flops / hw.bf16_flops) / sec,
+            **implied(t, sec, hw),  # what this run implies for each factor
             "perfmodel_gemm_s": pm_s, "perfmodel_weight_gb": pm_bytes / 1e9,
         })
         if args.parts and phase == "decode":

@@ -24,6 +24,7 @@ from agentserve.engine.decode_groups import read_keys
 from agentserve.engine.inflight import MIN_JOIN_BLOCKS
 from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
+from agentserve.sim.config import busy_path
 from agentserve.sim.perf import PerfModel
 from agentserve.sim.pools import Instance
 
@@ -37,6 +38,8 @@ class AggInstance(Instance):
         self.rank, self.budget, self.max_seqs = rank, budget, max_seqs
         self.engine_block = engine_block or rank.pool.block_size
         self.preemptions = 0
+        # what a request reaching this engine while it steps waits: (fixed s, s a prompt token)
+        self.busy_wait = busy_path(perf.hw)
         self.hit_tokens = self.prompt_tokens = self.joined_tokens = 0
         bs = rank.pool.block_size
         self.min_join = cdiv(MIN_JOIN_BLOCKS * self.engine_block, bs)  # in pool blocks
@@ -48,14 +51,15 @@ class AggInstance(Instance):
         self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
         self._join_base: dict[int, int] = {}  # id(parked request) -> its hit when it first parked
 
-    def arrive(self, req: SimRequest, busy_extra: float = 0.0, busy_per_token: float = 0.0) -> None:
-        """Queue `req` on this engine; `busy_extra + busy_per_token x its prompt tokens` s later
-        while the engine has requests running: our engine's API server shares its process (and
-        the GIL) with the core thread, so a request's own handling waits while that thread
-        steps (the cpu-local profile's `request_overhead_busy_s` and `_busy_per_token_s`)."""
-        if (busy_extra or busy_per_token) and self.rank.running:
-            delay = busy_extra + busy_per_token * req.n_in
-            self.clock.at(self.clock.now + delay, lambda: self.arrive(req))
+    def arrive(self, req: SimRequest, waited: bool = False) -> None:
+        """Queue `req` on this engine; `busy_wait` (fixed + per prompt token) s later while the
+        engine has requests running: our engine's API server shares its process (and the GIL)
+        with the core thread, so a request's own handling waits while that thread steps (the
+        cpu-local profile's `request_overhead_busy_s` and `_busy_per_token_s`)."""
+        fixed, per_token = self.busy_wait
+        if not waited and (fixed or per_token) and self.rank.running:
+            delay = fixed + per_token * req.n_in
+            self.clock.at(self.clock.now + delay, lambda: self.arrive(req, True))
             return
         self.rank.waiting.append(req)
         self.kick()

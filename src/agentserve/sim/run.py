@@ -22,8 +22,7 @@ import numpy as np
 from agentserve.kv.manager import cdiv
 from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
-from agentserve.sim.config import (SimConfig, busy_path, check_config, efficiency, parse_topology,
-                                   request_path)
+from agentserve.sim.config import SimConfig, check_config, efficiency, parse_topology, request_path
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.memory import Topology, plan_memory
@@ -60,7 +59,6 @@ class Simulation:
         self.overhead = fixed if cfg.request_overhead_s is None else cfg.request_overhead_s
         self.overhead_per_token = (per_token if cfg.request_overhead_per_token_s is None
                                    else cfg.request_overhead_per_token_s)
-        self.busy = busy_path(hw)  # a request reaching a stepping engine: (fixed, per token)
         self.source = sessions
         # closed clients' sessions and run sampler; the replay reads `source` (`_run_agentx`)
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
@@ -219,7 +217,7 @@ class Simulation:
 
     def _route_agg(self, req: SimRequest) -> None:
         r = req.rank = self.policy.route(req, self.clock.now)
-        self.aggs[self.p_ranks.index(r)].arrive(req, *self.busy)
+        self.aggs[self.p_ranks.index(r)].arrive(req)
 
     def _finished(self, req: SimRequest) -> None:
         self.records.append(req.rec)
