@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -99,8 +100,14 @@ def main() -> None:
                     help="decode prompts start with one N-token head (sub-agents of a burst)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="0: greedy; > 0: every token drawn (agents' default is 1.0)")
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="decode windows per batch size; the median is reported, every one recorded "
+                         "(on a GPU a host-bound 64-step window at batch 128 swings 12K-21K tok/s "
+                         "run to run on one machine)")
     ap.add_argument("--out", default="bench-out/engine_speed.json")
     args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error("--repeats must be at least 1")
     global TEMPERATURE
     TEMPERATURE = args.temperature
     from agentserve.engine.tiny import make_tiny
@@ -110,20 +117,24 @@ def main() -> None:
                                 kv_cache_tokens=262_144, max_num_batched_tokens=8192, max_num_seqs=256)
     core, rng = eng.core, random.Random(0)
     prefill_tok_s(core, args.device, 256, rng)  # warm-up
+    runs = {b: [decode_tok_s(core, args.device, int(b), args.ctx, args.steps, rng,
+                             args.ctx_mix, args.shared_prefix) for _ in range(args.repeats)]
+            for b in args.batches.split(",")}
     result = {"preset": args.preset, "device": args.device, "dtype": args.dtype,
               "temperature": args.temperature,
               "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
               "prefill_tokens": args.prompt,
               "prefill_tok_s": prefill_tok_s(core, args.device, args.prompt, rng),
               "ctx_mix": args.ctx_mix, "shared_prefix": args.shared_prefix,
-              "decode_tok_s": {b: decode_tok_s(core, args.device, int(b), args.ctx, args.steps, rng,
-                                               args.ctx_mix, args.shared_prefix)
-                               for b in args.batches.split(",")}}
+              "decode_steps": args.steps, "repeats": args.repeats,
+              "decode_tok_s": {b: statistics.median(v) for b, v in runs.items()},
+              "decode_tok_s_runs": runs}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     t = Table(title=f"engine speed: {args.preset} {args.dtype} on {result['gpu'] or args.device}")
     t.add_column("what")
-    t.add_column("tok/s", justify="right")
+    t.add_column("tok/s" + (f" (median of {args.repeats})" if args.repeats > 1 else ""),
+                 justify="right")
     t.add_row(f"prefill {args.prompt} tokens", f"{result['prefill_tok_s']:.0f}")
     for b, v in result["decode_tok_s"].items():
         shared = f" after {args.shared_prefix} shared" if args.shared_prefix else ""

@@ -56,9 +56,11 @@ def test_sim_calibration_gives_the_reference_tables_measures(tmp_path: Path) -> 
 @pytest.mark.slow
 def test_engine_speed_runs(tmp_path: Path) -> None:
     res = _run("engine_speed.py", "--prompt", "256", "--batches", "1,2", "--ctx", "64",
-               "--steps", "3", "--temperature", "1.0", "--shared-prefix", "32",
+               "--steps", "3", "--temperature", "1.0", "--shared-prefix", "32", "--repeats", "3",
                out=tmp_path / "speed.json")
     assert res["prefill_tok_s"] > 0 and set(res["decode_tok_s"]) == {"1", "2"}
+    for b, runs in res["decode_tok_s_runs"].items():  # the median of the recorded windows
+        assert len(runs) == 3 and res["decode_tok_s"][b] == sorted(runs)[1]
 
 
 @pytest.mark.slow
