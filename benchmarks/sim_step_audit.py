@@ -11,7 +11,13 @@ size, prefill beside decodes, prefill alone):
   step model's time for exactly that batch (`PerfModel.measured_step`, the calibrated
   profile): where the model is short for the batches the bench runs;
 - the gap between back-to-back steps the step itself does not account for (the core thread's
-  loop: inbox, handing outputs to the event loop).
+  loop: inbox, handing outputs to the event loop);
+- how much longer a decode step runs when a new prompt reaches the engine during it
+  (`arrival_split`: the API thread's work for the prompt shares the process's GIL with the
+  core thread's step; the step model prices such a step as any other).
+
+`--engine-args="--device cuda"` runs the engines on a lent GPU (pass a profile calibrated there
+as --cpu-profile for the model columns; the arrival split normalises within the bench).
 
 The calibrated profile is read, not refitted (`--cpu-profile`; `sim_vs_bench.py` writes it).
 
@@ -69,6 +75,47 @@ def summarize(steps: list[dict], model) -> dict:
     return out
 
 
+def arrival_split(steps: list[dict], model) -> dict:
+    """Decode-only steps that ran back to back, by batch: those after which the engine's next
+    step admits a new prompt ("before an arrival": the prompt reached the engine's API thread
+    while the step ran, or in the gap after it) against those followed by another decode-only
+    step ("steady"). The API thread shares the engine process's GIL with the core thread, so a
+    prompt's handling (parsing, hashing, the chat template) can stretch the step it arrives
+    in, which the step model does not price. A step's excess is its span less the model's
+    price scaled to that batch's steady steps (their median span / model), so context and
+    the box's speed cancel; `fit` regresses the excess on the arriving prompt's tokens."""
+    import numpy as np
+
+    pairs: dict[int, dict[str, list[tuple[dict, dict]]]] = {}
+    for engine in sorted({s["engine"] for s in steps}):
+        mine = [s for s in steps if s["engine"] == engine]  # read_steps keeps each file's order
+        for s, nxt in itertools.pairwise(mine):
+            if s["pre"] or not s["dec"] or s["span"] == s["dt"]:
+                continue  # a prefill step, or the engine idled after it
+            side = "before_arrival" if nxt["pre"] else "steady"
+            pairs.setdefault(len(s["dec"]), {"before_arrival": [], "steady": []})[side].append((s, nxt))
+    out: dict = {"by_batch": {}}
+    tokens, excess = [], []
+    for b, sides in sorted(pairs.items()):
+        if len(sides["steady"]) < 10 or not sides["before_arrival"]:
+            continue
+        k = statistics.median(s["span"] / model(s) for s, _ in sides["steady"])
+        ex = [s["span"] - k * model(s) for s, _ in sides["before_arrival"]]
+        tokens += [sum(n + pre for n, pre in nxt["pre"]) for _, nxt in sides["before_arrival"]]
+        excess += ex
+        out["by_batch"][b] = {
+            "steady": len(sides["steady"]), "before_arrival": len(ex),
+            "steady_span_ms": 1e3 * statistics.median(s["span"] for s, _ in sides["steady"]),
+            "excess_ms_median": 1e3 * statistics.median(ex), "excess_ms_mean": 1e3 * statistics.fmean(ex)}
+    if len(excess) >= 10:
+        x = np.asarray(tokens, dtype=float)
+        a, slope = np.linalg.lstsq(np.vstack([np.ones_like(x), x]).T, np.asarray(excess), rcond=None)[0]
+        out["fit"] = {"n": len(excess), "excess_s": float(a), "excess_per_token_s": float(slope),
+                      "prompt_tokens_median": float(np.median(x)),
+                      "excess_ms_median": 1e3 * statistics.median(excess)}
+    return out
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of each thread of `pid`, summed by thread name."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -97,6 +144,10 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=18_520)
     ap.add_argument("--cpu-profile", default="benchmarks/results/sim_cpu_profile.json")
     ap.add_argument("--out", default="bench-out/sim_step_audit.json")
+    ap.add_argument("--engine-args", default="",
+                    help="more `agentserve serve` flags for both engines (\"--device cuda\" on a "
+                         "lent GPU; pass that device's profile as --cpu-profile, or read only the "
+                         "arrival split, which needs none)")
     a = ap.parse_args()
     if not Path(a.cpu_profile).is_file():
         ap.error(f"no calibrated profile at {a.cpu_profile}: run benchmarks/sim_vs_bench.py "
@@ -157,6 +208,7 @@ def main() -> None:
            "bench": {"output_tok_s": real["output_tok_s"], "ttft_p50_s": real["ttft_s"]["p50"],
                      "itl_p50_ms": real["itl_ms"]["p50"], "steps": len(bench_steps),
                      "by_kind": summarize(bench_steps, model),
+                     "arrival_split": arrival_split(bench_steps, model),
                      "loop_gap_ms_mean": 1e3 * statistics.fmean(loop_gaps) if loop_gaps else None},
            "sim": {"output_tok_s": summary["output_tok_s"], "ttft_p50_s": summary["ttft_s"]["p50"],
                    "itl_p50_ms": summary["itl_ms"]["p50"], "steps": len(sim_steps),
@@ -183,6 +235,16 @@ def main() -> None:
     for proc, threads in cpu_share.items():
         print(f"{proc}: " + ", ".join(f"{th} {v:.2f}" for th, v in sorted(threads.items(),
                                                                            key=lambda x: -x[1])))
+    split = res["bench"]["arrival_split"]
+    for b, row in split["by_batch"].items():
+        print(f"decode batch {b}: {row['before_arrival']} steps before an arrival run "
+              f"{row['excess_ms_median']:.2f} ms (median; mean {row['excess_ms_mean']:.2f}) past "
+              f"the model scaled to its {row['steady']} steady steps ({row['steady_span_ms']:.2f} ms)")
+    if "fit" in split:
+        f = split["fit"]
+        print(f"an arrival stretches the step it lands in by {1e3 * f['excess_s']:.2f} ms + "
+              f"{1e6 * f['excess_per_token_s']:.2f} us a prompt token ({f['n']} arrivals, prompts "
+              f"{f['prompt_tokens_median']:.0f} tokens median)")
     gap = res["bench"]["loop_gap_ms_mean"]
     print(f"between back-to-back steps the core loop took {gap:.2f} ms on average" if gap else "")
 

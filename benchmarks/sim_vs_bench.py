@@ -247,6 +247,7 @@ def read_steps(work: Path, since: float = float("-inf"), until: float = float("i
         recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
         for r, nxt in zip(recs, recs[1:] + [None]):
             r["dt"] = r["span"] = r["sched_s"] + r["exec_s"] + r["post_s"]
+            r["engine"] = f.name  # one file an engine process
             if not since <= r["t"] < until:
                 continue
             if nxt is not None and (gap := nxt["t"] - r["t"] - r["dt"]) < 0.005:

@@ -349,6 +349,39 @@ def test_sim_step_audit_runs(tmp_path: Path) -> None:
                out=tmp_path / "audit.json")
     assert res["bench"]["steps"] > 0 and res["sim"]["steps"] > 0
     assert all("model_ms" in row for row in res["bench"]["by_kind"].values())
+    assert "by_batch" in res["bench"]["arrival_split"]
+
+
+def test_arrival_split_measures_the_stretch() -> None:
+    """Steps before an arrival that run 3 ms + 1 us a prompt token past the steady steps
+    (priced 5 ms, measured 10: the box at half the model's speed) are found to, per batch
+    and in the fit; steps after which the engine idled and other engines' steps are apart."""
+    from sim_step_audit import arrival_split
+
+    def step(t: float, span: float, dec: int, pre: list | None = None, engine: str = "a") -> dict:
+        return {"t": t, "dt": span - 1e-4, "span": span, "dec": [100] * dec, "pre": pre or [],
+                "engine": engine}
+
+    steps, t = [], 0.0
+    for i in range(40):
+        prompt = 500 + 100 * i
+        if i % 2:  # a steady step, then one before an arrival, then the arrival's prefill
+            steps.append(step(t, 0.010, 2))
+            t += 0.010
+            steps.append(step(t, 0.010 + 0.003 + 1e-6 * prompt, 2))
+            t += 0.02
+            steps.append(step(t, 0.02, 2, [[16, prompt - 16]]))
+            t += 0.02
+        else:
+            steps.append(step(t, 0.010, 2))
+            t += 0.010
+    steps.append(step(t, 0.5, 2, engine="b"))  # another engine's lone step: no pair
+    out = arrival_split(steps, lambda s: 0.005)
+    row = out["by_batch"][2]
+    assert row["before_arrival"] == 20 and row["steady"] >= 20
+    assert row["excess_ms_median"] == pytest.approx(3 + 1e-3 * (500 + 100 * 20), abs=0.2)
+    assert out["fit"]["excess_s"] == pytest.approx(0.003, abs=1e-4)
+    assert out["fit"]["excess_per_token_s"] == pytest.approx(1e-6, rel=0.02)
 
 
 def test_pause_signal_orders_bound_each_other() -> None:
