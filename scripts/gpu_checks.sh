@@ -84,6 +84,13 @@ step engine-speed-tiny-fp32 60 "$PY" benchmarks/engine_speed.py --preset tiny --
 if [[ $DEV == cuda ]]; then
   step sim-vs-bench-cuda 300 "$PY" benchmarks/sim_vs_bench.py --engine-args="--device cuda" \
     --repeats 1 --stage 30 --out "$R/sim_vs_bench_cuda.json"
+  # ... and where its c8 lean sits: the bench's own steps against that GPU profile, with the
+  # arrival split (run 11: most of it in the steady decode steps' tail, 2-3 ms an arrival)
+  if [[ -f $R/sim_vs_bench_cuda_profile.json ]]; then
+    step sim-step-audit-cuda 90 "$PY" benchmarks/sim_step_audit.py --concurrency 8 --stage 30 \
+      --engine-args="--device cuda" --cpu-profile "$R/sim_vs_bench_cuda_profile.json" \
+      --out "$R/sim_step_audit_cuda_c8.json"
+  fi
 fi
 
 # KVTIER-1: restore vs recompute of a 16K prefix, cold start on a warm disk tier, store
