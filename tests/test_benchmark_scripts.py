@@ -375,6 +375,9 @@ def test_arrival_split_measures_the_stretch() -> None:
         else:
             steps.append(step(t, 0.010, 2))
             t += 0.010
+    idle = step(t, 0.5, 2)
+    idle["span"] = idle["dt"]  # the engine idled after it: not a back-to-back step
+    steps += [idle, step(t + 0.6, 0.02, 2, [[16, 100]])]
     steps.append(step(t, 0.5, 2, engine="b"))  # another engine's lone step: no pair
     out = arrival_split(steps, lambda s: 0.005)
     row = out["by_batch"][2]
