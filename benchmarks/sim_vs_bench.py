@@ -354,6 +354,10 @@ def sim_config(args: argparse.Namespace, concurrency: int, trace: Path, engine_b
 # (key, how to read it from a bench or simulator summary) for each metric compared
 METRICS = (("output_tok_s", lambda s: s["output_tok_s"]),
            ("ttft_p50_s", lambda s: s["ttft_s"]["p50"]),
+           # recorded, not banded (checks before stop 50 have none: None when re-simulated)
+           ("ttft_p10_s", lambda s: s["ttft_s"].get("p10")),
+           ("ttft_p25_s", lambda s: s["ttft_s"].get("p25")),
+           ("ttft_p90_s", lambda s: s["ttft_s"].get("p90")),
            ("itl_p50_ms", lambda s: s["itl_ms"]["p50"]),
            ("input_tok_s", lambda s: s["input_tok_s"]),
            ("requests_ok", lambda s: s["requests_ok"]))
@@ -459,7 +463,8 @@ def resimulate(path: Path, out: Path) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     # the recorded bench figures, as the summaries `compare` reads them
     bench = [[{"output_tok_s": r["output_tok_s"]["bench_runs"][k],
-               "ttft_s": {"p50": r["ttft_p50_s"]["bench_runs"][k]},
+               "ttft_s": {p: r[f"ttft_{p}_s"]["bench_runs"][k] if f"ttft_{p}_s" in r else None
+                          for p in ("p10", "p25", "p50", "p90")},
                "itl_ms": {"p50": r["itl_p50_ms"]["bench_runs"][k]},
                "input_tok_s": r["input_tok_s"]["bench_runs"][k],
                "requests_ok": r["requests_ok"]["bench_runs"][k]} for r in old["rows"]]
@@ -467,7 +472,7 @@ def resimulate(path: Path, out: Path) -> dict:
     rows = compare(conc, sim_runs, bench)
     for row, was, w in zip(rows, old["rows"], sim_wall):
         row["sim_wall_s"], row["bench_cached_frac"] = w, was.get("bench_cached_frac")
-        row["sim_before"] = {k: was[k]["sim"] for k, _ in METRICS}
+        row["sim_before"] = {k: was[k]["sim"] if k in was else None for k, _ in METRICS}
     result = {**old, "rows": rows, "resimulated_from": str(path),
               "bench_runs": [{**run, "step_drift": None} for run in runs]}
     out.write_text(json.dumps(result, indent=2, default=float))
@@ -585,7 +590,8 @@ def main() -> None:
         print_table(result)
         for r in result["rows"]:
             print(f"c{r['concurrency']}: simulated before " + ", ".join(
-                f"{k} {v:.3g} -> {r[k]['sim']:.3g}" for k, v in r["sim_before"].items()))
+                f"{k} {v:.3g} -> {r[k]['sim']:.3g}" for k, v in r["sim_before"].items()
+                if v is not None))
         print(f"wrote {args.out}", file=sys.stderr)
         return
     if args.mode == "schedule":
@@ -712,7 +718,8 @@ def print_table(result: dict) -> None:
         tab.add_column(col, justify="right")
     for r in result["rows"]:
         for k, _ in METRICS:
-            v = r[k]
+            if (v := r.get(k)) is None:
+                continue  # a metric a saved result from before it does not carry
             tab.add_row(str(r["concurrency"]), k, g(v["sim"]), g(v["bench"]), pct(v["err"]),
                         " / ".join(g(x) for x in v.get("sim_runs", [v["sim"]])),
                         " / ".join(g(x) for x in v["bench_runs"]),
