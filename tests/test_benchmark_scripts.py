@@ -352,6 +352,38 @@ def test_sim_step_audit_runs(tmp_path: Path) -> None:
     assert "by_batch" in res["bench"]["arrival_split"]
 
 
+@pytest.mark.slow
+def test_sim_request_path_joins_client_and_engine_stamps(tmp_path: Path) -> None:
+    """A 6 s closed-loop stage with the engines' request trace on: every answered request
+    joins its engine stamps by its X-Request-Id, and on the one clock the client and the
+    engines share, every piece of its TTFT is a forward step in time (a clock or join that
+    was off would put the engine's stamps before the client sent or after it read)."""
+    from sim_request_path import BENCH_PIECES, SIM_PIECES
+
+    res = _run("sim_request_path.py", "--mode", "concurrency", "--concurrency", "2", "--stage", "6",
+               "--sessions", "8", "--port", "18594",
+               "--cpu-profile", str(ROOT / "benchmarks/results/sim_cpu_profile.json"),
+               out=tmp_path / "path.json")
+    assert res["answered"] > 0 and res["joined"] == res["answered"]
+    for r in res["requests"]["bench"]:
+        assert all(r[p] >= 0 for p in BENCH_PIECES), r
+        assert r["to engine"] > 0 and r["prefill"] > 0
+    assert res["requests"]["sim"] and all(r[p] >= 0 for r in res["requests"]["sim"] for p in SIM_PIECES)
+    assert res["summary"]["all"]["bench"]["ttft"]["n"] == res["joined"]
+
+
+def test_request_path_helpers() -> None:
+    """Engine ids map back to the client's X-Request-Id (which may hold dashes), and a step
+    is in flight over [start, end) only."""
+    from sim_request_path import engine_id_to_client, stepping
+
+    assert engine_id_to_client("cmpl-s3-t2-main-0a1b2c3d-0") == "s3-t2-main"
+    assert engine_id_to_client("chatcmpl-x-deadbeef-1") == "x"
+    spans = [(1.0, 2.0), (2.5, 3.0)]
+    assert [stepping(spans, t) for t in (0.5, 1.0, 1.9, 2.0, 2.2, 2.7, 3.0)] == \
+        [False, True, True, False, False, True, False]
+
+
 def test_arrival_split_measures_the_stretch() -> None:
     """Steps before an arrival that run 3 ms + 1 us a prompt token past the steady steps
     (priced 5 ms, measured 10: the box at half the model's speed) are found to, per batch

@@ -43,3 +43,44 @@ def test_a_trace_that_cannot_be_written_turns_itself_off(tmp_path, caplog):
     assert tr._f is None and "step trace" in caplog.text
     tr.record(0.0, 0.0, 0.001, 0.0, [6], [])  # and later steps skip it
     tr.close()
+
+
+def test_the_request_trace_stamps_each_request_in_order(tmp_path, monkeypatch):
+    """With the trace on, a real server writes each request's path to its first token: the
+    core's line and the API thread's, joined by id, on one clock, in the order they happen."""
+    import time
+
+    import openai
+
+    from tests.conftest import ServerThread
+
+    monkeypatch.setenv(ENV, str(tmp_path / "steps"))
+    t_before = time.perf_counter()
+    server = ServerThread(kv_cache_tokens=4096, block_size=16, max_model_len=1024,
+                          max_num_batched_tokens=64).start()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+        prompt = list(range(20, 120))  # 100 tokens: two chunks of the 64-token budget
+        for rid in ("one", "two"):  # the second hits the first's cached blocks
+            stream = client.completions.create(model=server.engine.model_name, prompt=prompt,
+                                               max_tokens=3, stream=True,
+                                               extra_headers={"X-Request-Id": rid})
+            assert len([c for c in stream]) >= 1
+    finally:
+        server.close()
+    t_after = time.perf_counter()
+    (path,) = tmp_path.glob("steps-requests.*.jsonl")
+    recs = [json.loads(line) for line in path.read_text().splitlines()]
+    core = {r["core"]: r for r in recs if "core" in r}
+    api = {r["api"]: r for r in recs if "api" in r}
+    assert set(core) == set(api) and len(core) == 2  # engine ids: cmpl-<header>-<suffix>-0
+    for rid in core:
+        c, a = core[rid], api[rid]
+        assert c["n"] == 100
+        assert t_before < a["recv"] <= c["sub"] <= c["adm"] <= c["sched"] < c["tok"] <= a["first"] < t_after
+    first, second = sorted(core.values(), key=lambda r: r["sub"])
+    assert "-one-" in first["core"] and "-two-" in second["core"]
+    assert first["hit"] == 0 and second["hit"] == 96  # six whole 16-token blocks
+    # the steps' own file is untouched by the request records
+    assert all("core" not in line and "api" not in line
+               for f in tmp_path.glob("steps.*.jsonl") for line in f.read_text().splitlines())

@@ -18,7 +18,7 @@ from agentserve.engine.request import RequestOutput, RequestStatus
 from agentserve.engine.runner import ModelRunner
 from agentserve.engine.scheduler import Scheduler
 from agentserve.engine.sequence import Sequence
-from agentserve.engine.steptrace import StepTrace
+from agentserve.engine.steptrace import StepTrace, request_trace
 from agentserve.kv.events import KVEventQueue
 from agentserve.kv.zmq_events import KVEventPublisher
 
@@ -60,6 +60,7 @@ class EngineCore:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.trace = StepTrace.from_env()  # opt-in per-step timings (steptrace.py)
+        self.rtrace = request_trace() if self.trace is not None else None  # and request paths
 
     # ---- thread-safe entry points -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
@@ -136,6 +137,8 @@ class EngineCore:
     def _admit(self, seq: Sequence) -> RequestOutput | None:
         """Queue a new request; one that cannot be queued fails alone (an error output)."""
         self.seqs[seq.request_id] = seq
+        if self.rtrace is not None:
+            seq.timing = {"adm": time.perf_counter()}
         try:
             self.scheduler.add(seq)
         except Exception as exc:  # noqa: BLE001 - one bad request must not stop the others
@@ -184,6 +187,10 @@ class EngineCore:
             if pulls:
                 self.scheduler._finish_pulls(self.remote.poll(wait))
             return []
+        if self.rtrace is not None:
+            for s in sched.scheduled:
+                if s.seq.timing is not None and "sched" not in s.seq.timing:
+                    s.seq.timing["sched"] = t_sched
         t0 = time.perf_counter()
         tokens = self.runner.execute(sched, self.kv)
         t_exec = time.perf_counter()
@@ -192,6 +199,7 @@ class EngineCore:
             if prefill >= self.kv.block_size:  # decode-only steps say little about prefill
                 self.tiers.est.observe_prefill(sched.num_tokens, time.perf_counter() - t0)
         outputs: list[RequestOutput] = []
+        firsts: list[Sequence] = []  # sampled their first token in this step (request trace)
         it = iter(tokens)
         for s in sched.scheduled:
             seq = s.seq
@@ -214,6 +222,8 @@ class EngineCore:
                     continue
             if seq.num_output_tokens == 0:  # first token: the prompt is prefilled
                 self.prompt_tokens += seq.num_prompt_tokens
+                if seq.timing is not None:
+                    firsts.append(seq)
             seq.token_ids.append(token)
             self.generation_tokens += 1
             reason = self._stop_reason(seq, token)
@@ -230,6 +240,11 @@ class EngineCore:
             self.kv.pool.check_invariants()
         if self.trace is not None:
             t1 = time.perf_counter()
+            if self.rtrace is not None:
+                for seq in firsts:  # (`sub`: the Sequence's creation, right before its submit)
+                    self.rtrace.record(dict(core=seq.request_id, n=seq.num_prompt_tokens,
+                                            hit=max(seq.num_cached_tokens, 0), sub=seq.arrival,
+                                            **(seq.timing or {}), tok=t1))
             self.trace.record(t_sched, t0 - t_sched, t_exec - t0, t1 - t_exec,
                               [s.seq.num_computed_tokens for s in sched.scheduled if s.num_tokens == 1],
                               [(s.num_tokens, s.seq.num_computed_tokens - s.num_tokens)

@@ -39,6 +39,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # TokenLogprobs per output token, if asked
     # TokenLogprobs per prompt position (None at 0), filled chunk by chunk, if asked
     prompt_logprobs: list | None = None
+    timing: dict | None = None  # request-path stamps, only under the request trace (steptrace.py)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -25,6 +25,7 @@ from agentserve.engine.metrics import RequestTimer, ServerMetrics
 from agentserve.engine.protocol import (APIError, StreamOptions, _Sampling,
                                         check_length, prompt_logprobs_of)
 from agentserve.engine.request import RequestOutput, SamplingParams, TokenLogprobs
+from agentserve.engine.steptrace import request_trace
 from agentserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -146,9 +147,14 @@ class Generation:
         if self.kv_transfer:
             kw["kv_transfer"] = self.kv_transfer
         stream = self.engine.generate(self.request_id, self.prompt_ids, self.params, **kw)
+        rtrace = request_trace()  # None unless AGENTSERVE_STEP_TRACE is set (a diagnostic)
         try:
             async with contextlib.aclosing(stream):
                 async for out in stream:
+                    if rtrace is not None:
+                        rtrace.record({"api": self.request_id, "recv": self.timer.arrival,
+                                       "first": time.perf_counter()})
+                        rtrace = None  # the first output only
                     text = self._take(out)
                     if text or self._lps or self._ids:
                         lps, self._lps = self._lps, []

@@ -47,6 +47,10 @@ class AggInstance(Instance):
         self._keys: dict[int, list[int]] = {}  # id(request) -> the hashes it registered
         # steps as the engine's step trace records them, when a list (engine/steptrace.py)
         self.trace: list[dict] | None = None
+        # when a dict: request id -> its path's stamps, as the engine's request trace has
+        # them (`route`: reached this engine, `adm`: queued after any busy wait, `sched`: its
+        # first step began, `tok`: its first token; `busy`: the engine was stepping at `route`)
+        self.req_trace: dict[str, dict] | None = None
         self.on_first: Callable[[SimRequest], None] | None = None  # a request's first token
         self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
         self._join_base: dict[int, int] = {}  # id(parked request) -> its hit when it first parked
@@ -57,10 +61,16 @@ class AggInstance(Instance):
         with the core thread, so a request's own handling waits while that thread steps (the
         cpu-local profile's `request_overhead_busy_s` and `_busy_per_token_s`)."""
         fixed, per_token = self.busy_wait
+        if self.req_trace is not None:
+            if not waited:
+                self.req_trace[req.rec.request_id] = {"n": req.n_in, "route": self.clock.now,
+                                                      "busy": bool(self.rank.running)}
         if not waited and (fixed or per_token) and self.rank.running:
             delay = fixed + per_token * req.n_in
             self.clock.at(self.clock.now + delay, lambda: self.arrive(req, True))
             return
+        if self.req_trace is not None:
+            self.req_trace[req.rec.request_id]["adm"] = self.clock.now
         self.rank.waiting.append(req)
         self.kick()
 
@@ -197,6 +207,11 @@ class AggInstance(Instance):
         else:
             dt = (self.perf.prefill_step([pre]) if pre else 0.0) + (
                 self.perf.decode_step([[q.n_in + q.out_done for q in dec]], 0) if dec else 0.0)
+        if self.req_trace is not None:
+            for q, _ in plan:
+                stamps = self.req_trace.get(q.rec.request_id)
+                if stamps is not None and "sched" not in stamps:
+                    stamps["sched"], stamps["hit"] = self.clock.now, q.cached
         if self.trace is not None:
             self.trace.append({"t": self.clock.now, "dt": dt, "pre": pre,
                                "dec": [q.n_in + q.out_done for q in dec]})
@@ -220,6 +235,8 @@ class AggInstance(Instance):
             rec.chunk_tokens.append(1)
             if rec.ttft is None:
                 rec.ttft = now - rec.start
+                if self.req_trace is not None and rec.request_id in self.req_trace:
+                    self.req_trace[rec.request_id]["tok"] = now
                 if self.on_first is not None:
                     self.on_first(req)
             if req.out_done >= req.n_out:
