@@ -386,10 +386,13 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     # unlike `_itl`). What they take beyond the idle overhead, the mean wait for the step in
     # flight (half a step) and their own step is the busy engine's extra.
     busy = []
+    windows: list[list[float]] = []  # each kept busy phase's (start, end), `time.perf_counter`
     for _ in range(reps):
+        t0 = time.perf_counter()
         ttfts, throughout = asyncio.run(_probe_busy(url, model, 4, 12, rng))
         if throughout:  # each engine decoded its batch while every probe ran
             busy.append(statistics.median(ttfts))
+            windows.append([t0, time.perf_counter()])
     step4 = dec[4] - attn_d * 4 * (prompt - 256) + tok * 16
     busy_extra = (max(statistics.median(busy) - (ttft[16] - one_step) - 1.5 * step4, 0.0)
                   if busy else 0.0)
@@ -398,9 +401,11 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
     # a token costs a busy engine's request path beyond its idle per-token cost
     busy_long = []
     for _ in range(reps):
+        t0 = time.perf_counter()
         ttfts, throughout = asyncio.run(_probe_busy(url, model, 4, 12, rng, prompt=long))
         if throughout:
             busy_long.append(statistics.median(ttfts))
+            windows.append([t0, time.perf_counter()])
     idle_per_token = max((statistics.median(cached) - ttft[16]) / (len(long) - 16), 0.0)
     busy_per_token = (max((statistics.median(busy_long) - statistics.median(busy))
                           / (len(long) - 16) - idle_per_token, 0.0)
@@ -428,10 +433,108 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
         "request_overhead_busy_s": busy_extra, "busy_probe_ttft_s": busy,
         "request_overhead_busy_per_token_s": busy_per_token,
         "busy_probe_long_ttft_s": {str(len(long)): busy_long},
+        # where `with_arrival_stretch` reads the engines' traces (the busy probes' phases)
+        "busy_probe_windows": windows,
         "flops": 2 * chunk / (t_p0 + t_p1) * 2 * m.total_params(),
         "mem_bw": (m.total_params() * m.weight_bytes + prompt * m.kv_bytes_per_token()) / dec[1],
         "per_request_s": max(slope, 0.0),
     }
+
+
+STRETCH_NEAR_S = 0.3  # a probe's steps are priced by its engine's steady steps this close
+
+
+def _traces(trace: Path) -> tuple[dict[str, list[dict]], list[dict]]:
+    """The step traces by engine (pid) and the request records (core and API lines merged,
+    with the engine's pid) under the prefix `trace` (engine/steptrace.py)."""
+    steps: dict[str, list[dict]] = {}
+    for f in trace.parent.glob(f"{trace.name}.*.jsonl"):
+        recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+        for r in recs:
+            r["dt"] = r["sched_s"] + r["exec_s"] + r["post_s"]
+        steps[f.name.split(".")[-2]] = sorted(recs, key=lambda r: r["t"])
+    reqs: dict[str, dict] = {}
+    for f in trace.parent.glob(f"{trace.name}-requests.*.jsonl"):
+        pid = f.name.split(".")[-2]
+        for line in f.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                reqs.setdefault(r.pop("core", None) or r.pop("api"), {"engine": pid}).update(r)
+    return steps, [r for r in reqs.values() if {"recv", "sub", "n"} <= r.keys()]
+
+
+def probe_stretches(steps: dict[str, list[dict]], reqs: list[dict], lo: float, hi: float,
+                    sizes: tuple[int, ...]) -> dict[int, list[float]]:
+    """For each probe (a request of one of `sizes` prompt tokens whose HTTP handler began in
+    [lo, hi)): how much longer the steps of its engine that overlapped its handling (from the
+    handler's start to its hand-over to the core) ran than that engine's steady steps of the
+    same decode batch within `STRETCH_NEAR_S`, those that overlapped no request's handling.
+    Probes whose handling overlapped a prefill, or a step of another batch, are left out."""
+    handling: dict[str, list[tuple[float, float]]] = {}
+    for r in reqs:
+        handling.setdefault(r["engine"], []).append((r["recv"], r["sub"]))
+
+    def handled(engine: str, a: float, b: float) -> bool:
+        return any(x < b and y > a for x, y in handling.get(engine, ()))
+
+    out: dict[int, list[float]] = {n: [] for n in sizes}
+    for r in reqs:
+        if r["n"] not in out or not lo <= r["recv"] < hi:
+            continue
+        mine = steps.get(r["engine"], [])
+        over = [s for s in mine if s["t"] < r["sub"] and s["t"] + s["dt"] > r["recv"]]
+        if not over or any(s["pre"] for s in over) or len({len(s["dec"]) for s in over}) != 1:
+            continue
+        batch = len(over[0]["dec"])
+        steady = [s["dt"] for s in mine if abs(s["t"] - r["recv"]) < STRETCH_NEAR_S
+                  and not s["pre"] and len(s["dec"]) == batch
+                  and not handled(r["engine"], s["t"], s["t"] + s["dt"])]
+        if len(steady) >= 5:
+            out[r["n"]].append(sum(s["dt"] for s in over) - len(over) * statistics.median(steady))
+    return out
+
+
+def with_arrival_stretch(profile: dict, trace: str | Path) -> dict:
+    """`profile` with the arrival stretch measured on the engines' own traces (prefix `trace`,
+    `AGENTSERVE_STEP_TRACE` of the calibrated cluster; read once its engines have stopped, so
+    their step traces are flushed): how much longer a step runs for a request reaching its
+    engine during it (`arrival_stretch_s` + `arrival_stretch_per_token_s` x prompt tokens),
+    from the busy probes, 16-token ones and cached long ones, against their engine's steady
+    steps (`probe_stretches`). A step's time adds up in its streams' tokens, so each phase's
+    mean; the median of the phases. The busy request path measured through the client held
+    the same stretch (a busy probe waits for the step it stretched), so it is taken out of
+    `request_overhead_busy_s` and its per-token part (as measured: `..._measured_...`).
+    A profile without busy windows, or traces with under 4 probes of a size in 2 phases, is
+    returned as it is, with `arrival_stretch_error` saying why."""
+    out = dict(profile)
+    windows = profile.get("busy_probe_windows") or []
+    sizes = (16, 4 * int(profile.get("chunk", 2048)))
+    steps, reqs = _traces(Path(trace))
+    per_size: dict[int, list[float]] = {n: [] for n in sizes}
+    for lo, hi in windows:
+        for n, xs in probe_stretches(steps, reqs, lo, hi, sizes).items():
+            if len(xs) >= 4:
+                per_size[n].append(statistics.fmean(xs))
+    if any(len(v) < 2 for v in per_size.values()):
+        out["arrival_stretch_error"] = (f"too few busy probes in the engines' traces under {trace} "
+                                        f"(phases with 4 or more, by size: "
+                                        f"{ {n: len(v) for n, v in per_size.items()} })")
+        return out
+    short, long_ = (statistics.median(per_size[n]) for n in sizes)
+    per_token = max((long_ - short) / (sizes[1] - sizes[0]), 0.0)
+    fixed = max(short - per_token * sizes[0], 0.0)
+    busy = profile.get("request_overhead_busy_measured_s", profile.get("request_overhead_busy_s", 0.0))
+    busy_tok = profile.get("request_overhead_busy_measured_per_token_s",
+                           profile.get("request_overhead_busy_per_token_s", 0.0))
+    out.update({
+        "arrival_stretch_s": fixed, "arrival_stretch_per_token_s": per_token,
+        "arrival_stretch_by_size_s": {str(n): per_size[n] for n in sizes},
+        "request_overhead_busy_measured_s": busy,
+        "request_overhead_busy_measured_per_token_s": busy_tok,
+        "request_overhead_busy_s": max(busy - fixed - per_token * sizes[0], 0.0),
+        "request_overhead_busy_per_token_s": max(busy_tok - per_token, 0.0)})
+    out.pop("arrival_stretch_error", None)
+    return out
 
 
 def main() -> None:
@@ -456,11 +559,16 @@ def main() -> None:
         cluster = Cluster(work, port=args.port,
                           engine_args=["--kv-cache-tokens", str(args.kv_tokens),
                                        "--max-num-batched-tokens", str(args.chunk)])
-        cluster.start(parse_topology("2"))
+        os.environ["AGENTSERVE_STEP_TRACE"] = str(work / "steps")  # for the arrival stretch
+        try:
+            cluster.start(parse_topology("2"))
+        finally:
+            os.environ.pop("AGENTSERVE_STEP_TRACE", None)
         try:
             profile = calibrate_server(f"http://127.0.0.1:{args.port}", args.prompt, args.chunk)
         finally:
             cluster.stop()
+        profile = with_arrival_stretch(profile, work / "steps")
     else:
         profile = calibrate(args.model, args.prompt, args.chunk, args.steps, args.threads)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -46,6 +46,7 @@ from rich.table import Table
 from sim_vs_bench import (  # benchmarks/: the same corpus, cluster and simulator set-up
     MOONCAKE,
     PROFILE,
+    _calibrator,
     _engine_block,
     add_workload_args,
     calibrate_on,
@@ -244,6 +245,9 @@ def main() -> None:
         engine_block = _engine_block(cluster.engines[0][0].url)
     finally:
         cluster.stop()
+    if a.calibrate:  # the engines have stopped: their traces are whole
+        profile = _calibrator().with_arrival_stretch(profile, work / "steps")
+        profile_path.write_text(json.dumps(profile))
     steps, _ = read_steps(work, since=since)
     bench = bench_pieces(run.records, run.t0, read_request_trace(work), busy_at(steps))
     if not bench:

@@ -497,13 +497,7 @@ def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir
     from agentserve.workload.replay import BenchConfig, run_bench
 
     def start(attempt: int):
-        # the engines trace their steps (engine/steptrace.py: a JSON line a step, ~15 us
-        # against steps of 5-50 ms), for `step_drift`
-        os.environ["AGENTSERVE_STEP_TRACE"] = str(run_dir / "steps")
-        try:
-            return start_cluster(args, run_dir / ("cluster" if not attempt else f"cluster{attempt}"))
-        finally:
-            os.environ.pop("AGENTSERVE_STEP_TRACE", None)
+        return start_traced(args, run_dir, "cluster" if not attempt else f"cluster{attempt}")
 
     url = f"http://127.0.0.1:{args.port}"
     out: dict = {}
@@ -539,8 +533,20 @@ def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir
         out["engine_block"] = _engine_block(cluster.engines[0][0].url)
     finally:
         cluster.stop()
+    if out.get("profile") is not None:  # the engines have stopped: their traces are whole
+        out["profile"] = _calibrator().with_arrival_stretch(out["profile"], run_dir / "steps")
     return out
 
+
+def start_traced(args: argparse.Namespace, run_dir: Path, name: str):
+    """`start_cluster` in `run_dir / name` with the engines tracing their steps and requests
+    under the prefix `run_dir / "steps"` (engine/steptrace.py: a JSON line a step, ~15 us
+    against steps of 5-50 ms), for `step_drift` and the calibration's arrival stretch."""
+    os.environ["AGENTSERVE_STEP_TRACE"] = str(run_dir / "steps")
+    try:
+        return start_cluster(args, run_dir / name)
+    finally:
+        os.environ.pop("AGENTSERVE_STEP_TRACE", None)
 
 
 def main() -> None:
@@ -644,8 +650,9 @@ def main() -> None:
         steal["calibration"] = [a.pop("steal_calibration") for a in attempts]
         try:
             cluster, after, st, errors = start_calibrated(
-                args, lambda k: start_cluster(args, work / f"calibrate_after{k or ''}"))
+                args, lambda k: start_traced(args, work / "calibrate_after", f"cluster{k or ''}"))
             cluster.stop()
+            after = _calibrator().with_arrival_stretch(after, work / "calibrate_after" / "steps")
         except RuntimeError as e:  # twice: the last run is priced with its calibration before
             after, st, errors = None, None, [str(e)]
             print(f"the calibration after the runs failed {e}: the last run is priced "

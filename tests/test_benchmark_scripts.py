@@ -419,6 +419,50 @@ def test_arrival_split_measures_the_stretch() -> None:
     assert out["fit"]["excess_per_token_s"] == pytest.approx(1e-6, rel=0.02)
 
 
+def test_calibration_reads_the_arrival_stretch_off_the_engines_traces(tmp_path: Path) -> None:
+    """Synthetic traces of one engine decoding 4 streams in 5 ms steps; a busy probe's
+    handling (16 tokens, or the cached 8,192) stretches the step it overlaps by 2 ms + 0.5 us a
+    prompt token. The calibration finds both from the traces, within its busy phases only
+    (the probes outside them stretch 10x as much and are not read), and takes the stretch out
+    of the busy request path it measured through the client."""
+    from sim_calibrate_cpu import with_arrival_stretch
+
+    steps, reqs, t = [], [], 100.0
+    windows: list[list[float]] = []
+    for phase, n in enumerate((16, 16, 8192, 8192, 16)):
+        lo = t
+        for k in range(6):
+            for _ in range(8):  # steady steps
+                steps.append({"t": t, "sched_s": 0.0, "exec_s": 0.005, "post_s": 0.0,
+                              "dec": [300] * 4, "pre": []})
+                t += 0.005
+            stretch = (0.002 + 0.5e-6 * n) * (10 if phase == 4 else 1)
+            steps.append({"t": t, "sched_s": 0.0, "exec_s": 0.005 + stretch, "post_s": 0.0,
+                          "dec": [300] * 4, "pre": []})
+            reqs += [{"api": f"p{phase}-{k}", "recv": t + 0.001, "first": t + 0.05},
+                     {"core": f"p{phase}-{k}", "n": n, "hit": 0, "sub": t + 0.002,
+                      "adm": t + 0.006, "sched": t + 0.006, "tok": t + 0.01}]
+            t += 0.005 + stretch
+        if phase < 4:
+            windows.append([lo, t])
+    (tmp_path / "steps.7.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
+    (tmp_path / "steps-requests.7.jsonl").write_text("".join(json.dumps(x) + "\n" for x in reqs))
+    profile = {"chunk": 2048, "busy_probe_windows": windows, "request_overhead_busy_s": 0.003,
+               "request_overhead_busy_per_token_s": 1e-6}
+    out = with_arrival_stretch(profile, tmp_path / "steps")
+    assert out["arrival_stretch_s"] == pytest.approx(0.002, abs=1e-6)
+    assert out["arrival_stretch_per_token_s"] == pytest.approx(0.5e-6, rel=1e-3)
+    assert out["request_overhead_busy_s"] == pytest.approx(0.003 - 0.002 - 16 * 0.5e-6, abs=1e-6)
+    assert out["request_overhead_busy_per_token_s"] == pytest.approx(0.5e-6, rel=1e-3)
+    assert out["request_overhead_busy_measured_s"] == 0.003
+    # once more on its own output: the same (it starts from what was measured)
+    assert with_arrival_stretch(out, tmp_path / "steps")["request_overhead_busy_s"] == \
+        pytest.approx(out["request_overhead_busy_s"])
+    # no traces there: the profile as it was, and why
+    bare = with_arrival_stretch(profile, tmp_path / "nothing")
+    assert "arrival_stretch_s" not in bare and "too few busy probes" in bare["arrival_stretch_error"]
+
+
 def test_pause_signal_orders_bound_each_other() -> None:
     """kvtier_pause_signal.py's offline replay on the bundled Weka mini trace: the oracle
     (Belady) brings back the fewest blocks; a hint with no error is the oracle itself; a

@@ -275,6 +275,52 @@ def test_a_busy_engine_slows_its_api_server(tmp_path, monkeypatch) -> None:
     assert per_token["ttft_s"]["p50"] < base["ttft_s"]["p50"] + hi + 0.01
 
 
+def test_requests_reaching_a_stepping_engine_stretch_its_step(tmp_path, monkeypatch) -> None:
+    """The profile's `arrival_stretch_s` (+ `_per_token_s` x prompt tokens): each request that
+    reaches an engine while a step is in flight makes that step end that much later (its
+    handling took the GIL from the core thread), however many arrive during it, and a request
+    reaching an idle engine stretches nothing. Without the keys the run is as before."""
+    _hw(tmp_path, monkeypatch)
+    cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=1, concurrency=1, duration=60.0,
+                    mtp=False, cpu_offload_gib=0, chunk=2048, kv_tokens=20_000, max_output=50,
+                    join_midway=False)
+
+    def steps_with(arrivals: list[tuple[float, int]], **kw) -> tuple[list[float], list]:
+        """Step ends on one engine: a 640-token prompt at 0, then `arrivals` (time, tokens)."""
+        _hw(tmp_path, monkeypatch, **kw)
+        sim = Simulation(cfg, iter([]))
+        agg = sim.aggs[0]
+        ends: list[float] = []
+        done = agg._done
+        monkeypatch.setattr(agg, "_done", lambda plan: (ends.append(sim.clock.now), done(plan)))
+        for i, (t, n) in enumerate([(0.0, 640), *arrivals]):
+            tr = TraceRequest(t=t, input_tokens=n, output_tokens=50,
+                              hash_ids=[100 * i + j for j in range(n // 64)])
+            sim.clock.at(t, lambda i=i, tr=tr: agg.arrive(SimRequest(
+                RequestRecord(f"r{i}", f"s{i}", 0, "main", start=sim.clock.now,
+                              input_tokens=tr.input_tokens, max_tokens=50),
+                [100 * i + j for j in range(tr.input_tokens // 64)], tr.input_tokens, 50,
+                lambda q: None)))
+        sim.clock.run(0.2)
+        return ends, sim.aggs
+    base, _ = steps_with([])
+    assert steps_with([], arrival_stretch_s=0.0)[0] == base  # the key at 0: nothing moves
+    # the prompt's step (~70 ms here: 640 tokens at 0.1 ms) ends 2 ms + 1 us a token later for
+    # each of two requests arriving during it; the steps after it keep their own lengths
+    first = base[0]
+    ends, aggs = steps_with([(first / 2, 64), (first * 0.9, 128)], arrival_stretch_s=0.002,
+                            arrival_stretch_per_token_s=1e-6)
+    assert aggs[0].stretch == (0.002, 1e-6)
+    assert ends[0] == pytest.approx(first + 0.004 + 1e-6 * (64 + 128), abs=1e-9)
+    # a request reaching the engine after the first step, between steps (it is idle only if
+    # nothing runs; here the 640-token request decodes on): it stretches that decode step
+    late, _ = steps_with([(first + 1e-4, 64)], arrival_stretch_s=0.002)
+    assert late[0] == pytest.approx(first, abs=1e-9) and late[1] - late[0] > base[1] - base[0] + 0.0019
+    # the engine idle when the request arrives: nothing to stretch
+    idle, _ = steps_with([], arrival_stretch_s=0.002)
+    assert idle[0] == pytest.approx(first, abs=1e-9)
+
+
 def test_a_burst_reaches_the_engines_in_its_order_spaced_by_its_prompts(tmp_path,
                                                                       monkeypatch) -> None:
     """Requests sent at one instant go through the client, the router and the API servers one

@@ -24,7 +24,7 @@ from agentserve.engine.decode_groups import read_keys
 from agentserve.engine.inflight import MIN_JOIN_BLOCKS
 from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
-from agentserve.sim.config import busy_path
+from agentserve.sim.config import arrival_stretch, busy_path
 from agentserve.sim.perf import PerfModel
 from agentserve.sim.pools import Instance
 
@@ -40,6 +40,9 @@ class AggInstance(Instance):
         self.preemptions = 0
         # what a request reaching this engine while it steps waits: (fixed s, s a prompt token)
         self.busy_wait = busy_path(perf.hw)
+        # what a request reaching this engine adds to the step in flight: (fixed s, s a token)
+        self.stretch = arrival_stretch(perf.hw)
+        self._owed = 0.0  # what arrivals during the step in flight added to it so far
         self.hit_tokens = self.prompt_tokens = self.joined_tokens = 0
         bs = rank.pool.block_size
         self.min_join = cdiv(MIN_JOIN_BLOCKS * self.engine_block, bs)  # in pool blocks
@@ -65,6 +68,8 @@ class AggInstance(Instance):
             if not waited:
                 self.req_trace[req.rec.request_id] = {"n": req.n_in, "route": self.clock.now,
                                                       "busy": bool(self.rank.running)}
+        if not waited and self.busy:  # its handling stretches the step in flight
+            self._owed += self.stretch[0] + self.stretch[1] * req.n_in
         if not waited and (fixed or per_token) and self.rank.running:
             delay = fixed + per_token * req.n_in
             self.clock.at(self.clock.now + delay, lambda: self.arrive(req, True))
@@ -215,7 +220,19 @@ class AggInstance(Instance):
         if self.trace is not None:
             self.trace.append({"t": self.clock.now, "dt": dt, "pre": pre,
                                "dec": [q.n_in + q.out_done for q in dec]})
-        self._run(dt, lambda: self._done(plan))
+        self._owed = 0.0
+        self._run(dt, lambda: self._end(plan))
+
+    def _end(self, plan: list[tuple[SimRequest, int]]) -> None:
+        """The step's end, unless requests that arrived during it owe it time
+        (`arrival_stretch`): then it ends that much later, and what arrives meanwhile adds."""
+        owed = self._owed
+        if owed > 0:
+            self._owed = 0.0
+            self.busy_s += owed
+            self.clock.at(self.clock.now + owed, lambda: self._end(plan))
+            return
+        self._done(plan)
 
     def _done(self, plan: list[tuple[SimRequest, int]]) -> None:
         r, bs, now = self.rank, self.rank.pool.block_size, self.clock.now

@@ -197,6 +197,19 @@ def busy_path(hw: HardwareSpec) -> tuple[float, float]:
             float(m.get("request_overhead_busy_per_token_s", 0.0)))
 
 
+def arrival_stretch(hw: HardwareSpec) -> tuple[float, float]:
+    """How much longer one of our engines' step in flight runs for each request that reaches
+    the engine during it (fixed s, s per prompt token): the request's handling on the API
+    thread (JSON, hashing, hand-over) takes the GIL from the core thread's step. The cpu-local
+    profile's `arrival_stretch_s` and `arrival_stretch_per_token_s`, measured on the engines'
+    own step and request traces during the calibration's busy probes
+    (`sim_calibrate_cpu.with_arrival_stretch`); 0 for a profile without them and for other
+    hardware (vLLM's API servers are their own processes)."""
+    m = hw.measured or {}
+    return (float(m.get("arrival_stretch_s", 0.0)),
+            float(m.get("arrival_stretch_per_token_s", 0.0)))
+
+
 def check_route_miss(share: float) -> None:
     """Refuse a `--route-miss` share outside [0, 1]."""
     if not 0.0 <= share <= 1.0:
