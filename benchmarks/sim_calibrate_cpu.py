@@ -494,18 +494,21 @@ def probe_stretches(steps: dict[str, list[dict]], reqs: list[dict], lo: float, h
     return out
 
 
-def with_arrival_stretch(profile: dict, trace: str | Path) -> dict:
+def with_arrival_stretch(profile: dict, trace: str | Path, apply: bool = False) -> dict:
     """`profile` with the arrival stretch measured on the engines' own traces (prefix `trace`,
     `AGENTSERVE_STEP_TRACE` of the calibrated cluster; read once its engines have stopped, so
     their step traces are flushed): how much longer a step runs for a request reaching its
-    engine during it (`arrival_stretch_s` + `arrival_stretch_per_token_s` x prompt tokens),
-    from the busy probes, 16-token ones and cached long ones, against their engine's steady
-    steps (`probe_stretches`). A step's time adds up in its streams' tokens, so each phase's
-    mean; the median of the phases. The busy request path measured through the client held
-    the same stretch (a busy probe waits for the step it stretched), so it is taken out of
-    `request_overhead_busy_s` and its per-token part (as measured: `..._measured_...`).
-    A profile without busy windows, or traces with under 4 probes of a size in 2 phases, is
-    returned as it is, with `arrival_stretch_error` saying why."""
+    engine during it, fixed + per prompt token, from the busy probes, 16-token ones and cached
+    long ones, against their engine's steady steps (`probe_stretches`). A step's time adds up
+    in its streams' tokens, so each phase's mean; the median of the phases.
+
+    Recorded as `arrival_stretch_measured_s` / `_per_token_s`, which the simulator does not
+    read. `apply` also writes the keys it does read (`arrival_stretch_s` / `_per_token_s`,
+    `config.arrival_stretch`) and takes the stretch out of the busy request path measured
+    through the client, which held it (a busy probe waits for the step it stretched; the
+    reading is kept as `request_overhead_busy_measured_*`): the model tried at stop 51 and
+    not adopted (sim NOTEBOOK). A profile without busy windows, or traces with under 4 probes
+    of a size in 2 phases, is returned as it is, with `arrival_stretch_error` saying why."""
     out = dict(profile)
     windows = profile.get("busy_probe_windows") or []
     sizes = (16, 4 * int(profile.get("chunk", 2048)))
@@ -523,17 +526,21 @@ def with_arrival_stretch(profile: dict, trace: str | Path) -> dict:
     short, long_ = (statistics.median(per_size[n]) for n in sizes)
     per_token = max((long_ - short) / (sizes[1] - sizes[0]), 0.0)
     fixed = max(short - per_token * sizes[0], 0.0)
-    busy = profile.get("request_overhead_busy_measured_s", profile.get("request_overhead_busy_s", 0.0))
-    busy_tok = profile.get("request_overhead_busy_measured_per_token_s",
-                           profile.get("request_overhead_busy_per_token_s", 0.0))
-    out.update({
-        "arrival_stretch_s": fixed, "arrival_stretch_per_token_s": per_token,
-        "arrival_stretch_by_size_s": {str(n): per_size[n] for n in sizes},
-        "request_overhead_busy_measured_s": busy,
-        "request_overhead_busy_measured_per_token_s": busy_tok,
-        "request_overhead_busy_s": max(busy - fixed - per_token * sizes[0], 0.0),
-        "request_overhead_busy_per_token_s": max(busy_tok - per_token, 0.0)})
+    out.update({"arrival_stretch_measured_s": fixed,
+                "arrival_stretch_measured_per_token_s": per_token,
+                "arrival_stretch_by_size_s": {str(n): per_size[n] for n in sizes}})
     out.pop("arrival_stretch_error", None)
+    if apply:
+        busy = profile.get("request_overhead_busy_measured_s",
+                           profile.get("request_overhead_busy_s", 0.0))
+        busy_tok = profile.get("request_overhead_busy_measured_per_token_s",
+                               profile.get("request_overhead_busy_per_token_s", 0.0))
+        out.update({
+            "arrival_stretch_s": fixed, "arrival_stretch_per_token_s": per_token,
+            "request_overhead_busy_measured_s": busy,
+            "request_overhead_busy_measured_per_token_s": busy_tok,
+            "request_overhead_busy_s": max(busy - fixed - per_token * sizes[0], 0.0),
+            "request_overhead_busy_per_token_s": max(busy_tok - per_token, 0.0)})
     return out
 
 

@@ -423,8 +423,9 @@ def test_calibration_reads_the_arrival_stretch_off_the_engines_traces(tmp_path: 
     """Synthetic traces of one engine decoding 4 streams in 5 ms steps; a busy probe's
     handling (16 tokens, or the cached 8,192) stretches the step it overlaps by 2 ms + 0.5 us a
     prompt token. The calibration finds both from the traces, within its busy phases only
-    (the probes outside them stretch 10x as much and are not read), and takes the stretch out
-    of the busy request path it measured through the client."""
+    (the probes outside them stretch 10x as much and are not read), and records them; applied
+    (the model tried at stop 51), it also takes the stretch out of the busy request path it
+    measured through the client."""
     from sim_calibrate_cpu import with_arrival_stretch
 
     steps, reqs, t = [], [], 100.0
@@ -449,18 +450,24 @@ def test_calibration_reads_the_arrival_stretch_off_the_engines_traces(tmp_path: 
     (tmp_path / "steps-requests.7.jsonl").write_text("".join(json.dumps(x) + "\n" for x in reqs))
     profile = {"chunk": 2048, "busy_probe_windows": windows, "request_overhead_busy_s": 0.003,
                "request_overhead_busy_per_token_s": 1e-6}
-    out = with_arrival_stretch(profile, tmp_path / "steps")
+    measured = with_arrival_stretch(profile, tmp_path / "steps")
+    assert measured["arrival_stretch_measured_s"] == pytest.approx(0.002, abs=1e-6)
+    assert measured["arrival_stretch_measured_per_token_s"] == pytest.approx(0.5e-6, rel=1e-3)
+    # recorded only: the simulator's keys and the busy path are untouched
+    assert "arrival_stretch_s" not in measured and measured["request_overhead_busy_s"] == 0.003
+    out = with_arrival_stretch(profile, tmp_path / "steps", apply=True)
     assert out["arrival_stretch_s"] == pytest.approx(0.002, abs=1e-6)
     assert out["arrival_stretch_per_token_s"] == pytest.approx(0.5e-6, rel=1e-3)
     assert out["request_overhead_busy_s"] == pytest.approx(0.003 - 0.002 - 16 * 0.5e-6, abs=1e-6)
     assert out["request_overhead_busy_per_token_s"] == pytest.approx(0.5e-6, rel=1e-3)
     assert out["request_overhead_busy_measured_s"] == 0.003
     # once more on its own output: the same (it starts from what was measured)
-    assert with_arrival_stretch(out, tmp_path / "steps")["request_overhead_busy_s"] == \
+    assert with_arrival_stretch(out, tmp_path / "steps", apply=True)["request_overhead_busy_s"] == \
         pytest.approx(out["request_overhead_busy_s"])
     # no traces there: the profile as it was, and why
     bare = with_arrival_stretch(profile, tmp_path / "nothing")
-    assert "arrival_stretch_s" not in bare and "too few busy probes" in bare["arrival_stretch_error"]
+    assert "arrival_stretch_measured_s" not in bare
+    assert "too few busy probes" in bare["arrival_stretch_error"]
 
 
 def test_pause_signal_orders_bound_each_other() -> None:

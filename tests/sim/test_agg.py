@@ -276,10 +276,11 @@ def test_a_busy_engine_slows_its_api_server(tmp_path, monkeypatch) -> None:
 
 
 def test_requests_reaching_a_stepping_engine_stretch_its_step(tmp_path, monkeypatch) -> None:
-    """The profile's `arrival_stretch_s` (+ `_per_token_s` x prompt tokens): each request that
-    reaches an engine while a step is in flight makes that step end that much later (its
-    handling took the GIL from the core thread), however many arrive during it, and a request
-    reaching an idle engine stretches nothing. Without the keys the run is as before."""
+    """A profile's `arrival_stretch_s` (+ `_per_token_s` x prompt tokens; opt-in, the
+    calibration records its measurement under other names): each request that reaches an
+    engine while a step is in flight makes that step end that much later (its handling took
+    the GIL from the core thread), however many arrive during it, and a request reaching an
+    idle engine stretches nothing. Without the keys the run is as before."""
     _hw(tmp_path, monkeypatch)
     cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=1, concurrency=1, duration=60.0,
                     mtp=False, cpu_offload_gib=0, chunk=2048, kv_tokens=20_000, max_output=50,

@@ -40,7 +40,8 @@ class AggInstance(Instance):
         self.preemptions = 0
         # what a request reaching this engine while it steps waits: (fixed s, s a prompt token)
         self.busy_wait = busy_path(perf.hw)
-        # what a request reaching this engine adds to the step in flight: (fixed s, s a token)
+        # what a request reaching this engine adds to the step in flight, when the profile
+        # says (opt-in, `config.arrival_stretch`): (fixed s, s a prompt token)
         self.stretch = arrival_stretch(perf.hw)
         self._owed = 0.0  # what arrivals during the step in flight added to it so far
         self.hit_tokens = self.prompt_tokens = self.joined_tokens = 0

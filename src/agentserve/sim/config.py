@@ -200,11 +200,12 @@ def busy_path(hw: HardwareSpec) -> tuple[float, float]:
 def arrival_stretch(hw: HardwareSpec) -> tuple[float, float]:
     """How much longer one of our engines' step in flight runs for each request that reaches
     the engine during it (fixed s, s per prompt token): the request's handling on the API
-    thread (JSON, hashing, hand-over) takes the GIL from the core thread's step. The cpu-local
-    profile's `arrival_stretch_s` and `arrival_stretch_per_token_s`, measured on the engines'
-    own step and request traces during the calibration's busy probes
-    (`sim_calibrate_cpu.with_arrival_stretch`); 0 for a profile without them and for other
-    hardware (vLLM's API servers are their own processes)."""
+    thread (JSON, hashing, hand-over) takes the GIL from the core thread's step. Opt-in: the
+    cpu-local profile's `arrival_stretch_s` and `arrival_stretch_per_token_s`, which the server
+    calibration measures on the engines' own traces but records only as
+    `arrival_stretch_measured_*` (`sim_calibrate_cpu.with_arrival_stretch`; applied, it moved
+    the open-loop check out of band, sim NOTEBOOK stop 51); 0 for a profile without them and
+    for other hardware (vLLM's API servers are their own processes)."""
     m = hw.measured or {}
     return (float(m.get("arrival_stretch_s", 0.0)),
             float(m.get("arrival_stretch_per_token_s", 0.0)))
