@@ -203,6 +203,9 @@ def main() -> None:
     ap.add_argument("--calibrate", action="store_true",
                     help="fit a cpu-local profile on the cluster before the bench and price with "
                          "it (else --cpu-profile)")
+    ap.add_argument("--arrival-stretch", action="store_true",
+                    help="with --calibrate: price with the arrival stretch it measures applied "
+                         "(the model tried at stop 51, not adopted; sim NOTEBOOK)")
     ap.add_argument("--cpu-profile", type=Path, default=PROFILE)
     ap.add_argument("--out", default="bench-out/sim_request_path.json")
     a = ap.parse_args()
@@ -210,6 +213,8 @@ def main() -> None:
         ap.error(f"--trace {a.trace}: no such file")
     if a.concurrency < 1:
         ap.error(f"--concurrency must be >= 1, got {a.concurrency}")
+    if a.arrival_stretch and not a.calibrate:
+        ap.error("--arrival-stretch measures the stretch in the calibration: add --calibrate")
     if not a.calibrate and not a.cpu_profile.is_file():
         ap.error(f"no calibrated profile at {a.cpu_profile}: pass --calibrate")
 
@@ -246,7 +251,7 @@ def main() -> None:
     finally:
         cluster.stop()
     if a.calibrate:  # the engines have stopped: their traces are whole
-        profile = _calibrator().with_arrival_stretch(profile, work / "steps")
+        profile = _calibrator().with_arrival_stretch(profile, work / "steps", apply=a.arrival_stretch)
         profile_path.write_text(json.dumps(profile))
     steps, _ = read_steps(work, since=since)
     bench = bench_pieces(run.records, run.t0, read_request_trace(work), busy_at(steps))
