@@ -512,7 +512,11 @@ def with_arrival_stretch(profile: dict, trace: str | Path, apply: bool = False) 
     out = dict(profile)
     windows = profile.get("busy_probe_windows") or []
     sizes = (16, 4 * int(profile.get("chunk", 2048)))
-    steps, reqs = _traces(Path(trace))
+    try:
+        steps, reqs = _traces(Path(trace))
+    except (OSError, ValueError, KeyError) as e:  # a diagnostic: the calibration stands without it
+        out["arrival_stretch_error"] = f"the engines' traces under {trace} could not be read: {e!r}"
+        return out
     per_size: dict[int, list[float]] = {n: [] for n in sizes}
     for lo, hi in windows:
         for n, xs in probe_stretches(steps, reqs, lo, hi, sizes).items():

@@ -468,6 +468,10 @@ def test_calibration_reads_the_arrival_stretch_off_the_engines_traces(tmp_path: 
     bare = with_arrival_stretch(profile, tmp_path / "nothing")
     assert "arrival_stretch_measured_s" not in bare
     assert "too few busy probes" in bare["arrival_stretch_error"]
+    # a torn trace line (an engine killed mid-write): the calibration stands, the error says why
+    (tmp_path / "torn.9.jsonl").write_text('{"t": 1.0, "sched_s"\n')
+    torn = with_arrival_stretch(profile, tmp_path / "torn")
+    assert "could not be read" in torn["arrival_stretch_error"] and torn["request_overhead_busy_s"] == 0.003
 
 
 def test_pause_signal_orders_bound_each_other() -> None:

@@ -10,7 +10,8 @@ batches. Lines are buffered and flushed every `FLUSH_EVERY` steps and when the c
 
 The same variable turns on a request trace, ``PREFIX-requests.<pid>.jsonl``: a request's path to
 its first token, two lines a request joined by its id. The core thread writes
-``{"core": id, "n": prompt tokens, "hit": its prefix hit, "sub": handed to the core,
+``{"core": id, "n": prompt tokens, "hit": its prefix hit, "sub": handed to the core (its
+`Sequence` made: a prompt of 4,096+ tokens is hashed off the core after that, in "inbox"),
 "adm": taken off the core's inbox, "sched": its first step began, "tok": the step that
 sampled its first token ended}``; the API thread ``{"api": id, "recv": the HTTP handler
 began, "first": the first output reached the event loop}``. Every time is on one clock,

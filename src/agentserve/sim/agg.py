@@ -65,10 +65,9 @@ class AggInstance(Instance):
         with the core thread, so a request's own handling waits while that thread steps (the
         cpu-local profile's `request_overhead_busy_s` and `_busy_per_token_s`)."""
         fixed, per_token = self.busy_wait
-        if self.req_trace is not None:
-            if not waited:
-                self.req_trace[req.rec.request_id] = {"n": req.n_in, "route": self.clock.now,
-                                                      "busy": bool(self.rank.running)}
+        if self.req_trace is not None and not waited:
+            self.req_trace[req.rec.request_id] = {"n": req.n_in, "route": self.clock.now,
+                                                  "busy": bool(self.rank.running)}
         if not waited and self.busy:  # its handling stretches the step in flight
             self._owed += self.stretch[0] + self.stretch[1] * req.n_in
         if not waited and (fixed or per_token) and self.rank.running:
