@@ -16,9 +16,11 @@ from agentserve.workload.replay_plan import schedule_jobs
 from agentserve.workload.schema import Session, TraceRequest
 from agentserve.workload.traces import load_mooncake
 
-# r1 arrives 0.5 s after r0 and extends its prefix; r2 at 2 s; r3 at 50 s (ms timestamps)
+# r1 arrives 0.5 s after r0 and extends its prefix; r2 at 2 s; r3 at 50 s (ms timestamps);
+# r0 writes 400 tokens, so that it is still in flight at 0.5 s on any calibrated profile (at
+# 40 it had ended by 0.40 s on the profile of a faster box)
 MOONCAKE = [
-    {"timestamp": 1000, "input_length": 1024, "output_length": 40, "hash_ids": [0, 1]},
+    {"timestamp": 1000, "input_length": 1024, "output_length": 400, "hash_ids": [0, 1]},
     {"timestamp": 1500, "input_length": 1500, "output_length": 40, "hash_ids": [0, 1, 2]},
     {"timestamp": 3000, "input_length": 300, "output_length": 40, "hash_ids": [7]},
     {"timestamp": 51000, "input_length": 600, "output_length": 40, "hash_ids": [8, 9]},
