@@ -444,9 +444,10 @@ def calibrate_server(url: str, prompt: int = 1024, chunk: int = 2048, out_tokens
 STRETCH_NEAR_S = 0.3  # a probe's steps are priced by its engine's steady steps this close
 
 
-def _traces(trace: Path) -> tuple[dict[str, list[dict]], list[dict]]:
-    """The step traces by engine (pid) and the request records (core and API lines merged,
-    with the engine's pid) under the prefix `trace` (engine/steptrace.py)."""
+def read_traces(trace: Path) -> tuple[dict[str, list[dict]], list[dict]]:
+    """The step traces by engine (pid) and the request records under the prefix `trace`
+    (engine/steptrace.py): each request's core and API lines merged, with its engine request
+    id (`id`) and its engine's pid (`engine`); those with both lines only."""
     steps: dict[str, list[dict]] = {}
     for f in trace.parent.glob(f"{trace.name}.*.jsonl"):
         recs = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
@@ -459,7 +460,8 @@ def _traces(trace: Path) -> tuple[dict[str, list[dict]], list[dict]]:
         for line in f.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                reqs.setdefault(r.pop("core", None) or r.pop("api"), {"engine": pid}).update(r)
+                rid = r.pop("core", None) or r.pop("api")
+                reqs.setdefault(rid, {"id": rid, "engine": pid}).update(r)
     return steps, [r for r in reqs.values() if {"recv", "sub", "n"} <= r.keys()]
 
 
@@ -513,7 +515,7 @@ def with_arrival_stretch(profile: dict, trace: str | Path, apply: bool = False) 
     windows = profile.get("busy_probe_windows") or []
     sizes = (16, 4 * int(profile.get("chunk", 2048)))
     try:
-        steps, reqs = _traces(Path(trace))
+        steps, reqs = read_traces(Path(trace))
     except (OSError, ValueError, KeyError) as e:  # a diagnostic: the calibration stands without it
         out["arrival_stretch_error"] = f"the engines' traces under {trace} could not be read: {e!r}"
         return out

@@ -33,6 +33,7 @@ runs are) or read (`--cpu-profile`).
 from __future__ import annotations
 
 import argparse
+import bisect
 import itertools
 import json
 import os
@@ -72,18 +73,10 @@ def engine_id_to_client(eid: str) -> str:
 
 
 def read_request_trace(work: Path) -> dict[str, dict]:
-    """Engine stamps by client request id: the core's and the API thread's lines merged, and
-    the engine (its trace file's pid) that served it."""
-    out: dict[str, dict] = {}
-    for f in sorted(work.glob("steps-requests.*.jsonl")):
-        pid = f.name.split(".")[1]
-        for line in f.read_text().splitlines():
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            eid = r.pop("core", None) or r.pop("api")
-            out.setdefault(engine_id_to_client(eid), {"engine": pid}).update(r)
-    return out
+    """Engine stamps by client request id (`sim_calibrate_cpu.read_traces`' request records:
+    the core's and the API thread's lines merged, with the engine that served it)."""
+    _, reqs = _calibrator().read_traces(work / "steps")
+    return {engine_id_to_client(r["id"]): r for r in reqs}
 
 
 def busy_at(steps: list[dict]) -> dict[str, list[tuple[float, float]]]:
@@ -98,8 +91,6 @@ def busy_at(steps: list[dict]) -> dict[str, list[tuple[float, float]]]:
 
 def stepping(spans: list[tuple[float, float]], t: float) -> bool:
     """Was a step in flight at `t`?"""
-    import bisect
-
     i = bisect.bisect_right(spans, (t, float("inf"))) - 1
     return i >= 0 and spans[i][0] <= t < spans[i][1]
 
