@@ -129,7 +129,35 @@ def test_cli_prints_issue_keys(monkeypatch) -> None:
     assert out["gpus"] == 2
 
 
+def test_cli_out_writes_the_stage_as_bench_writes_a_run(monkeypatch, tmp_path) -> None:
+    """`sim --out DIR`: bench's run files, over the requests the printed summary counts."""
+    monkeypatch.setattr(sim_run, "load_workload", lambda *a: [_session(i) for i in range(3)])
+    app = typer.Typer()
+    sim_cli.register(app)
+    app.command("noop")(lambda: None)
+    out = tmp_path / "run"
+    res = CliRunner().invoke(
+        app, ["sim", "--model", "tiny", "--gpu", "cpu-local", "--topology", "1P1D",
+              "--prefill-width", "1", "--decode-width", "1", "--concurrency", "2", "--no-mtp",
+              "--cpu-offload-gib", "0", "--duration", "600", "--warmup", "0", "--json",
+              "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    printed = json.loads(res.stdout)  # stdout is still one JSON object
+    stages = json.loads((out / "summary.json").read_text())
+    assert len(stages) == 1 and stages[0]["concurrency"] == 2 and stages[0]["stage"] == 0
+    assert {k: v for k, v in stages[0].items() if k in printed} == printed
+    lines = (out / "requests.jsonl").read_text().splitlines()
+    assert printed["requests_ok"] > 0
+    assert len(lines) == printed["requests_ok"] + printed["requests_failed"]
+    recs = [json.loads(x) for x in lines]
+    assert sum(r["output_tokens"] for r in recs if r["error"] is None) == printed["output_tokens"]
+    for name in ("report.html", "requests.csv", "ttft_cdf.png", "itl_cdf.png", "throughput.png"):
+        assert (out / name).stat().st_size > 0, name
+
+
 @pytest.mark.parametrize("args, message", [
+    (["sim", "--seeds", "2", "--out", "somewhere"], "--out writes one stage's requests"),
+    (["sim", "--out", "/etc/passwd"], "--out /etc/passwd is a file"),
     (["sim", "--model", "nope"], "unknown model 'nope'"),
     (["sim", "--topology", "3X1D"], "--topology must look like 3P1D"),
     (["sim", "--topology", "P1D"], "--topology must look like 3P1D"),

@@ -13,7 +13,7 @@ from agentserve.cli_checks import POSITIVE, check_flags, fail
 from agentserve.runstats import interval_text
 from agentserve.sim.config import (IDLE_GAP_CAP_S, LIMITS, ROUTE_MISS, check_clients,
                                    check_efficiency, parse_efficiency, parse_idle_gap_cap)
-from agentserve.sim.run import SimConfig, parse_topology, simulate
+from agentserve.sim.run import SimConfig, parse_topology, simulate_records
 from agentserve.sim.specs import CPU_PROFILE_ENV, cpu_profile_path
 from agentserve.sim.workload import SYNTH, load_workload
 
@@ -85,6 +85,9 @@ def register(app: typer.Typer) -> None:
                                   "mean, with each headline figure's spread under `seeds`"),
         workers: int = typer.Option(2, help="--seeds: worker processes"),
         as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+        out: Path = typer.Option(None, help="also write the stage as `agentserve bench` writes a "
+                                 "run: summary.json, requests.jsonl / .csv, TTFT, ITL and "
+                                 "throughput plots and report.html, into this folder (one seed)"),
     ) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
         lim = LIMITS
@@ -101,6 +104,12 @@ def register(app: typer.Typer) -> None:
         check_flags(seed=(seed + seeds - 1, 0, lim["seed"]))  # the last seed drawn
         if cpu_profile is not None and gpu != "cpu-local":
             fail(f"--cpu-profile is cpu-local's calibration; --gpu {gpu} has published rates")
+        if out is not None:
+            if seeds > 1:
+                fail(f"--out writes one stage's requests and plots; --seeds {seeds} runs several "
+                     "(drop --seeds, or write each with --seed N --out DIR_N)")
+            _out_dir(out, "sim writes summary.json, the request records, plots and report.html")
+        records = None
         try:
             profile = _cpu_profile(gpu, cpu_profile)
             idle_cap = parse_idle_gap_cap(idle_gap_cap_s)
@@ -126,9 +135,14 @@ def register(app: typer.Typer) -> None:
 
                 s = simulate_seeds(cfg, seeds, workers)
             else:
-                s = simulate(cfg)
+                s, records = simulate_records(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))
+        if out is not None:
+            _write_run(out, cfg, s, records or [],
+                       f"agentserve sim: {model} on {gpu}, {topology} ({_widths(cfg)}), "
+                       f"c{concurrency}, {duration:g} s")
+            typer.echo(f"wrote {out}/report.html", err=as_json)  # stdout stays one JSON object
         if as_json:
             typer.echo(json.dumps(s, default=float))
             return
@@ -142,6 +156,35 @@ def register(app: typer.Typer) -> None:
                     typer.echo(f"  {k:22s} {interval_text(m, 4)}")
 
     register_plan(app)
+
+
+def _out_dir(out: Path, what: str) -> None:
+    """Make `out` a writable folder before any simulating, or fail with one line."""
+    if out.exists() and not out.is_dir():
+        fail(f"--out {out} is a file; {what} into a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        fail(f"--out {out}: cannot create the folder ({e.strerror or e})")
+    if not os.access(out, os.W_OK | os.X_OK):
+        fail(f"--out {out}: the folder is not writable")
+
+
+def _widths(cfg: SimConfig) -> str:
+    if cfg.aggregated:
+        return f"{cfg.aggregated} aggregated"
+    return f"DEP{cfg.prefill_width} prefill, DEP{cfg.decode_width} decode"
+
+
+def _write_run(out: Path, cfg: SimConfig, s: dict, records: list, title: str) -> None:
+    """The stage as bench's run files (`workload.report.write_outputs`), labelled as bench
+    labels a stage, so the same report, plots and tools read both."""
+    from agentserve.workload.report import write_outputs  # matplotlib only when asked
+
+    mode = "schedule" if cfg.clients == "schedule" else "concurrency"
+    label = {"mode": mode, "stage": 0} | ({"concurrency": cfg.concurrency}
+                                          if mode == "concurrency" else {})
+    write_outputs(out, [label | s], records, title=title)
 
 
 def _cpu_profile(gpu: str, named: Path | None) -> str | None:
@@ -202,8 +245,6 @@ def register_plan(app: typer.Typer) -> None:
                      seed=(seed, 0, lim["seed"]))
         check_flags(concurrency=(max(ladder), 1, lim["concurrency"]),
                      widths=(max(width_list), 1, lim["width"]))
-        if out.exists() and not out.is_dir():
-            fail(f"--out {out} is a file; plan writes plan.json and frontier.png into a folder")
         try:  # a bad trace fails now, not after the sweep (nor in a worker)
             _cpu_profile(gpu, None)  # a named profile that is missing, or none at all
             if workload not in SYNTH:
@@ -224,12 +265,8 @@ def register_plan(app: typer.Typer) -> None:
         if clients == "schedule":  # one load per trace: nothing for a concurrency ladder to vary
             fail("plan sweeps a concurrency ladder; --clients schedule has none (simulate a "
                  "schedule per configuration with agentserve sim --clients schedule)")
-        try:  # an unwritable --out fails before the sweep, not after it
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            fail(f"--out {out}: cannot create the folder ({e.strerror or e})")
-        if not os.access(out, os.W_OK | os.X_OK):
-            fail(f"--out {out}: the folder is not writable")
+        # an unwritable --out fails before the sweep, not after it
+        _out_dir(out, "plan writes plan.json and frontier.png")
         lead = f"{warm:g} s warm-up" if clients == "closed" else "the replay's primers"
         typer.echo(f"simulating {len(cands)} configurations x {len(ladder)} concurrencies, "
                    f"{lead} + {dur:g} s stages, {workers} workers")

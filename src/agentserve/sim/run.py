@@ -31,7 +31,7 @@ from agentserve.sim.policy_router import PolicyRouter
 from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.schedule import Schedule
 from agentserve.sim.specs import GiB, model_spec
-from agentserve.sim.summary import REJECTED, pool_counters, stage_summary
+from agentserve.sim.summary import REJECTED, counted_records, pool_counters, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
 from agentserve.sim.workload import (GLOBAL_NS, REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
@@ -393,7 +393,15 @@ WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a s
 
 def simulate(cfg: SimConfig, sessions: Iterable[Session] | None = None) -> dict:
     """Run one stage and return the summary (bench's keys plus the simulator's)."""
+    return simulate_records(cfg, sessions)[0]
+
+
+def simulate_records(cfg: SimConfig, sessions: Iterable[Session] | None = None
+                     ) -> tuple[dict, list[RequestRecord]]:
+    """Run one stage; its summary and the requests it counted (bench's `RequestRecord`s, on
+    the simulated clock), which `workload.report.write_outputs` writes as bench's run files."""
     if sessions is None:
         sessions = session_stream(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed,
                                   cfg.token_scale)
-    return Simulation(cfg, sessions).run()
+    sim = Simulation(cfg, sessions)
+    return sim.run(), counted_records(sim)

@@ -75,11 +75,16 @@ def pool_counters(sim: Simulation) -> dict[str, float]:
             "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds)}
 
 
+def counted_records(sim: Simulation) -> list[RequestRecord]:
+    """The requests the stage counts (`Simulation.counted`): what its summary is over."""
+    return [r for r in sim.records if sim.counted(r.start, r.end)]
+
+
 def stage_summary(sim: Simulation) -> dict:
     """The stage's record: `agentserve bench`'s summary of the counted requests, plus GPUs,
     cost, tier hit rates, restores, queues and the TTFT breakdown (xPyD)."""
     cfg = sim.cfg
-    done = [r for r in sim.records if sim.counted(r.start, r.end)]
+    done = counted_records(sim)
     if cfg.aggregated:
         return _summary_agg(sim, done)
     c1 = sim._c1 or pool_counters(sim)
