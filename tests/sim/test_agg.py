@@ -199,6 +199,24 @@ def test_aggregated_preempts_when_blocks_run_out(tmp_path, monkeypatch) -> None:
     assert s["requests_ok"] > 0 and s["preemptions"] > 0
 
 
+def test_queue_lengths_are_sampled_over_the_window(tmp_path, monkeypatch) -> None:
+    """`queue_lengths`: 8 closed clients on an engine with 2 seats keep ~6 waiting at every
+    sample of the window; with 8 seats none wait. The end-of-run snapshot (`queue`) is 0 in
+    both: it says nothing of the stage."""
+    _hw(tmp_path, monkeypatch)
+    out = {}
+    for seats in (2, 8):
+        cfg = SimConfig(model="tiny", gpu="cpu-local", aggregated=1, concurrency=8,
+                        duration=30.0, mtp=False, cpu_offload_gib=0, max_seqs=seats,
+                        max_output=40, join_midway=False)
+        out[seats] = simulate(cfg, iter(_sessions(200, blocks=4)))
+    busy, free = (out[k]["queue_lengths"] for k in (2, 8))
+    assert busy["samples"] == free["samples"] == 30 and busy["sample_s"] == 1.0
+    assert 5.0 <= busy["engines"]["mean"] <= 6.0 and busy["engines"]["max"] == 6.0
+    assert free["engines"] == {"mean": 0.0, "p90": 0.0, "max": 0.0}
+    assert out[2]["queue"] == out[8]["queue"] == 0
+
+
 def test_requests_over_a_head_being_computed_wait_for_it(tmp_path, monkeypatch) -> None:
     """As the engine (engine/inflight.py): three requests over one uncached 320-token head,
     admitted together, compute it once; the two that waited hit it in the cache."""

@@ -155,6 +155,22 @@ def test_cli_out_writes_the_stage_as_bench_writes_a_run(monkeypatch, tmp_path) -
         assert (out / name).stat().st_size > 0, name
 
 
+def test_cli_says_so_when_no_request_was_answered() -> None:
+    """Two tiny CPU engines cannot prefill the reference sweep's 100K-token prompts in a
+    minute: the summary is all empty figures, and the CLI says why (on stderr, so --json's
+    stdout stays one object) instead of printing None alone."""
+    app = typer.Typer()
+    sim_cli.register(app)
+    app.command("noop")(lambda: None)
+    res = CliRunner().invoke(app, ["sim", "--model", "tiny", "--gpu", "cpu-local", "--topology",
+                                   "2", "--concurrency", "8", "--duration", "60", "--json"])
+    assert res.exit_code == 0, res.output
+    s = json.loads(res.stdout)
+    assert s["requests_ok"] == 0 and s["requests_unfinished"] >= 8
+    assert s["queue_lengths"]["engines"]["mean"] > 0  # the rest waited behind the first two
+    assert "warning: no request was answered in the stage" in res.stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["sim", "--seeds", "2", "--out", "somewhere"], "--out writes one stage's requests"),
     (["sim", "--out", "/etc/passwd"], "--out /etc/passwd is a file"),

@@ -59,6 +59,12 @@ class AggInstance(Instance):
         self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
         self._join_base: dict[int, int] = {}  # id(parked request) -> its hit when it first parked
 
+    @property
+    def waiting_count(self) -> int:
+        """Requests queued here: FCFS, or parked on a leader's blocks (both are waiting to
+        the engine's scheduler)."""
+        return len(self.rank.waiting) + len(self._parked)
+
     def arrive(self, req: SimRequest, waited: bool = False) -> None:
         """Queue `req` on this engine; `busy_wait` (fixed + per prompt token) s later while the
         engine has requests running: our engine's API server shares its process (and the GIL)
@@ -230,7 +236,8 @@ class AggInstance(Instance):
         if owed > 0:
             self._owed = 0.0
             self.busy_s += owed
-            self.clock.at(self.clock.now + owed, lambda: self._end(plan))
+            self._busy_end = self.clock.now + owed
+            self.clock.at(self._busy_end, lambda: self._end(plan))
             return
         self._done(plan)
 

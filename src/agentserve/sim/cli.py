@@ -138,6 +138,10 @@ def register(app: typer.Typer) -> None:
                 s, records = simulate_records(cfg)
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))
+        if not s.get("requests_ok"):  # every figure below is empty: say why, not just None
+            typer.echo(f"warning: no request was answered in the stage ({s.get('requests_unfinished', 0):g} "
+                       "sent and still unanswered when it ended): lengthen --duration, or lighten "
+                       "the load (--concurrency, --workload, --max-output)", err=True)
         if out is not None:
             _write_run(out, cfg, s, records or [],
                        f"agentserve sim: {model} on {gpu}, {topology} ({_widths(cfg)}), "

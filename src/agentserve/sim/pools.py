@@ -41,7 +41,8 @@ class Instance(abc.ABC):
     def __init__(self, clock: Clock, perf: PerfModel, ranks: list[Rank]) -> None:
         self.clock, self.perf, self.ranks = clock, perf, ranks
         self.busy = False
-        self.busy_s = 0.0
+        self.busy_s = 0.0  # seconds of the steps started so far, each whole
+        self._busy_end = 0.0  # when the step in flight ends
 
     def kick(self) -> None:
         if not self.busy:
@@ -49,7 +50,13 @@ class Instance(abc.ABC):
 
     def _run(self, dt: float, done: Callable[[], None]) -> None:
         self.busy, self.busy_s = True, self.busy_s + dt
-        self.clock.at(self.clock.now + dt, done)
+        self._busy_end = self.clock.now + dt
+        self.clock.at(self._busy_end, done)
+
+    def busy_so_far(self) -> float:
+        """Seconds stepped up to now: the step in flight counts up to now only, so a window's
+        busy share (two readings' difference) is never above 1."""
+        return self.busy_s - max(0.0, self._busy_end - self.clock.now)
 
     @abc.abstractmethod
     def _step(self) -> None:

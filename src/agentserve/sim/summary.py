@@ -26,10 +26,13 @@ PHASES = ("request_path", "prefill_queue", "cpu_restore", "prefill", "pd_transfe
           "first_step", "new_tokens")
 
 
-def _rejections(done: list[RequestRecord]) -> dict:
-    """Requests rejected as longer than a rank's KV, and their share of the stage's requests."""
+def _rejections(sim: Simulation, done: list[RequestRecord]) -> dict:
+    """Requests rejected as longer than a rank's KV, and their share of the stage's requests;
+    requests sent and still unanswered when the run ended (queued or running: an overloaded
+    or too short stage)."""
     n = sum(1 for r in done if r.error == REJECTED)
-    return {"rejected_requests": n, "rejected_share": _share(n, len(done))}
+    return {"rejected_requests": n, "rejected_share": _share(n, len(done)),
+            "requests_unfinished": sim.requests_sent - len(sim.records)}
 
 
 def _share(num: float, den: float) -> float | None:
@@ -65,19 +68,30 @@ def in_flight(sim: Simulation) -> dict:
 def pool_counters(sim: Simulation) -> dict[str, float]:
     """The P/D pools' cumulative counters, read at the stage start and end."""
     ps, ds = sim.prefills, sim.decodes
-    return {"busy_p": sum(p.busy_s for p in ps), "busy_d": sum(d.busy_s for d in ds),
+    return {"busy_p": sum(p.busy_so_far() for p in ps), "busy_d": sum(d.busy_so_far() for d in ds),
             "restore": sum(p.cpu_restore_bytes for p in ps),
             "store": sum(p.cpu_store_blocks for p in ps), "prompt": sum(p.prompt_tokens for p in ps),
             "hit": sum(p.hit_tokens for p in ps), "cpu_hit": sum(p.cpu_hit_tokens for p in ps),
             "preempt": sum(d.preemptions for d in ds),
             "p_preempt": sum(p.preemptions for p in ps), "unjam": sum(p.unjams for p in ps),
             "recomp": sum(d.recomputed_tokens for d in ds),
-            "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds)}
+            "d_query": sum(d.queried_tokens for d in ds), "d_hit": sum(d.local_hit_tokens for d in ds),
+            # aggregated engines (none in xPyD)
+            "busy_a": sum(a.busy_so_far() for a in sim.aggs), "hit_a": sum(a.hit_tokens for a in sim.aggs),
+            "prompt_a": sum(a.prompt_tokens for a in sim.aggs),
+            "preempt_a": sum(a.preemptions for a in sim.aggs)}
 
 
 def counted_records(sim: Simulation) -> list[RequestRecord]:
     """The requests the stage counts (`Simulation.counted`): what its summary is over."""
     return [r for r in sim.records if sim.counted(r.start, r.end)]
+
+
+def _window_counters(sim: Simulation) -> dict[str, float]:
+    """What the pools' counters (`pool_counters`) gained over the stage window."""
+    c1 = sim._c1 or pool_counters(sim)
+    c0 = sim._c0 or dict.fromkeys(c1, 0.0)  # counters at the stage start
+    return {k: c1[k] - c0[k] for k in c1}
 
 
 def stage_summary(sim: Simulation) -> dict:
@@ -87,12 +101,10 @@ def stage_summary(sim: Simulation) -> dict:
     done = counted_records(sim)
     if cfg.aggregated:
         return _summary_agg(sim, done)
-    c1 = sim._c1 or pool_counters(sim)
-    c0 = sim._c0 or dict.fromkeys(c1, 0.0)  # counters at the stage start
-    d = {k: c1[k] - c0[k] for k in c1}
+    d = _window_counters(sim)
     gpus_p, gpus_d = cfg.prefill * cfg.prefill_width, cfg.decode * cfg.decode_width
     s = summarize(done, _span(sim, done), label={"producer": "sim"}, gpus=gpus_p + gpus_d)
-    s.update(_rejections(done))
+    s.update(_rejections(sim, done))
     cost = pool_cost(gpus_p, gpus_d, s["input_tok_s"], s["output_tok_s"],
                      cfg.hardware().price_per_hour)
     s.update({
@@ -104,8 +116,10 @@ def stage_summary(sim: Simulation) -> dict:
         "prefill_gpu_hit_rate": _share(d["hit"], d["prompt"]),
         "prefill_cpu_hit_rate": _share(d["cpu_hit"], d["prompt"]),
         "decode_local_hit_rate": _share(d["d_hit"], d["d_query"]),
+        # left queued when the run ended (after the grace); over the window: `queue_lengths`
         "prefill_queue": sum(len(r.waiting) + len(r.holding) for r in sim.p_ranks),
         "decode_queue": sum(len(r.waiting) for r in sim.d_ranks),
+        "queue_lengths": queue_lengths(sim, ("prefill", "decode")),
         "decode_preemptions": d["preempt"],
         "prefill_preemptions": d["p_preempt"],
         "prefill_unjams": d["unjam"],  # the simulator's wedge bound (pools.py `_unjam`): ~never
@@ -115,6 +129,20 @@ def stage_summary(sim: Simulation) -> dict:
         "ttft_phases_s": ttft_phases(sim), "warmup_s": sim.t0, **in_flight(sim),
     })
     return s
+
+
+def queue_lengths(sim: Simulation, names: tuple[str, ...]) -> dict:
+    """Requests waiting, sampled every `sample_s` of the stage window (`Simulation.queues_now`):
+    per queue its mean, p90 and max over the samples (None without a sample)."""
+    from agentserve.sim.run import QUEUE_SAMPLE_S
+
+    a = np.array(sim.queue_samples, dtype=float).reshape(-1, len(names))
+    out: dict = {"sample_s": QUEUE_SAMPLE_S, "samples": len(a)}
+    for i, k in enumerate(names):
+        col = a[:, i]
+        out[k] = ({"mean": float(col.mean()), "p90": float(np.percentile(col, 90)),
+                   "max": float(col.max())} if len(col) else None)
+    return out
 
 
 def ttft_phases(sim: Simulation) -> dict:
@@ -129,17 +157,18 @@ def ttft_phases(sim: Simulation) -> dict:
 def _summary_agg(sim: Simulation, done: list[RequestRecord]) -> dict:
     cfg = sim.cfg
     s = summarize(done, _span(sim, done), label={"producer": "sim"}, gpus=cfg.aggregated)
-    s.update(_rejections(done))
-    prompt = sum(a.prompt_tokens for a in sim.aggs)
+    s.update(_rejections(sim, done))
+    d = _window_counters(sim)  # the window's steps, hits and preemptions, as xPyD's
     s.update({
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
         "request_overhead_s": sim.overhead,
         "request_overhead_per_token_s": sim.overhead_per_token, "cpu_restore_gib": 0.0,
         "cost_per_m_input": None, "cost_per_m_output": None,
-        "prefill_gpu_hit_rate": _share(sum(a.hit_tokens for a in sim.aggs), prompt),
+        "prefill_gpu_hit_rate": _share(d["hit_a"], d["prompt_a"]),
         "decode_local_hit_rate": None,  # no separate decode ranks
-        "queue": sum(len(r.waiting) for r in sim.p_ranks),
-        "preemptions": sum(a.preemptions for a in sim.aggs),
-        "busy_frac": sum(a.busy_s for a in sim.aggs) / cfg.duration / cfg.aggregated,
+        "queue": sum(a.waiting_count for a in sim.aggs),  # left queued when the run ended
+        "queue_lengths": queue_lengths(sim, ("engines",)),
+        "preemptions": d["preempt_a"],
+        "busy_frac": d["busy_a"] / cfg.duration / cfg.aggregated,
     })
     return s
