@@ -19,7 +19,8 @@ from agentserve.sim.workload import SYNTH, load_workload
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
         "gpus", "cost_per_m_input", "cost_per_m_output", "cpu_restore_gib", "prefill_gpu_hit_rate",
-        "captured_reuse", "decode_local_hit_rate", "rejected_share")
+        "captured_reuse", "decode_local_hit_rate", "rejected_share", "requests_unfinished",
+        "queue_lengths")
 
 
 def register(app: typer.Typer) -> None:
