@@ -155,6 +155,31 @@ def test_cli_out_writes_the_stage_as_bench_writes_a_run(monkeypatch, tmp_path) -
         assert (out / name).stat().st_size > 0, name
 
 
+def test_cli_concurrency_ladder_runs_a_stage_a_level(monkeypatch, tmp_path) -> None:
+    """`--concurrency 2,4`: a stage a level, labelled as bench labels its stages, each the
+    same stage a lone `--concurrency N` gives; `--out` writes them all, records by stage."""
+    monkeypatch.setattr(sim_run, "load_workload", lambda *a: [_session(i) for i in range(6)])
+    app = typer.Typer()
+    sim_cli.register(app)
+    app.command("noop")(lambda: None)
+    base = ["sim", "--model", "tiny", "--gpu", "cpu-local", "--topology", "1P1D",
+            "--prefill-width", "1", "--decode-width", "1", "--no-mtp", "--cpu-offload-gib", "0",
+            "--duration", "300", "--warmup", "0", "--workers", "1", "--json"]
+    out = tmp_path / "ladder"
+    res = CliRunner().invoke(app, base + ["--concurrency", "2,4", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    stages = json.loads(res.stdout)
+    assert [(st["stage"], st["concurrency"], st["mode"]) for st in stages] == [
+        (0, 2, "concurrency"), (1, 4, "concurrency")]
+    assert json.loads((out / "summary.json").read_text()) == stages
+    lone = json.loads(CliRunner().invoke(app, base + ["--concurrency", "4"]).stdout)
+    assert {k: v for k, v in stages[1].items() if k in lone} == lone
+    assert stages[1]["config"]["concurrency"] == 4
+    recs = [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+    for i, st in enumerate(stages):
+        assert sum(1 for r in recs if r["stage"] == i) == st["requests_ok"] + st["requests_failed"]
+
+
 def test_cli_says_so_when_no_request_was_answered() -> None:
     """Two tiny CPU engines cannot prefill the reference sweep's 100K-token prompts in a
     minute: the summary is all empty figures, and the CLI says why (on stderr, so --json's
@@ -172,8 +197,13 @@ def test_cli_says_so_when_no_request_was_answered() -> None:
 
 
 @pytest.mark.parametrize("args, message", [
-    (["sim", "--seeds", "2", "--out", "somewhere"], "--out writes one stage's requests"),
+    (["sim", "--seeds", "2", "--out", "somewhere"], "--out writes each stage's requests"),
     (["sim", "--out", "/etc/passwd"], "--out /etc/passwd is a file"),
+    (["sim", "--concurrency", "4,abc"], "a comma-separated ladder of integers"),
+    (["sim", "--concurrency", ","], "a comma-separated ladder of integers"),
+    (["sim", "--concurrency", "4,0"], "--concurrency must be >= 1, got 0"),
+    (["sim", "--concurrency", "4,20000"], "--concurrency must be <= 10000, got 20000"),
+    (["sim", "--clients", "schedule", "--concurrency", "2,4"], "no concurrency to vary"),
     (["sim", "--model", "nope"], "unknown model 'nope'"),
     (["sim", "--topology", "3X1D"], "--topology must look like 3P1D"),
     (["sim", "--topology", "P1D"], "--topology must look like 3P1D"),

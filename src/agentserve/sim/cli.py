@@ -33,7 +33,10 @@ def register(app: typer.Typer) -> None:
         topology: str = typer.Option("3P1D", help="xPyD (prefill and decode instances) or N aggregated engines"),
         prefill_width: int = typer.Option(16, help="DEP width of each prefill instance"),
         decode_width: int = typer.Option(16, help="DEP width of each decode instance"),
-        concurrency: int = typer.Option(128, help="AIPerf concurrency: replay lanes (or closed-loop clients)"),
+        concurrency: str = typer.Option("128", help="AIPerf concurrency: replay lanes (or "
+                                        "closed-loop clients); a comma-separated ladder "
+                                        "(16,64,128) runs a stage a level, as `agentserve bench "
+                                        "--mode concurrency` does"),
         mtp: bool = typer.Option(True, "--mtp/--no-mtp", help="MTP speculative decoding"),
         cpu_offload_gib: float = typer.Option(100.0, help="CPU KV tier per prefill rank (0: off)"),
         cpu_store_on: str = typer.Option("fill", help="when blocks reach the CPU tier, as the "
@@ -92,9 +95,10 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
         lim = LIMITS
+        levels = _levels(concurrency)
         check_flags(prefill_width=(prefill_width, 1, lim["width"]),
                      decode_width=(decode_width, 1, lim["width"]),
-                     concurrency=(concurrency, 1, lim["concurrency"]),
+                     concurrency=(min(levels), 1, lim["concurrency"]),
                      cpu_offload_gib=(cpu_offload_gib, 0, lim["cpu_offload_gib"]),
                      duration=(duration, 1, lim["duration"]), warmup=(warmup, 0, lim["duration"]),
                      replay_run=(replay_run, 1), gap_cap_s=(gap_cap_s, 0, lim["duration"]),
@@ -102,15 +106,18 @@ def register(app: typer.Typer) -> None:
                      max_output=(max_output, 1), session_rate=(session_rate, POSITIVE, 1e6),
                      seed=(seed, 0, lim["seed"]), seeds=(seeds, 1, lim["seeds"]),
                      workers=(workers, 1, 256))
-        check_flags(seed=(seed + seeds - 1, 0, lim["seed"]))  # the last seed drawn
+        check_flags(seed=(seed + seeds - 1, 0, lim["seed"]),  # the last seed drawn
+                    concurrency=(max(levels), 1, lim["concurrency"]))
         if cpu_profile is not None and gpu != "cpu-local":
             fail(f"--cpu-profile is cpu-local's calibration; --gpu {gpu} has published rates")
+        if len(levels) > 1 and clients == "schedule":
+            fail("--clients schedule sends a trace at its own times: no concurrency to vary "
+                 f"(got the ladder {concurrency})")
         if out is not None:
             if seeds > 1:
-                fail(f"--out writes one stage's requests and plots; --seeds {seeds} runs several "
-                     "(drop --seeds, or write each with --seed N --out DIR_N)")
+                fail(f"--out writes each stage's requests and plots; --seeds {seeds} averages "
+                     "several runs of one (drop --seeds, or write each with --seed N --out DIR_N)")
             _out_dir(out, "sim writes summary.json, the request records, plots and report.html")
-        records = None
         try:
             profile = _cpu_profile(gpu, cpu_profile)
             idle_cap = parse_idle_gap_cap(idle_gap_cap_s)
@@ -121,7 +128,7 @@ def register(app: typer.Typer) -> None:
                 raise ValueError(f"--topology {topology} with these widths is {n_gpus} GPUs; "
                                  f"the simulator takes at most {lim['gpus']}")
             cfg = SimConfig(model=model, gpu=gpu, prefill=p, decode=d, prefill_width=prefill_width,
-                            decode_width=decode_width, concurrency=concurrency, mtp=mtp,
+                            decode_width=decode_width, concurrency=levels[0], mtp=mtp,
                             cpu_offload_gib=cpu_offload_gib, cpu_store_on=cpu_store_on,
                             workload=workload, duration=duration,
                             warmup=warmup, seed=seed, aggregated=d if p == 0 else 0,
@@ -131,23 +138,40 @@ def register(app: typer.Typer) -> None:
                             route_miss=route_miss, cpu_profile=profile, max_output=max_output,
                             efficiency=eff, cpu_restore_s_per_gb=(
                                 None if cpu_restore_ms_per_gb is None else cpu_restore_ms_per_gb / 1e3))
-            if seeds > 1:
-                from agentserve.sim.seeds import simulate_seeds
+            if len(levels) > 1 or seeds > 1:
+                from agentserve.sim.seeds import simulate_ladder
 
-                s = simulate_seeds(cfg, seeds, workers)
+                runs = simulate_ladder(cfg, levels, seeds, workers, keep_records=out is not None)
             else:
-                s, records = simulate_records(cfg)
+                runs = [simulate_records(cfg)]
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
             fail(str(e))
-        if not s.get("requests_ok"):  # every figure below is empty: say why, not just None
-            typer.echo(f"warning: no request was answered in the stage ({s.get('requests_unfinished', 0):g} "
-                       "sent and still unanswered when it ended): lengthen --duration, or lighten "
-                       "the load (--concurrency, --workload, --max-output)", err=True)
+        stages = [_label(cfg, i, c) | s for i, (c, (s, _)) in enumerate(zip(levels, runs))]
+        for st in stages:
+            if not st.get("requests_ok"):  # every figure is empty: say why, not just None
+                typer.echo(f"warning: no request was answered in the stage{_at(st, levels)} "
+                           f"({st.get('requests_unfinished', 0):g} sent and still unanswered "
+                           "when it ended): lengthen --duration, or lighten the load "
+                           "(--concurrency, --workload, --max-output)", err=True)
         if out is not None:
-            _write_run(out, cfg, s, records or [],
-                       f"agentserve sim: {model} on {gpu}, {topology} ({_widths(cfg)}), "
-                       f"c{concurrency}, {duration:g} s")
-            typer.echo(f"wrote {out}/report.html", err=as_json)  # stdout stays one JSON object
+            from agentserve.workload.report import write_outputs  # matplotlib only when asked
+
+            records = []
+            for i, (_, recs) in enumerate(runs):
+                for r in recs:
+                    r.stage = i  # bench's records say their stage; the plots group by it
+                records += recs
+            write_outputs(out, stages, records,
+                          title=f"agentserve sim: {model} on {gpu}, {topology} ({_widths(cfg)}), "
+                                f"concurrency {concurrency}, {duration:g} s")
+            typer.echo(f"wrote {out}/report.html", err=as_json)  # stdout stays JSON
+        if len(levels) > 1:
+            if as_json:  # one object a stage, as bench's summary.json
+                typer.echo(json.dumps(stages, default=float))
+            else:
+                _print_ladder(stages)
+            return
+        s = runs[0][0]
         if as_json:
             typer.echo(json.dumps(s, default=float))
             return
@@ -181,15 +205,51 @@ def _widths(cfg: SimConfig) -> str:
     return f"DEP{cfg.prefill_width} prefill, DEP{cfg.decode_width} decode"
 
 
-def _write_run(out: Path, cfg: SimConfig, s: dict, records: list, title: str) -> None:
-    """The stage as bench's run files (`workload.report.write_outputs`), labelled as bench
-    labels a stage, so the same report, plots and tools read both."""
-    from agentserve.workload.report import write_outputs  # matplotlib only when asked
+def _levels(text: str) -> list[int]:
+    """`--concurrency`: one level or a comma-separated ladder of integers (ranges checked by
+    the caller)."""
+    try:
+        levels = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        levels = []
+    if not levels:
+        fail(f"--concurrency takes a level or a comma-separated ladder of integers like "
+             f"16,64,128, got {text!r}")
+    return levels
 
-    mode = "schedule" if cfg.clients == "schedule" else "concurrency"
-    label = {"mode": mode, "stage": 0} | ({"concurrency": cfg.concurrency}
-                                          if mode == "concurrency" else {})
-    write_outputs(out, [label | s], records, title=title)
+
+def _label(cfg: SimConfig, i: int, concurrency: int) -> dict:
+    """A stage's label as bench writes it (`workload.replay`), so the same report, plots and
+    tools read a simulated run and a measured one."""
+    if cfg.clients == "schedule":
+        return {"mode": "schedule", "stage": i}
+    return {"mode": "concurrency", "stage": i, "concurrency": concurrency}
+
+
+def _at(stage: dict, levels: list[int]) -> str:
+    return f" at concurrency {stage['concurrency']}" if len(levels) > 1 else ""
+
+
+def _print_ladder(stages: list[dict]) -> None:
+    """A row a stage: what bench's table shows, and the simulator's own headline figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(v: float | None, p: int = 3) -> str:
+        return "-" if v is None else f"{v:,.{p}f}"
+    t = Table(title="agentserve sim: a stage a concurrency (c); TTFT s, ITL ms, tok/s out",
+              caption="queued: requests waiting, mean over the stage (queue_lengths)")
+    for col in ("c", "ok", "TTFT p50", "TTFT p90", "ITL p50", "tok/s", "/user", "/GPU",
+                "$/M out", "queued"):
+        t.add_column(col, justify="right")
+    for s in stages:
+        q = s.get("queue_lengths") or {}
+        waiting = sum(v["mean"] for v in q.values() if isinstance(v, dict))
+        t.add_row(str(s["concurrency"]), str(s["requests_ok"]), f(s["ttft_s"]["p50"]),
+                  f(s["ttft_s"]["p90"]), f(s["itl_ms"]["p50"], 2), f(s["output_tok_s"], 0),
+                  f(s["output_tok_s_per_user"]["mean"], 1), f(s["output_tok_s_per_gpu"], 1),
+                  f(s.get("cost_per_m_output"), 2), f(waiting, 1))
+    Console().print(t)
 
 
 def _cpu_profile(gpu: str, named: Path | None) -> str | None:

@@ -1,5 +1,5 @@
 """`agentserve sim --seeds N`: one stage simulated under N seeds, reported as their mean with
-each headline figure's spread.
+each headline figure's spread; `--concurrency 16,64,128`: a stage a level (`simulate_ladder`).
 
 The simulator is stochastic (the workload draw, the router's tie-breaks, MTP acceptances), and
 one seed of a 600 s stage can differ from the next by several percent at the points where a
@@ -16,7 +16,8 @@ import dataclasses
 from multiprocessing import Pool
 
 from agentserve.runstats import mean_records, spread
-from agentserve.sim.run import SimConfig, simulate
+from agentserve.sim.run import SimConfig, simulate, simulate_records
+from agentserve.workload.record import RequestRecord
 
 # figure -> path into a stage summary
 SPREAD: dict[str, tuple[str, ...]] = {
@@ -45,3 +46,25 @@ def simulate_seeds(cfg: SimConfig, n: int, workers: int = 2, confidence: float =
         "seeds": [c.seed for c in cfgs], "confidence_level": confidence,
         "metrics": spread(runs, SPREAD, confidence)}
     return out
+
+
+def _stage(job: tuple[SimConfig, bool]) -> tuple[dict, list[RequestRecord]]:
+    cfg, keep = job
+    summary, records = simulate_records(cfg)
+    return summary, records if keep else []
+
+
+def simulate_ladder(cfg: SimConfig, levels: list[int], seeds: int = 1, workers: int = 2,
+                    keep_records: bool = False) -> list[tuple[dict, list[RequestRecord]]]:
+    """A stage of `cfg` at each concurrency in `levels`, as `agentserve bench --mode
+    concurrency` runs a ladder (each stage a fresh deployment here): per level its summary
+    (the seed mean with `seeds` > 1) and, with `keep_records` and one seed, the requests it
+    counted. Levels run on `workers` processes; with seeds, each level's seeds do."""
+    cfgs = [dataclasses.replace(cfg, concurrency=c) for c in levels]
+    if seeds > 1:
+        return [(simulate_seeds(c, seeds, workers), []) for c in cfgs]
+    jobs = [(c, keep_records) for c in cfgs]
+    if len(jobs) == 1 or workers <= 1:
+        return [_stage(j) for j in jobs]
+    with Pool(min(workers, len(jobs))) as pool:
+        return pool.map(_stage, jobs)
