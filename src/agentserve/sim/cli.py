@@ -88,7 +88,7 @@ def register(app: typer.Typer) -> None:
         seeds: int = typer.Option(1, help="simulate seeds SEED .. SEED + N - 1 and report their "
                                   "mean, with each headline figure's spread under `seeds`"),
         workers: int = typer.Option(2, help="--seeds: worker processes"),
-        as_json: bool = typer.Option(False, "--json", help="print one JSON object"),
+        as_json: bool = typer.Option(False, "--json", help="print one JSON object (for a concurrency ladder, a list of them, one a stage)"),
         out: Path = typer.Option(None, help="also write the stage as `agentserve bench` writes a "
                                  "run: summary.json, requests.jsonl / .csv, TTFT, ITL and "
                                  "throughput plots and report.html, into this folder (one seed)"),
