@@ -52,7 +52,10 @@ def register(app: typer.Typer) -> None:
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace "
                                      "FILE (Weka sessions or AIPerf mooncake_trace)"),
         duration: float = typer.Option(900.0, help="stage length, simulated seconds (the "
-                                       "reference's AIPerf stages: 900)"),
+                                       "reference's AIPerf stages: 900); the summary's "
+                                       "duration_s, which the throughputs divide, runs to the "
+                                       "last counted answer where the stage drains, as "
+                                       "AIPerf's benchmark duration does"),
         clients: str = typer.Option(None, help="load generator: agentx (AIPerf's agentic replay, "
                                     "as the reference ran: recorded think times, sub-agents in "
                                     "parallel, a warm-up of primers; default for xPyD), closed "
