@@ -28,6 +28,7 @@ from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import PerfModel
 from agentserve.sim.policy_router import PolicyRouter
+from agentserve.sim.queues import sample_queues
 from agentserve.sim.pools import PrefillInstance
 from agentserve.sim.schedule import Schedule
 from agentserve.sim.specs import GiB, model_spec
@@ -73,10 +74,10 @@ class Simulation:
         self.window_full = True  # False: a fixed schedule ended before the window (`_span`)
         self.records: list[RequestRecord] = []
         self.phases: list[tuple[float, ...]] = []  # per finished request, see PHASES
-        # the queues' lengths every QUEUE_SAMPLE_S of the stage window (`_sample_queues`)
+        # the queues' lengths over the stage window (`queues.sample_queues`)
         self.queue_samples: list[tuple[int, ...]] = []
         self.seen: dict[int, set[int]] = {}
-        self._ids = 0
+        self.requests_sent = 0  # warm-up and grace included; also names each request
         if cfg.aggregated:
             self._build_aggregated(m, hw)
             return
@@ -156,7 +157,7 @@ class Simulation:
               then: Callable[[bool], None], max_out: int | None = None) -> None:
         """Send one request of session `sid` (hash namespace `ns`) now; `then(ok)` runs once
         it is recorded (ok False: rejected as longer than a rank's KV)."""
-        self._ids += 1
+        self.requests_sent += 1
         cfg = self.cfg
         n_in = (scaled_length(tr.input_tokens, sbs, min(cfg.token_scale, sbs)) if cfg.token_scale
                 else tr.input_tokens)
@@ -164,7 +165,7 @@ class Simulation:
         for cap in (cfg.max_output, max_out):
             if cap is not None:
                 n_out = min(n_out, cap)
-        rec = RequestRecord(f"sim-{self._ids}", sid, turn, agent, start=self.clock.now,
+        rec = RequestRecord(f"sim-{self.requests_sent}", sid, turn, agent, start=self.clock.now,
                             input_tokens=n_in, max_tokens=n_out)
         if self._too_long(n_in, n_out):  # 400 before scheduling: no KV computed, none reusable
             rec.error, rec.status, rec.e2e = REJECTED, 400, self.overhead
@@ -328,7 +329,7 @@ class Simulation:
         sched = Schedule(self.clock, self._send, self.source, t1,
                          1.0 / cfg.session_rate if cfg.session_rate else 0.0)
         sched.start()
-        self._sample_queues(self.t0)
+        sample_queues(self, self.t0)
         self.clock.run(self.t0)
         self._c0 = pool_counters(self)
         self.clock.run(t1)
@@ -350,7 +351,7 @@ class Simulation:
         self._closed_clients()
         for _ in range(self.cfg.concurrency):
             self._client()
-        self._sample_queues(self.t0)
+        sample_queues(self, self.t0)
         if self.t0 > 0:
             self.clock.run(self.t0)
         self._c0 = pool_counters(self)
@@ -370,7 +371,7 @@ class Simulation:
 
         def profile() -> None:
             self._t0, self._c0 = self.clock.now, pool_counters(self)
-            self._sample_queues(self._t0)
+            sample_queues(self, self._t0)
         replay = Replay(self.clock, lambda call, ns, tree, cap, then: self._send(
             ns, tree.id, call.turn, call.agent, call.req, tree.block_size, then, cap),
             source, itertools.count(1 << 20), self.rng, cfg.concurrency, cfg.gap_cap_s, profile)
@@ -390,34 +391,7 @@ class Simulation:
         """The stage's summary record (`summary.stage_summary`)."""
         return stage_summary(self)
 
-    @property
-    def requests_sent(self) -> int:
-        """Requests sent so far (warm-up and grace included)."""
-        return self._ids
 
-    def queues_now(self) -> tuple[int, ...]:
-        """Requests waiting now: (prefill, decode) ranks' queues for xPyD (a prefill queue with
-        the prompts whose CPU-tier blocks load or have loaded), the engines' for aggregated
-        ones (the in-flight prefix joins' included), as vLLM's num_requests_waiting counts."""
-        if self.aggs:
-            return (sum(a.waiting_count for a in self.aggs),)
-        return (sum(len(r.waiting) + len(r.holding) for r in self.p_ranks),
-                sum(len(r.waiting) for r in self.d_ranks))
-
-    def _sample_queues(self, t0: float) -> None:
-        """Sample `queues_now` every QUEUE_SAMPLE_S of the window that opens at `t0`, as a
-        scrape of a gauge would (one event at a time; other events keep their order)."""
-        n = int(self.cfg.duration // QUEUE_SAMPLE_S)
-
-        def sample(k: int) -> None:
-            self.queue_samples.append(self.queues_now())
-            if k < n:
-                self.clock.at(t0 + (k + 1) * QUEUE_SAMPLE_S, lambda: sample(k + 1))
-        if n:
-            self.clock.at(t0 + QUEUE_SAMPLE_S, lambda: sample(1))
-
-
-QUEUE_SAMPLE_S = 1.0  # simulated s between two samples of the queues (`_sample_queues`)
 GRACE_S = 30.0  # AIPerf's --benchmark-grace-period default: answers counted after the window
 SCHEDULE_DRAIN_S = 600.0  # a schedule's drain: `bench --mode schedule`'s --request-timeout
 WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a slow cluster

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from agentserve.sim.cost import pool_cost
+from agentserve.sim.queues import queue_lengths
 from agentserve.sim.specs import GiB
 from agentserve.workload.record import RequestRecord
 from agentserve.workload.report import summarize
@@ -129,20 +130,6 @@ def stage_summary(sim: Simulation) -> dict:
         "ttft_phases_s": ttft_phases(sim), "warmup_s": sim.t0, **in_flight(sim),
     })
     return s
-
-
-def queue_lengths(sim: Simulation, names: tuple[str, ...]) -> dict:
-    """Requests waiting, sampled every `sample_s` of the stage window (`Simulation.queues_now`):
-    per queue its mean, p90 and max over the samples (None without a sample)."""
-    from agentserve.sim.run import QUEUE_SAMPLE_S
-
-    a = np.array(sim.queue_samples, dtype=float).reshape(-1, len(names))
-    out: dict = {"sample_s": QUEUE_SAMPLE_S, "samples": len(a)}
-    for i, k in enumerate(names):
-        col = a[:, i]
-        out[k] = ({"mean": float(col.mean()), "p90": float(np.percentile(col, 90)),
-                   "max": float(col.max())} if len(col) else None)
-    return out
 
 
 def ttft_phases(sim: Simulation) -> dict:
