@@ -182,7 +182,8 @@ def print_summary(res: dict) -> None:
         con.print(t)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """This script's flags (`sim_burst_probe.py` runs it with its own schedule)."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=["concurrency", "schedule"], default="schedule")
     ap.add_argument("--concurrency", type=int, default=8, help="--mode concurrency: clients")
@@ -199,7 +200,11 @@ def main() -> None:
                          "(the model tried at stop 51, not adopted; sim NOTEBOOK)")
     ap.add_argument("--cpu-profile", type=Path, default=PROFILE)
     ap.add_argument("--out", default="bench-out/sim_request_path.json")
-    a = ap.parse_args()
+    return ap
+
+
+def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse flags that cannot run, with the reason (argparse's exit 2)."""
     if a.mode == "schedule" and not a.trace.is_file():
         ap.error(f"--trace {a.trace}: no such file")
     if a.concurrency < 1:
@@ -209,6 +214,10 @@ def main() -> None:
     if not a.calibrate and not a.cpu_profile.is_file():
         ap.error(f"no calibrated profile at {a.cpu_profile}: pass --calibrate")
 
+
+def measure(a: argparse.Namespace) -> dict:
+    """One bench on a fresh traced cluster and the simulator on the same workload: the
+    result `main` writes (each side's requests and their pieces under "requests")."""
     from agentserve.sim.run import Simulation, session_stream
     from agentserve.sim.specs import CPU_PROFILE_ENV
     from agentserve.workload.replay import BenchConfig, BenchRun, run_client
@@ -273,6 +282,14 @@ def main() -> None:
            "joined": len(bench), "answered": sum(r.ok for r in run.records),
            "summary": summarize(bench, simulated),
            "requests": {"bench": bench, "sim": simulated}}  # each request's pieces (s)
+    return res
+
+
+def main() -> None:
+    ap = parser()
+    a = ap.parse_args()
+    check_args(ap, a)
+    res = measure(a)
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2))
     print_summary(res)

@@ -384,6 +384,49 @@ def test_request_path_helpers() -> None:
         [False, True, True, False, False, True, False]
 
 
+def test_burst_probe_schedules_each_cell_and_finds_its_bursts_again() -> None:
+    """Every cell is scheduled `repeats` times with distinct prompts, times start at the first
+    send, and requests stamped on a clock that started earlier are matched back to their
+    burst (background streams left out); the slope per position of a line is its step."""
+    from sim_burst_probe import LEAD_S, burst_schedule, by_trial, cell_table, step_per_position
+
+    records, trials = burst_schedule([(0, 1), (2, 3)], 3, 1024, 8, seed=1, bg_output=100)
+    assert sorted((t["b"], t["k"]) for t in trials) == [(0, 1)] * 3 + [(2, 3)] * 3
+    assert len(records) == 3 * 1 + 3 * (2 + 3)
+    ids = [h for r in records for h in r["hash_ids"]]
+    assert len(ids) == len(set(ids)) and all(len(r["hash_ids"]) == 2 for r in records)
+    assert records[0]["timestamp"] == 0 and min(t["bg_at"] if t["bg_at"] is not None else t["at"]
+                                                for t in trials) == 0
+    assert sorted(r["output_length"] for r in records)[-6:] == [100] * 6
+    for t in trials:
+        assert t["bg_at"] is None if t["b"] == 0 else t["at"] - t["bg_at"] == pytest.approx(LEAD_S)
+    # the bench's clock started 7.3 s before the schedule; each burst's j-th request 2 ms later
+    rows, pos = [], {}
+    for r in records:
+        at = r["timestamp"] / 1e3
+        j = pos[at] = pos.get(at, 0) + 1
+        rows.append({"start": 7.3 + at + 0.0005 * j, "ttft": 0.010 + 0.002 * j})
+    got = by_trial(rows, trials)
+    assert sorted(len(v) for v in got.values()) == [1, 1, 1, 3, 3, 3]
+    cells = cell_table(rows, trials, ())
+    assert cells["2,3"]["trials"] == 3 and cells["0,1"]["trials"] == 3
+    assert cells["2,3"]["ttft_by_position"] == pytest.approx([0.012, 0.014, 0.016])
+    assert step_per_position(cells["2,3"]) == pytest.approx(0.002)
+    assert step_per_position(cells["0,1"]) is None
+
+
+@pytest.mark.slow
+def test_burst_probe_runs(tmp_path: Path) -> None:
+    """Two cells once each on a fresh cluster: every burst answered whole, on both sides."""
+    res = _run("sim_burst_probe.py", "--bursts", "2", "--background", "0,1", "--repeats", "1",
+               "--port", "18598", "--cpu-profile",
+               str(ROOT / "benchmarks/results/sim_cpu_profile.json"), out=tmp_path / "burst.json")
+    assert res["joined"] == res["answered"] == 2 + 3
+    for side in ("bench", "sim"):
+        assert {k: c["trials"] for k, c in res[side].items()} == {"0,2": 1, "1,2": 1}
+        assert all(len(c["ttft_by_position"]) == 2 for c in res[side].values())
+
+
 def test_arrival_split_measures_the_stretch() -> None:
     """Steps before an arrival that run 3 ms + 1 us a prompt token past the steady steps
     (priced 5 ms, measured 10: the box at half the model's speed) are found to, per batch
