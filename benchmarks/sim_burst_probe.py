@@ -27,13 +27,19 @@ the checks. Nothing in the simulator is set from it.
 
 from __future__ import annotations
 
+import bisect
 import json
+import os
 import random
 import statistics
 import sys
 import tempfile
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 from sim_request_path import check_args, measure, parser
@@ -135,6 +141,98 @@ def step_per_position(cell: dict) -> float | None:
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
 
 
+class CpuWatch:
+    """CPU time of each watched process, apart for its main thread (the event loop in the
+    router, the engines and this client) and its other threads (an engine's core thread),
+    sampled every `every` s on the bench's clock (`perf_counter`, CLOCK_MONOTONIC) from each
+    thread's `/proc/PID/task/TID/schedstat` (run time in ns: finer than `stat`'s ticks)."""
+
+    def __init__(self, pids: dict[str, int], every: float = 0.25) -> None:
+        self.pids, self.every = pids, every
+        self.samples: list[tuple[float, dict[str, tuple[float, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-watch", daemon=True)
+
+    @staticmethod
+    def read(pid: int) -> tuple[float, float]:
+        """(main thread, other threads) CPU seconds so far; threads that ended are not counted."""
+        main = other = 0.0
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                ns = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0])
+            except (FileNotFoundError, ProcessLookupError):
+                continue  # the thread ended between the listing and the read
+            if int(tid) == pid:
+                main += ns / 1e9
+            else:
+                other += ns / 1e9
+        return main, other
+
+    def _sample(self) -> None:
+        self.samples.append((time.perf_counter(), {k: self.read(p) for k, p in self.pids.items()}))
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every):
+            self._sample()
+
+    def start(self) -> Callable[[], list]:
+        self._sample()
+        self._thread.start()
+
+        def stop() -> list:
+            self._stop.set()
+            self._thread.join(timeout=5 * self.every + 1.0)
+            self._sample()
+            return self.samples
+        return stop
+
+
+def watch_cluster(cluster) -> Callable[[], list]:
+    """`measure`'s hook: watch the router, each engine and this process (the bench client)."""
+    pids = {"client": os.getpid(), "router": cluster.router.pid,
+            **{f"engine {i}": p.pid for i, (_, p) in enumerate(cluster.engines)}}
+    return CpuWatch(pids).start()
+
+
+def cpu_at(samples: list, t: float, label: str) -> tuple[float, float]:
+    """A process's cumulative (main, other) CPU seconds at `t`, linear between samples."""
+    times = [x[0] for x in samples]
+    i = min(max(bisect.bisect_right(times, t), 1), len(samples) - 1)
+    (t0, a), (t1, b) = samples[i - 1], samples[i]
+    w = 0.0 if t1 == t0 else min(max((t - t0) / (t1 - t0), 0.0), 1.0)
+    return tuple(x + w * (y - x) for x, y in zip(a[label], b[label]))  # type: ignore[return-value]
+
+
+def cpu_costs(samples: list, trials: list[dict], zero: float, output: int, bg_output: int) -> dict:
+    """Per process and part (main thread "loop", other threads "rest"): the CPU it spent in
+    each trial's 4 s slot (from 0.3 s before its background's send time, whether it has
+    one or not: the slots tile the schedule), fitted by least squares
+    to idle seconds + requests + streamed tokens over the trials: ms a request, us a token and
+    ms a second idle (the load varies by cell, so the three come apart)."""
+    rows, ys = [], {}
+    # the bursts alone (no background): the tokens are 16 a request, so fit requests only
+    alone = all(t["b"] == 0 for t in trials)
+    for t in trials:
+        lo = zero + t["at"] - LEAD_S - 0.3
+        hi = lo + TRIAL_S
+        if hi > samples[-1][0] or lo < samples[0][0]:
+            continue
+        rows.append([TRIAL_S, t["b"] + t["k"]] if alone else
+                    [TRIAL_S, t["b"] + t["k"], t["b"] * bg_output + t["k"] * output])
+        for label in samples[0][1]:
+            a, b = cpu_at(samples, lo, label), cpu_at(samples, hi, label)
+            for part, j in (("loop", 0), ("rest", 1)):
+                ys.setdefault(f"{label} {part}", []).append(b[j] - a[j])
+    x = np.array(rows, dtype=float)
+    out = {}
+    for key, y in ys.items():
+        coef, *_ = np.linalg.lstsq(x, np.array(y), rcond=None)
+        out[key] = {"idle_ms_per_s": 1e3 * coef[0], "ms_per_request": 1e3 * coef[1],
+                    "us_per_token": None if alone else 1e6 * coef[2],
+                    "mean_ms_per_trial": 1e3 * float(np.mean(y))}
+    return out
+
+
 def print_result(res: dict) -> None:
     con = Console(width=160)
     t = Table(title="burst probe: TTFT of the burst's 1st / 2nd / ... first token, ms "
@@ -170,6 +268,21 @@ def print_result(res: dict) -> None:
         p.add_row(key, *(f"{1e3 * bc['pieces'].get(x, float('nan')):.1f}" for x in bench_p), "|",
                   *(f"{1e3 * sc['pieces'].get(x, float('nan')):.1f}" for x in sim_p))
     con.print(p)
+    for name, what in (("cpu", "all trials: idle + requests + streamed tokens"),
+                       ("cpu_burst_only", "the bursts alone (b = 0): idle + requests, their "
+                                          "few tokens in")):
+        if not res.get(name):
+            continue
+        c = Table(title=f"CPU each process spent, fitted over {what} (loop = its main thread, "
+                        "the event loop; rest = its other threads)")
+        for col in ("process, part", "ms a request", "us a streamed token", "idle ms a second",
+                    "mean ms a trial"):
+            c.add_column(col, justify="right")
+        for key, v in res[name].items():
+            tok = "-" if v["us_per_token"] is None else f"{v['us_per_token']:.0f}"
+            c.add_row(key, f"{v['ms_per_request']:.2f}", tok, f"{v['idle_ms_per_s']:.1f}",
+                      f"{v['mean_ms_per_trial']:.0f}")
+        con.print(c)
 
 
 def main() -> None:
@@ -205,7 +318,7 @@ def main() -> None:
     a.stage = trials[-1]["at"] + TRIAL_S  # the whole schedule is sent in the window
     a.time_scale = 1.0
     check_args(ap, a)
-    res = measure(a)
+    res = measure(a, watch_cluster)
     out = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
            "trials": trials, "profile": res["profile"], "joined": res["joined"],
            "answered": res["answered"], "requests": res["requests"]}
@@ -223,6 +336,14 @@ def main() -> None:
             flags = [r[flag] for i, rs in got.items()
                      if f"{trials[i]['b']},{trials[i]['k']}" == key for r in rs]
             c["engine_stepping"] = sum(flags) / len(flags) if flags else None
+    samples = res.get("watch") or []
+    if len(samples) > 2:
+        zero = res["bench_t0"] + clock_offset(res["requests"]["bench"], sends(trials))
+        out["cpu"] = cpu_costs(samples, trials, zero, a.output, a.background_output)
+        idle = [t for t in trials if t["b"] == 0]
+        if len({t["k"] for t in idle}) > 1:  # bursts alone: what a request costs, its tokens in
+            out["cpu_burst_only"] = cpu_costs(samples, idle, zero, a.output, a.background_output)
+        out["cpu_samples"] = samples
     if not any(c["trials"] for c in out["bench"].values()):
         sys.exit(f"no burst was answered whole ({res['joined']} requests joined their stamps)")
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)

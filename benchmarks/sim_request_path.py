@@ -40,7 +40,9 @@ import os
 import statistics
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -215,9 +217,11 @@ def check_args(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         ap.error(f"no calibrated profile at {a.cpu_profile}: pass --calibrate")
 
 
-def measure(a: argparse.Namespace) -> dict:
+def measure(a: argparse.Namespace, watch: Callable[[Any], Callable[[], Any]] | None = None) -> dict:
     """One bench on a fresh traced cluster and the simulator on the same workload: the
-    result `main` writes (each side's requests and their pieces under "requests")."""
+    result `main` writes (each side's requests and their pieces under "requests").
+    `watch(cluster)`, when given, is called as the bench starts and returns what to call as it
+    ends; what that returns is the result's "watch" (`bench_t0`: the bench's clock zero)."""
     from agentserve.sim.run import Simulation, session_stream
     from agentserve.sim.specs import CPU_PROFILE_ENV
     from agentserve.workload.replay import BenchConfig, BenchRun, run_client
@@ -246,7 +250,11 @@ def measure(a: argparse.Namespace) -> dict:
                                    out=str(work / "bench"), progress=False, plots=False,
                                    seed=a.seed, **load))
         since = run.t0  # the calibration's requests and steps came before
-        run_client(run.run())
+        stop_watch = watch(cluster) if watch is not None else None
+        try:
+            run_client(run.run())
+        finally:
+            watched = stop_watch() if stop_watch is not None else None
         engine_block = _engine_block(cluster.engines[0][0].url)
     finally:
         cluster.stop()
@@ -281,7 +289,8 @@ def measure(a: argparse.Namespace) -> dict:
            "sim_ttft_p50_s": summary["ttft_s"]["p50"],
            "joined": len(bench), "answered": sum(r.ok for r in run.records),
            "summary": summarize(bench, simulated),
-           "requests": {"bench": bench, "sim": simulated}}  # each request's pieces (s)
+           "requests": {"bench": bench, "sim": simulated},  # each request's pieces (s)
+           "bench_t0": run.t0, "watch": watched}
     return res
 
 

@@ -415,6 +415,36 @@ def test_burst_probe_schedules_each_cell_and_finds_its_bursts_again() -> None:
     assert step_per_position(cells["0,1"]) is None
 
 
+def test_burst_probe_fits_what_each_process_spends() -> None:
+    """CPU samples made from a known cost (2 ms idle a second, 1.5 ms a request, 80 us a
+    streamed token; the rest threads a flat 1 ms a second) are fitted back to it over the
+    trials' slots, and this process's own threads read as CPU seconds that only grow."""
+    from sim_burst_probe import LEAD_S, TRIAL_S, CpuWatch, burst_schedule, cpu_costs
+
+    _, trials = burst_schedule([(0, 1), (0, 4), (3, 2), (3, 8)], 3, 512, 16, seed=2,
+                               bg_output=200)
+    zero = 100.0
+    # each slot's load spent at its middle, 2 s from its edges (where the fit reads)
+    spent = [(zero + t["at"] - LEAD_S - 0.3 + TRIAL_S / 2,
+              1.5e-3 * (t["b"] + t["k"]) + 80e-6 * (t["b"] * 200 + t["k"] * 16)) for t in trials]
+    samples = []
+    for i in range(int((len(trials) * TRIAL_S + 2) / 0.25)):
+        now = zero - 1.03 + 0.25 * i
+        loop = 2e-3 * (now - zero) + sum(c for at, c in spent if at <= now)
+        samples.append((now, {"router": (loop, 1e-3 * (now - zero))}))
+    fit = cpu_costs(samples, trials, zero, 16, 200)
+    assert fit["router loop"]["idle_ms_per_s"] == pytest.approx(2.0, rel=0.02)
+    assert fit["router loop"]["ms_per_request"] == pytest.approx(1.5, rel=0.02)
+    assert fit["router loop"]["us_per_token"] == pytest.approx(80, rel=0.02)
+    assert fit["router rest"]["idle_ms_per_s"] == pytest.approx(1.0, rel=0.02)
+    assert abs(fit["router rest"]["ms_per_request"]) < 0.01
+    import os
+    a = CpuWatch.read(os.getpid())
+    sum(i * i for i in range(200_000))
+    b = CpuWatch.read(os.getpid())
+    assert b[0] > a[0] >= 0 and b[1] >= a[1] >= 0
+
+
 @pytest.mark.slow
 def test_burst_probe_runs(tmp_path: Path) -> None:
     """Two cells once each on a fresh cluster: every burst answered whole, on both sides."""
