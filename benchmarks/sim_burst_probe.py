@@ -16,8 +16,10 @@ It runs `sim_request_path.py`'s machinery on that schedule (a fresh traced two-e
 cluster behind the router, the profile calibrated on it first with `--calibrate`, the
 simulator on the same file) and reports per cell the TTFT of the burst's 1st, 2nd, ... first
 token on either side (mean over the trials), and where a burst request's time went on the
-engines (`handler`, `inbox`, `queue`, `prefill`, `to loop`) against the simulator's pieces.
-What it decides: whether the engines answer a burst's requests one handler after another
+engines (`handler`, `inbox`, `queue`, `prefill`, `to loop`) against the simulator's pieces,
+and what each process's threads spent (client, router, each engine: its event loop apart from
+its other threads, read from `/proc/PID/task/TID/schedstat`), fitted over the trials to idle
+seconds, requests and streamed tokens. What it decides: whether the engines answer a burst's requests one handler after another
 (TTFT growing by a fixed step per position) and how large that step is, measured apart from
 the checks. Nothing in the simulator is set from it.
 
@@ -294,7 +296,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=2048, help="tokens a prompt, before --token-scale")
     ap.add_argument("--output", type=int, default=16, help="tokens a burst request asks for")
     ap.add_argument("--background-output", type=int, default=256,
-                    help="tokens a background stream asks for (it must outlast --lead)")
+                    help="tokens a background stream asks for (it must still decode when its "
+                         "burst comes, 0.6 s after it was sent)")
     ap.set_defaults(mode="schedule", token_scale=8, max_output=256,
                     out="bench-out/sim_burst_probe.json")
     a = ap.parse_args()
