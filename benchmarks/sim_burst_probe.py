@@ -29,6 +29,7 @@ the checks. Nothing in the simulator is set from it.
 
 from __future__ import annotations
 
+import argparse
 import bisect
 import json
 import os
@@ -287,6 +288,63 @@ def print_result(res: dict) -> None:
         con.print(c)
 
 
+PIECES = {"bench": ("to engine", "handler", "inbox", "queue", "prefill", "to loop", "to client"),
+          "sim": ("path", "busy", "queue", "prefill")}
+
+
+def write_schedule(a: argparse.Namespace, work: Path) -> list[dict]:
+    """The probe's schedule for `a`'s cells, written to `work` as `a.trace`, with the stage
+    spanning it (`a.stage`); its trials (`burst_schedule`)."""
+    cells = [(int(b), int(k)) for b in a.background.split(",") for k in a.bursts.split(",")]
+    records, trials = burst_schedule(cells, a.repeats, a.prompt, a.output, a.seed,
+                                     a.background_output)
+    a.trace = work / "bursts.jsonl"
+    a.trace.write_text("".join(json.dumps(r) + "\n" for r in records))
+    a.stage = trials[-1]["at"] + TRIAL_S  # the whole schedule is sent in the window
+    a.time_scale = 1.0
+    return trials
+
+
+def side_cells(rows: list[dict], trials: list[dict], side: str) -> dict:
+    """`cell_table` for one side ("bench" or "sim"), with each cell's slope per position and
+    the share of its burst requests whose engine was stepping when they reached it."""
+    cells = cell_table(rows, trials, PIECES[side])
+    flag = "busy" if side == "bench" else "busy_flag"
+    got = by_trial(rows, trials)
+    for key, c in cells.items():
+        c["slope"] = step_per_position(c)
+        flags = [r[flag] for i, rs in got.items()
+                 if f"{trials[i]['b']},{trials[i]['k']}" == key for r in rs]
+        c["engine_stepping"] = sum(flags) / len(flags) if flags else None
+    return cells
+
+
+def resimulate(path: Path) -> dict:
+    """A recorded probe priced again by this checkout's simulator, from its JSON alone: the
+    schedule rebuilt from its recorded flags and seed, its recorded profile and the engines'
+    block size (16, our engine's default, for results that predate recording it); the bench
+    side is the recorded one. Seconds, to try a model against every recorded probe."""
+    import shutil
+
+    from sim_request_path import simulate
+
+    old = json.loads(path.read_text())
+    a = argparse.Namespace(**old["args"])
+    work = Path(tempfile.mkdtemp(prefix="sim_burst_probe_resim_"))
+    try:
+        trials = write_schedule(a, work)
+        if [(t["b"], t["k"], t["at"]) for t in trials] != \
+                [(t["b"], t["k"], t["at"]) for t in old["trials"]]:
+            raise SystemExit(f"{path}: its recorded flags no longer rebuild its schedule")
+        profile = work / "profile.json"
+        profile.write_text(json.dumps(old["profile"]))
+        _, sim_rows = simulate(a, a.trace, [], profile, old.get("engine_block", 16))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {**old, "sim": side_cells(sim_rows, trials, "sim"), "sim_before": old["sim"],
+            "requests": {**old["requests"], "sim": sim_rows}, "resimulated_from": str(path)}
+
+
 def main() -> None:
     ap = parser()
     ap.description = __doc__.split("\n\n")[0]
@@ -298,9 +356,21 @@ def main() -> None:
     ap.add_argument("--background-output", type=int, default=256,
                     help="tokens a background stream asks for (it must still decode when its "
                          "burst comes, 0.6 s after it was sent)")
+    ap.add_argument("--resimulate", type=Path, metavar="RESULT.json",
+                    help="price a recorded probe again with this checkout's simulator (no "
+                         "cluster; seconds) and write it to --out")
     ap.set_defaults(mode="schedule", token_scale=8, max_output=256,
                     out="bench-out/sim_burst_probe.json")
     a = ap.parse_args()
+    if a.resimulate is not None:
+        if not a.resimulate.is_file():
+            ap.error(f"--resimulate {a.resimulate}: no such file")
+        out = resimulate(a.resimulate)
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps(out, indent=2))
+        print_result(out)
+        print(f"re-priced {a.resimulate}; wrote {a.out}")
+        return
     try:
         ks = [int(x) for x in a.bursts.split(",")]
         bs = [int(x) for x in a.background.split(",")]
@@ -313,32 +383,14 @@ def main() -> None:
                  "--background-output >= 1")
     if a.mode != "schedule":
         ap.error("the probe is a schedule: leave --mode out")
-    records, trials = burst_schedule([(b, k) for b in bs for k in ks], a.repeats, a.prompt,
-                                     a.output, a.seed, a.background_output)
-    work = Path(tempfile.mkdtemp(prefix="sim_burst_probe_"))
-    a.trace = work / "bursts.jsonl"
-    a.trace.write_text("".join(json.dumps(r) + "\n" for r in records))
-    a.stage = trials[-1]["at"] + TRIAL_S  # the whole schedule is sent in the window
-    a.time_scale = 1.0
+    trials = write_schedule(a, Path(tempfile.mkdtemp(prefix="sim_burst_probe_")))
     check_args(ap, a)
     res = measure(a, watch_cluster)
     out = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
            "trials": trials, "profile": res["profile"], "joined": res["joined"],
-           "answered": res["answered"], "requests": res["requests"]}
-    for side, pieces in (("bench", ("to engine", "handler", "inbox", "queue", "prefill",
-                                    "to loop", "to client")),
-                         ("sim", ("path", "busy", "queue", "prefill"))):
-        cells = cell_table(res["requests"][side], trials, pieces)
-        for c in cells.values():
-            c["slope"] = step_per_position(c)
-        out[side] = cells
-        # share of the burst's requests whose engine was stepping when they reached it
-        flag = "busy" if side == "bench" else "busy_flag"
-        got = by_trial(res["requests"][side], trials)
-        for key, c in cells.items():
-            flags = [r[flag] for i, rs in got.items()
-                     if f"{trials[i]['b']},{trials[i]['k']}" == key for r in rs]
-            c["engine_stepping"] = sum(flags) / len(flags) if flags else None
+           "answered": res["answered"], "engine_block": res["engine_block"],
+           "requests": res["requests"],
+           **{side: side_cells(res["requests"][side], trials, side) for side in ("bench", "sim")}}
     samples = res.get("watch") or []
     if len(samples) > 2:
         zero = res["bench_t0"] + clock_offset(res["requests"]["bench"], sends(trials))

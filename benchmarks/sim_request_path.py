@@ -222,8 +222,6 @@ def measure(a: argparse.Namespace, watch: Callable[[Any], Callable[[], Any]] | N
     result `main` writes (each side's requests and their pieces under "requests").
     `watch(cluster)`, when given, is called as the bench starts and returns what to call as it
     ends; what that returns is the result's "watch" (`bench_t0`: the bench's clock zero)."""
-    from agentserve.sim.run import Simulation, session_stream
-    from agentserve.sim.specs import CPU_PROFILE_ENV
     from agentserve.workload.replay import BenchConfig, BenchRun, run_client
 
     work = Path(tempfile.mkdtemp(prefix="sim_request_path_"))
@@ -266,8 +264,29 @@ def measure(a: argparse.Namespace, watch: Callable[[Any], Callable[[], Any]] | N
     if not bench:
         sys.exit(f"no request joined its engine stamps under {work}: was the trace written?")
 
+    summary, simulated = simulate(a, trace, sessions, Path(profile_path), engine_block)
+    label = ("open loop" if a.mode == "schedule" else f"c{a.concurrency}")
+    res = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+           "label": label, "profile": json.loads(Path(profile_path).read_text()),
+           "bench_ttft_p50_s": run.stages[0]["ttft_s"]["p50"],
+           "sim_ttft_p50_s": summary["ttft_s"]["p50"],
+           "joined": len(bench), "answered": sum(r.ok for r in run.records),
+           "summary": summarize(bench, simulated),
+           "requests": {"bench": bench, "sim": simulated},  # each request's pieces (s)
+           "bench_t0": run.t0, "watch": watched, "engine_block": engine_block}
+    return res
+
+
+def simulate(a: argparse.Namespace, trace: Path, sessions: list, profile: Path,
+             engine_block: int) -> tuple[dict, list[dict]]:
+    """The simulator's side of `measure`: the same workload file priced with `profile`; its
+    summary and each answered request's pieces (`sim_pieces`). Also what re-prices a recorded
+    run under this checkout's model (`sim_burst_probe.py --resimulate`)."""
+    from agentserve.sim.run import Simulation, session_stream
+    from agentserve.sim.specs import CPU_PROFILE_ENV
+
     conc = 1 if a.mode == "schedule" else a.concurrency
-    os.environ[CPU_PROFILE_ENV] = str(Path(profile_path).resolve())
+    os.environ[CPU_PROFILE_ENV] = str(profile.resolve())
     try:
         cfg = sim_config(a, conc, trace, engine_block)
         stream = (session_stream(cfg.workload, max(8, 2 * cfg.concurrency), cfg.seed, cfg.token_scale)
@@ -280,18 +299,7 @@ def measure(a: argparse.Namespace, watch: Callable[[Any], Callable[[], Any]] | N
     finally:
         os.environ.pop(CPU_PROFILE_ENV, None)
     stamps = {k: v for agg in sim.aggs for k, v in (agg.req_trace or {}).items()}
-    simulated = sim_pieces(sim.records, stamps)
-
-    label = ("open loop" if a.mode == "schedule" else f"c{a.concurrency}")
-    res = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-           "label": label, "profile": json.loads(Path(profile_path).read_text()),
-           "bench_ttft_p50_s": run.stages[0]["ttft_s"]["p50"],
-           "sim_ttft_p50_s": summary["ttft_s"]["p50"],
-           "joined": len(bench), "answered": sum(r.ok for r in run.records),
-           "summary": summarize(bench, simulated),
-           "requests": {"bench": bench, "sim": simulated},  # each request's pieces (s)
-           "bench_t0": run.t0, "watch": watched}
-    return res
+    return summary, sim_pieces(sim.records, stamps)
 
 
 def main() -> None:

@@ -445,6 +445,19 @@ def test_burst_probe_fits_what_each_process_spends() -> None:
     assert b[0] > a[0] >= 0 and b[1] >= a[1] >= 0
 
 
+def test_burst_probe_resimulate_reproduces_a_recorded_probe(tmp_path: Path) -> None:
+    """A recorded probe re-priced from its JSON alone (schedule rebuilt from its flags and
+    seed, its profile) gives the simulator side it recorded, to the digit: the model has not
+    changed since, and a model that does can be tried on every recorded probe this way."""
+    res = _run("sim_burst_probe.py", "--resimulate",
+               str(ROOT / "benchmarks/results/sim_burst_probe.json"), out=tmp_path / "re.json")
+    assert res["sim"].keys() == res["sim_before"].keys() and len(res["sim"]) == 8
+    for key, cell in res["sim"].items():
+        was = res["sim_before"][key]
+        assert cell["ttft_by_position"] == was["ttft_by_position"] and cell["trials"] == was["trials"]
+    assert res["bench"]["4,8"]["trials"] == 5
+
+
 @pytest.mark.slow
 def test_burst_probe_runs(tmp_path: Path) -> None:
     """Two cells once each on a fresh cluster: every burst answered whole, on both sides."""
