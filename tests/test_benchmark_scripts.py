@@ -419,7 +419,8 @@ def test_burst_probe_fits_what_each_process_spends() -> None:
     """CPU samples made from a known cost (2 ms idle a second, 1.5 ms a request, 80 us a
     streamed token; the rest threads a flat 1 ms a second) are fitted back to it over the
     trials' slots, and this process's own threads read as CPU seconds that only grow."""
-    from sim_burst_probe import LEAD_S, TRIAL_S, CpuWatch, burst_schedule, cpu_costs
+    from cpu_watch import CpuWatch
+    from sim_burst_probe import LEAD_S, TRIAL_S, burst_schedule, cpu_costs
 
     _, trials = burst_schedule([(0, 1), (0, 4), (3, 2), (3, 8)], 3, 512, 16, seed=2,
                                bg_output=200)
