@@ -151,12 +151,13 @@ def watch_cluster(cluster) -> Callable[[], list]:
 
 def cpu_costs(samples: list, trials: list[dict], zero: float, output: int, bg_output: int) -> dict:
     """Per process and part (main thread "loop", other threads "rest"): the CPU it spent in
-    each trial's 4 s slot (from 0.3 s before its background's send time, whether it has
-    one or not: the slots tile the schedule), fitted by least squares
-    to idle seconds + requests + streamed tokens over the trials: ms a request, us a token and
-    ms a second idle (the load varies by cell, so the three come apart)."""
+    each trial's 4 s slot (from 0.3 s before its background's send time, whether it has one
+    or not: the slots tile the schedule), fitted by least squares over the trials to idle
+    seconds + requests + streamed tokens: ms a request, us a token and ms a second idle (the
+    load varies by cell, so the three come apart). Empty when too few slots were sampled."""
     rows, ys = [], {}
-    # the bursts alone (no background): the tokens are 16 a request, so fit requests only
+    # the bursts alone (no background): every request streams `output` tokens, so its tokens
+    # are in proportion to the requests and only requests are fitted
     alone = all(t["b"] == 0 for t in trials)
     for t in trials:
         lo = zero + t["at"] - LEAD_S - 0.3
@@ -170,6 +171,8 @@ def cpu_costs(samples: list, trials: list[dict], zero: float, output: int, bg_ou
             for part, j in (("loop", 0), ("rest", 1)):
                 ys.setdefault(f"{label} {part}", []).append(b[j] - a[j])
     x = np.array(rows, dtype=float)
+    if not rows or len(rows) <= len(rows[0]):  # as many unknowns as slots: no fit
+        return {}
     out = {}
     for key, y in ys.items():
         coef, *_ = np.linalg.lstsq(x, np.array(y), rcond=None)
@@ -341,6 +344,8 @@ def main() -> None:
         idle = [t for t in trials if t["b"] == 0]
         if len({t["k"] for t in idle}) > 1:  # bursts alone: what a request costs, its tokens in
             out["cpu_burst_only"] = cpu_costs(samples, idle, zero, a.output, a.background_output)
+        if not out["cpu"]:
+            print("too few trials were sampled to fit what each process spends", file=sys.stderr)
         out["cpu_samples"] = samples
     if not any(c["trials"] for c in out["bench"].values()):
         sys.exit(f"no burst was answered whole ({res['joined']} requests joined their stamps)")
