@@ -9,12 +9,12 @@ session's next request the moment the last one finishes; synthesized sweep workl
 from a request drawn uniformly over the corpus's requests to the session's end (REPLAY_RUN),
 in their own namespace (cold first request); a trace file's sessions are joined at a random
 turn; "schedule" sends a trace file's requests at their recorded times (schedule.py).
-Synthesized sweep outputs are scaled to the reference's mean (REFERENCE_OUTPUT_MEAN).
+Synthesized sweep outputs are scaled to the reference's mean (REFERENCE_OUTPUT_MEAN). The load
+generators themselves, with the stage's window and drain, are in stages.py.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
@@ -24,15 +24,13 @@ from agentserve.sim.approx_prefix import ApproxRouter
 from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
 from agentserve.sim.config import SimConfig, check_config, efficiency, parse_topology, request_path
 from agentserve.sim.decode import DecodeInstance
-from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.memory import Topology, plan_memory
 from agentserve.sim.perf import PerfModel
 from agentserve.sim.policy_router import PolicyRouter
-from agentserve.sim.queues import sample_queues
 from agentserve.sim.pools import PrefillInstance
-from agentserve.sim.schedule import Schedule
+from agentserve.sim.stages import GRACE_S, SCHEDULE_DRAIN_S, run_stage
 from agentserve.sim.specs import GiB, model_spec
-from agentserve.sim.summary import REJECTED, counted_records, pool_counters, stage_summary
+from agentserve.sim.summary import REJECTED, counted_records, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
 from agentserve.sim.workload import (GLOBAL_NS, REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
@@ -61,7 +59,7 @@ class Simulation:
         self.overhead_per_token = (per_token if cfg.request_overhead_per_token_s is None
                                    else cfg.request_overhead_per_token_s)
         self.source = sessions
-        # closed clients' sessions and run sampler; the replay reads `source` (`_run_agentx`)
+        # closed clients' sessions and run sampler; the replay reads `source` (`stages.run_agentx`)
         self.sessions: Iterator[tuple[int, Session]] = iter(enumerate(sessions))
         self.runs: RunSampler | None = None
         self._t0: float | None = None  # agentx: when the profiling phase began
@@ -310,33 +308,8 @@ class Simulation:
         return t0 < end <= t1
 
     def run(self) -> dict:
-        """Run the stage with its load generator (`agentx`) and return `summary()`."""
-        if self.agentx:
-            return self._run_agentx()
-        if self.cfg.clients == "schedule":
-            return self._run_schedule()
-        return self._run_closed()
-
-    def _run_schedule(self) -> dict:
-        """A trace's requests at their recorded times (schedule.py), from simulated time 0: the
-        window opens at `t0` (the warm-up, 0 by default) and sends nothing from `t0 + duration`
-        on; what it sent counts when answered within `SCHEDULE_DRAIN_S` after it closes."""
-        cfg = self.cfg
-        if cfg.workload in SYNTH and not isinstance(self.source, (list, tuple)):
-            raise ValueError(f"--clients schedule replays a trace file's recorded times; "
-                             f"{cfg.workload} is synthesized without them: pass --workload FILE")
-        t1 = self._send_until = self.t0 + cfg.duration
-        sched = Schedule(self.clock, self._send, self.source, t1,
-                         1.0 / cfg.session_rate if cfg.session_rate else 0.0)
-        sched.start()
-        sample_queues(self, self.t0)
-        self.clock.run(self.t0)
-        self._c0 = pool_counters(self)
-        self.clock.run(t1)
-        self._c1 = pool_counters(self)
-        self.window_full = sched.cut
-        self.clock.run(t1 + self.grace)
-        return self.summary()
+        """Run the stage with its load generator (`stages.run_stage`) and return `summary()`."""
+        return run_stage(self)
 
     def _closed_clients(self) -> None:
         """For a synthesized reference-sweep xPyD stage (`join_midway`), closed clients
@@ -346,55 +319,9 @@ class Simulation:
             self.runs = RunSampler(self.sessions, cfg.concurrency, self.rng,
                                    REPLAY_RUN if cfg.replay_run is None else cfg.replay_run)
 
-    def _run_closed(self) -> dict:
-        """Closed clients: `concurrency` of them from time 0, the stage after the warm-up."""
-        self._closed_clients()
-        for _ in range(self.cfg.concurrency):
-            self._client()
-        sample_queues(self, self.t0)
-        if self.t0 > 0:
-            self.clock.run(self.t0)
-        self._c0 = pool_counters(self)
-        t1 = self._send_until = self.t0 + self.cfg.duration  # nothing new from the deadline on
-        self.clock.run(t1)
-        self._c1 = pool_counters(self)
-        if self.drains:
-            self.clock.run(t1 + GRACE_S)
-        return self.summary()
-
-    def _run_agentx(self) -> dict:
-        """Warm-up (the lanes' primers), then `duration` s of profiling and AIPerf's grace."""
-        cfg = self.cfg
-        source = trees(self.source, cfg.idle_gap_cap_s)
-        if cfg.workload not in SYNTH or isinstance(self.source, (list, tuple)):
-            source = itertools.cycle(source)  # a finite corpus is replayed round-robin (AIPerf)
-
-        def profile() -> None:
-            self._t0, self._c0 = self.clock.now, pool_counters(self)
-            sample_queues(self, self._t0)
-        replay = Replay(self.clock, lambda call, ns, tree, cap, then: self._send(
-            ns, tree.id, call.turn, call.agent, call.req, tree.block_size, then, cap),
-            source, itertools.count(1 << 20), self.rng, cfg.concurrency, cfg.gap_cap_s, profile)
-        replay.start()
-        while self._t0 is None:  # bounded: every primer is one finite request
-            if self.clock.idle or self.clock.now > WARMUP_LIMIT_S:
-                raise RuntimeError(f"the replay's warm-up did not finish ({replay.left} primers "
-                                   f"unanswered at {self.clock.now:.0f} s)")
-            self.clock.run(self.clock.now + 10.0)
-        t1 = self._t0 + cfg.duration
-        self.clock.run(t1)
-        self._c1 = pool_counters(self)
-        self.clock.run(t1 + GRACE_S)
-        return self.summary()
-
     def summary(self) -> dict:
         """The stage's summary record (`summary.stage_summary`)."""
         return stage_summary(self)
-
-
-GRACE_S = 30.0  # AIPerf's --benchmark-grace-period default: answers counted after the window
-SCHEDULE_DRAIN_S = 600.0  # a schedule's drain: `bench --mode schedule`'s --request-timeout
-WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a slow cluster
 
 
 def simulate(cfg: SimConfig, sessions: Iterable[Session] | None = None) -> dict:
