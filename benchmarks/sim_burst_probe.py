@@ -66,21 +66,17 @@ def burst_schedule(cells: list[tuple[int, int]], repeats: int, prompt: int, outp
         records.append({"timestamp": round(1e3 * t, 3), "input_length": prompt,
                         "output_length": n_out, "hash_ids": list(range(next_id, next_id + blocks))})
         next_id += blocks
+    # both sides time a schedule from its first send: make that 0 (the first trial's
+    # background, or its burst when it has none)
+    lead0 = LEAD_S if order[0][0] else 0.0
     for i, (b, k) in enumerate(order):
-        at = LEAD_S + i * TRIAL_S
+        at = lead0 + i * TRIAL_S
         for _ in range(b):
             add(at - LEAD_S, bg_output or output)
         for _ in range(k):
             add(at, output)
         trials.append({"b": b, "k": k, "at": at, "bg_at": at - LEAD_S if b else None})
     records.sort(key=lambda r: r["timestamp"])
-    first = records[0]["timestamp"] / 1e3  # both sides time a schedule from its first send
-    for r in records:
-        r["timestamp"] = round(r["timestamp"] - 1e3 * first, 3)
-    for t in trials:
-        t["at"] -= first
-        if t["bg_at"] is not None:
-            t["bg_at"] -= first
     return records, trials
 
 
@@ -113,10 +109,12 @@ def by_trial(rows: list[dict], trials: list[dict]) -> dict[int, list[dict]]:
     return out
 
 
-def cell_table(rows: list[dict], trials: list[dict], pieces: tuple[str, ...]) -> dict:
+def cell_table(rows: list[dict], trials: list[dict], pieces: tuple[str, ...],
+               flag: str | None = None) -> dict:
     """Per cell "b,k": the mean TTFT of the burst's j-th first token (j = 1..k, over the
-    trials whose burst was answered whole), all burst TTFTs' median, each piece's mean, and
-    how many trials were whole."""
+    trials whose burst was answered whole), all burst TTFTs' median, each piece's mean, how
+    many trials were whole and (with `flag`, the rows' key for it) the share of the burst's
+    requests whose engine was stepping when they reached it."""
     got = by_trial(rows, trials)
     out: dict[str, dict] = {}
     for key in sorted({(t["b"], t["k"]) for t in trials}):
@@ -129,6 +127,9 @@ def cell_table(rows: list[dict], trials: list[dict], pieces: tuple[str, ...]) ->
             "ttft_by_position": [statistics.fmean(w[j] for w in whole) for j in range(k)] if whole else [],
             "ttft_p50": statistics.median(x["ttft"] for x in reqs) if reqs else None,
             "pieces": {p: statistics.fmean(x[p] for x in reqs) for p in pieces} if reqs else {}}
+        if flag is not None:
+            out[f"{b},{k}"]["engine_stepping"] = (sum(x[flag] for x in reqs) / len(reqs)
+                                                  if reqs else None)
     return out
 
 
@@ -252,16 +253,10 @@ def write_schedule(a: argparse.Namespace, work: Path) -> list[dict]:
 
 
 def side_cells(rows: list[dict], trials: list[dict], side: str) -> dict:
-    """`cell_table` for one side ("bench" or "sim"), with each cell's slope per position and
-    the share of its burst requests whose engine was stepping when they reached it."""
-    cells = cell_table(rows, trials, PIECES[side])
-    flag = "busy" if side == "bench" else "busy_flag"
-    got = by_trial(rows, trials)
-    for key, c in cells.items():
+    """`cell_table` for one side ("bench" or "sim"), with each cell's slope per position."""
+    cells = cell_table(rows, trials, PIECES[side], "busy" if side == "bench" else "busy_flag")
+    for c in cells.values():
         c["slope"] = step_per_position(c)
-        flags = [r[flag] for i, rs in got.items()
-                 if f"{trials[i]['b']},{trials[i]['k']}" == key for r in rs]
-        c["engine_stepping"] = sum(flags) / len(flags) if flags else None
     return cells
 
 
@@ -279,8 +274,9 @@ def resimulate(path: Path) -> dict:
     work = Path(tempfile.mkdtemp(prefix="sim_burst_probe_resim_"))
     try:
         trials = write_schedule(a, work)
-        if [(t["b"], t["k"], t["at"]) for t in trials] != \
-                [(t["b"], t["k"], t["at"]) for t in old["trials"]]:
+        if len(trials) != len(old["trials"]) or any(
+                (t["b"], t["k"]) != (o["b"], o["k"]) or abs(t["at"] - o["at"]) > 1e-6
+                for t, o in zip(trials, old["trials"])):
             raise SystemExit(f"{path}: its recorded flags no longer rebuild its schedule")
         profile = work / "profile.json"
         profile.write_text(json.dumps(old["profile"]))
