@@ -131,7 +131,32 @@ def run(args: tuple) -> dict:
             "dlocal": s["decode_local_hit_rate"] or 0.0,
             "ttft_p90": s["ttft_s"]["p90"], "input": s["input_tok_s"],
             "prefill_busy": s["prefill_busy_frac"], "hit": s["prefill_gpu_hit_rate"],
-            "rejected": s["rejected_share"] or 0.0}
+            "rejected": s["rejected_share"] or 0.0, "pull": s["pd_pull_gib"],
+            "req_s": s["requests_ok"] / s["duration_s"] if s["duration_s"] else 0.0}
+
+
+def prefill_ranks(name: str) -> int:
+    """Prefill ranks of a point's deployment (instances x width)."""
+    cfg = SimConfig(**POINTS[name][0])
+    return cfg.prefill * cfg.prefill_width
+
+
+def rank_table(doc: dict) -> Table:
+    """What one prefill rank carried at each point: its pool's busy share, answered requests,
+    and the KV it restored from its CPU tier and had pulled by the decode side, GB/s. Results
+    files from before stop 54 lack the last two ('-')."""
+    t = Table(title="per prefill rank (simulated): busy share, requests/s, CPU -> GPU restores "
+                    "and P -> D pulls, GB/s")
+    for col in ("point", "ranks", "busy", "req/s", "restore GB/s", "pull GB/s"):
+        t.add_column(col, justify="right")
+    for n, sim in doc["rows"].items():
+        k, dur = prefill_ranks(n), doc["duration"]
+
+        def rate(x: float | None, scale: float) -> str:
+            return "-" if x is None else f"{x * scale / k:.2f}"
+        t.add_row(n, str(k), f"{sim['prefill_busy']:.2f}", rate(sim.get("req_s"), 1.0),
+                  rate(sim["restore"], 2**30 / dur / 1e9), rate(sim.get("pull"), 2**30 / dur / 1e9))
+    return t
 
 
 def parse_args(description: str | None, out: str, points, model_flags: bool = False
@@ -199,6 +224,7 @@ def report(doc: dict) -> None:
             return f"{v} / {pub[k]:,} ({sim[k] / pub[k] - 1:+.0%})" if pub.get(k) else v
         t.add_row(n, *[cell(k) for k in METRICS], f"{sim['ttft_p90']:.1f}", f"{sim['prefill_busy']:.2f}")
     Console(width=240).print(t)
+    Console(width=240).print(rank_table(doc))
     c = band_count(rows, published)
     print(f"in band: {c['in_band']} of {c['figures']} published figures; outside the calibration "
           f"run {c['held_back_in_band']} of {c['held_back']} (bands: "

@@ -586,6 +586,7 @@ def test_sim_published_runs(tmp_path: Path) -> None:
     assert row["out"] > 0 and row["itl"] > 0 and row["ttft"] > 0
     assert res["published"]["lim 1P1D no-MTP c32"]["itl"] == 28.6
     assert 0 < row["hit"] <= 1 and res["route_miss"] == ROUTE_MISS
+    assert row["pull"] > 0 and row["req_s"] > 0  # what its prefill ranks carried
 
 
 def test_sim_published_counts_figures_in_their_bands() -> None:
@@ -616,6 +617,24 @@ def test_sim_published_reports_a_results_file_without_simulating(tmp_path: Path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "in band: 2 of 3 published figures" in r.stdout
     assert "miss: lim 1P1D no-MTP c32 itl +40%" in r.stdout
+    assert "per prefill rank" in r.stdout  # a file without pulls still prints its ranks
+
+
+def test_sim_published_rates_each_prefill_rank() -> None:
+    """The per-rank table divides a stage's restored and pulled GiB by its seconds and its
+    prefill ranks (P8/D16: one DEP8 instance; 3P1D: three DEP16 ones)."""
+    from sim_published import prefill_ranks, rank_table
+    from rich.console import Console
+
+    assert prefill_ranks("lim P8/D16 c128") == 8 and prefill_ranks("full 3P1D c128") == 48
+    doc = {"duration": 900.0, "rows": {"lim P8/D16 c128": {
+        "prefill_busy": 1.0, "req_s": 4.0, "restore": 900.0 * 8, "pull": 900.0 * 4}}}
+    console = Console(width=200, record=True)
+    console.print(rank_table(doc))
+    line = [x for x in console.export_text().splitlines() if "P8/D16" in x][0]
+    per_gib = 2**30 / 1e9
+    assert [c.strip() for c in line.split("│")[2:7]] == [
+        "8", "1.00", "0.50", f"{per_gib:.2f}", f"{per_gib / 2:.2f}"]
 
 
 @pytest.mark.slow

@@ -434,17 +434,25 @@ def test_decode_local_hit_rate_follows_decode_placement() -> None:
     """The decode-local prefix hit (prompt tokens a decode rank already held, not pulled): with
     the reference's picker a finished request leaves its rank the least loaded (as many clients
     as ranks), so the client's next turn returns there and pulls only the new tail; ranks drawn
-    at random (no scorers) hold less of it."""
+    at random (no scorers) hold less of it. What the decode ranks lacked is what they pulled."""
+    from agentserve.sim.specs import model_spec
+
+    pulled = []
+
     def hit(scorers):
         s = simulate(_cfg(concurrency=4, decode_width=4, decode_scorers=scorers),
                      [_session(i, turns=8, blocks=8, grow=32) for i in range(4)])
         assert s["requests_ok"] == 32
+        pulled.append(s["pd_pull_gib"])
         return s["decode_local_hit_rate"]
 
     # prompts of 8, 40, ..., 232 blocks: a turn that returns to its rank holds the previous
-    # prompt, 728 of the 960 blocks sent; a rank seen turns ago holds a shorter prefix
+    # prompt, 728 of the 960 blocks a session sends; a rank seen turns ago holds a shorter prefix
     assert hit(None) == pytest.approx(728 / 960)
+    per_block = 64 * model_spec("tiny").state_bytes_per_token() / 2**30
+    assert pulled[0] == pytest.approx(4 * (960 - 728) * per_block)  # four sessions' tails
     assert hit({}) < 0.6
+    assert pulled[1] > pulled[0]  # held less, pulled more
 
 
 def test_prefill_admits_a_prompt_only_when_all_of_it_fits() -> None:

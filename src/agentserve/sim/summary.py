@@ -114,6 +114,8 @@ def stage_summary(sim: Simulation) -> dict:
         "cost_per_hour": cost.per_hour,
         "cpu_restore_gib": d["restore"] / GiB,
         "cpu_write_tb": d["store"] * cfg.block_size * sim.pperf.model.state_bytes_per_token() / 1e12,
+        # KV the decode ranks pulled from the prefill ranks (NIXL), what they lacked locally
+        "pd_pull_gib": (d["d_query"] - d["d_hit"]) * sim.dperf.model.state_bytes_per_token() / GiB,
         "prefill_gpu_hit_rate": _share(d["hit"], d["prompt"]),
         "prefill_cpu_hit_rate": _share(d["cpu_hit"], d["prompt"]),
         "decode_local_hit_rate": _share(d["d_hit"], d["d_query"]),
