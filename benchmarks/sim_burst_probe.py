@@ -19,9 +19,9 @@ token on either side (mean over the trials), and where a burst request's time we
 engines (`handler`, `inbox`, `queue`, `prefill`, `to loop`) against the simulator's pieces,
 and what each process's threads spent (client, router, each engine: its event loop apart from
 its other threads, read from `/proc/PID/task/TID/schedstat`), fitted over the trials to idle
-seconds, requests and streamed tokens. What it decides: whether the engines answer a burst's requests one handler after another
-(TTFT growing by a fixed step per position) and how large that step is, measured apart from
-the checks. Nothing in the simulator is set from it.
+seconds, requests and streamed tokens. What it decides: whether the engines answer a burst's
+requests one handler after another (TTFT growing by a fixed step per position) and how large
+that step is, measured apart from the checks. Nothing in the simulator is set from it.
 
     .venv/bin/python benchmarks/sim_burst_probe.py --calibrate \
         --out benchmarks/results/sim_burst_probe.json
@@ -171,9 +171,9 @@ def cpu_costs(samples: list, trials: list[dict], zero: float, output: int, bg_ou
             a, b = cpu_at(samples, lo, label), cpu_at(samples, hi, label)
             for part, j in (("loop", 0), ("rest", 1)):
                 ys.setdefault(f"{label} {part}", []).append(b[j] - a[j])
-    x = np.array(rows, dtype=float)
     if not rows or len(rows) <= len(rows[0]):  # as many unknowns as slots: no fit
         return {}
+    x = np.array(rows, dtype=float)
     out = {}
     for key, y in ys.items():
         coef, *_ = np.linalg.lstsq(x, np.array(y), rcond=None)
@@ -181,6 +181,18 @@ def cpu_costs(samples: list, trials: list[dict], zero: float, output: int, bg_ou
                     "us_per_token": None if alone else 1e6 * coef[2],
                     "mean_ms_per_trial": 1e3 * float(np.mean(y))}
     return out
+
+
+def _ms(xs: list[float]) -> str:
+    return " / ".join(f"{1e3 * x:.0f}" for x in xs) or "-"
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _one(x: float | None) -> str:
+    return "-" if x is None else f"{1e3 * x:.1f}"
 
 
 def print_result(res: dict) -> None:
@@ -193,19 +205,10 @@ def print_result(res: dict) -> None:
     for key, bc in res["bench"].items():
         sc = res["sim"][key]
         b, k = key.split(",")
-
-        def ms(xs: list[float]) -> str:
-            return " / ".join(f"{1e3 * x:.0f}" for x in xs) or "-"
-
-        def share(x: float | None) -> str:
-            return "-" if x is None else f"{x:.0%}"
-
-        def one(x: float | None) -> str:
-            return "-" if x is None else f"{1e3 * x:.1f}"
-        t.add_row(b, k, f"{bc['trials']}/{sc['trials']}", ms(bc["ttft_by_position"]),
-                  ms(sc["ttft_by_position"]), f"{one(bc['slope'])} / {one(sc['slope'])}",
-                  f"{one(bc['ttft_p50'])} / {one(sc['ttft_p50'])}",
-                  f"{share(bc['engine_stepping'])} / {share(sc['engine_stepping'])}")
+        t.add_row(b, k, f"{bc['trials']}/{sc['trials']}", _ms(bc["ttft_by_position"]),
+                  _ms(sc["ttft_by_position"]), f"{_one(bc['slope'])} / {_one(sc['slope'])}",
+                  f"{_one(bc['ttft_p50'])} / {_one(sc['ttft_p50'])}",
+                  f"{_share(bc['engine_stepping'])} / {_share(sc['engine_stepping'])}")
     con.print(t)
     p = Table(title="where a burst request's time went, ms (mean; bench | simulator)")
     p.add_column("b,k")

@@ -34,6 +34,7 @@ from _seeds import seed_mean
 
 from agentserve.sim.config import IDLE_GAP_CAP_S, ROUTE_MISS, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, simulate
+from agentserve.sim.specs import GiB
 
 FULL = {"prefill_width": 16, "decode_width": 16}
 LIM = {"workload": "sweep-limited", "prefill_width": 16, "decode_width": 16}
@@ -149,13 +150,13 @@ def rank_table(doc: dict) -> Table:
                     "and P -> D pulls, GB/s")
     for col in ("point", "ranks", "busy", "req/s", "restore GB/s", "pull GB/s"):
         t.add_column(col, justify="right")
+    gb_s = GiB / doc["duration"] / 1e9  # GiB over the stage -> GB a second
     for n, sim in doc["rows"].items():
-        k, dur = prefill_ranks(n), doc["duration"]
-
-        def rate(x: float | None, scale: float) -> str:
-            return "-" if x is None else f"{x * scale / k:.2f}"
-        t.add_row(n, str(k), f"{sim['prefill_busy']:.2f}", rate(sim.get("req_s"), 1.0),
-                  rate(sim["restore"], 2**30 / dur / 1e9), rate(sim.get("pull"), 2**30 / dur / 1e9))
+        k = prefill_ranks(n)
+        per_rank = ["-" if x is None else f"{x / k:.2f}"
+                    for x in (sim.get("req_s"), sim["restore"] * gb_s,
+                              None if sim.get("pull") is None else sim["pull"] * gb_s)]
+        t.add_row(n, str(k), f"{sim['prefill_busy']:.2f}", *per_rank)
     return t
 
 

@@ -266,15 +266,14 @@ def measure(a: argparse.Namespace, watch: Callable[[Any], Callable[[], Any]] | N
 
     summary, simulated = simulate(a, trace, sessions, Path(profile_path), engine_block)
     label = ("open loop" if a.mode == "schedule" else f"c{a.concurrency}")
-    res = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
-           "label": label, "profile": json.loads(Path(profile_path).read_text()),
-           "bench_ttft_p50_s": run.stages[0]["ttft_s"]["p50"],
-           "sim_ttft_p50_s": summary["ttft_s"]["p50"],
-           "joined": len(bench), "answered": sum(r.ok for r in run.records),
-           "summary": summarize(bench, simulated),
-           "requests": {"bench": bench, "sim": simulated},  # each request's pieces (s)
-           "bench_t0": run.t0, "watch": watched, "engine_block": engine_block}
-    return res
+    return {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(a).items()},
+            "label": label, "profile": json.loads(Path(profile_path).read_text()),
+            "bench_ttft_p50_s": run.stages[0]["ttft_s"]["p50"],
+            "sim_ttft_p50_s": summary["ttft_s"]["p50"],
+            "joined": len(bench), "answered": sum(r.ok for r in run.records),
+            "summary": summarize(bench, simulated),
+            "requests": {"bench": bench, "sim": simulated},  # each request's pieces (s)
+            "bench_t0": run.t0, "watch": watched, "engine_block": engine_block}
 
 
 def simulate(a: argparse.Namespace, trace: Path, sessions: list, profile: Path,

@@ -11,6 +11,7 @@ and returns the stage's summary.
 from __future__ import annotations
 
 import itertools
+from typing import TYPE_CHECKING
 
 from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.queues import sample_queues
@@ -18,12 +19,15 @@ from agentserve.sim.schedule import Schedule
 from agentserve.sim.summary import pool_counters
 from agentserve.sim.workload import SYNTH
 
+if TYPE_CHECKING:  # run.py imports this module
+    from agentserve.sim.run import Simulation
+
 GRACE_S = 30.0  # AIPerf's --benchmark-grace-period default: answers counted after the window
 SCHEDULE_DRAIN_S = 600.0  # a schedule's drain: `bench --mode schedule`'s --request-timeout
 WARMUP_LIMIT_S = 4 * 3600.0  # a warm-up still unanswered then is a bug, not a slow cluster
 
 
-def run_stage(sim) -> dict:
+def run_stage(sim: Simulation) -> dict:
     """Run `sim`'s stage with its load generator and return its summary."""
     if sim.agentx:
         return run_agentx(sim)
@@ -32,7 +36,7 @@ def run_stage(sim) -> dict:
     return run_closed(sim)
 
 
-def run_schedule(sim) -> dict:
+def run_schedule(sim: Simulation) -> dict:
     """A trace's requests at their recorded times (schedule.py), from simulated time 0: the
     window opens at `t0` (the warm-up, 0 by default) and sends nothing from `t0 + duration`
     on; what it sent counts when answered within `SCHEDULE_DRAIN_S` after it closes."""
@@ -54,7 +58,7 @@ def run_schedule(sim) -> dict:
     return sim.summary()
 
 
-def run_closed(sim) -> dict:
+def run_closed(sim: Simulation) -> dict:
     """Closed clients: `concurrency` of them from time 0, the stage after the warm-up."""
     sim._closed_clients()
     for _ in range(sim.cfg.concurrency):
@@ -71,7 +75,7 @@ def run_closed(sim) -> dict:
     return sim.summary()
 
 
-def run_agentx(sim) -> dict:
+def run_agentx(sim: Simulation) -> dict:
     """Warm-up (the lanes' primers), then `duration` s of profiling and AIPerf's grace."""
     cfg = sim.cfg
     source = trees(sim.source, cfg.idle_gap_cap_s)
