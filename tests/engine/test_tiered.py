@@ -9,11 +9,15 @@ import json
 import random
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from agentserve.engine.engine import AsyncEngine
 from agentserve.engine.request import SamplingParams
+from agentserve.kv.disk import FILE_HDR, FILE_HDR_SIZE, REC_HDR_SIZE, _parse_header
+from agentserve.kv.events import BlockRemoved, BlockStored
+from agentserve.kv.hashing import to_external
 from tests.conftest import TEST_DEVICE, ServerThread
 
 # 512 device tokens: a 400-token prompt of another request evicts the first one.
@@ -196,25 +200,103 @@ def test_disk_tier_survives_restart(tmp_path, reference) -> None:
     assert eng.stats().tiers["restore_bytes"]["disk"] > 0
 
 
-def test_corrupt_disk_block_falls_back_to_recompute(tmp_path, reference) -> None:
+class _Recorder:
+    """Stands in for the ZMQ publisher: keeps every event the engine publishes."""
+
+    def __init__(self) -> None:
+        self.events: list = []
+
+    def publish(self, events, ts=None) -> None:
+        self.events += list(events)
+
+    def close(self, timeout: float = 1.0) -> None:
+        pass
+
+
+def _corrupt_on_disk(root: Path, key: bytes) -> None:
+    """Flip one payload byte of ``key``'s record in the disk tier's segments."""
+    for seg in sorted(root.glob("seg-*.kv")):
+        data = bytearray(seg.read_bytes())
+        stride = REC_HDR_SIZE + FILE_HDR.unpack_from(data)[3]  # + payload bytes
+        for off in range(FILE_HDR_SIZE, len(data) - stride + 1, stride):
+            rec = _parse_header(bytes(data[off:off + REC_HDR_SIZE]))
+            if rec is not None and rec[0] == key:
+                data[off + REC_HDR_SIZE + 5] ^= 0xFF
+                seg.write_bytes(bytes(data))
+                return
+    raise AssertionError("block not found on disk")
+
+
+@pytest.mark.parametrize("bad", [0, 7, 17])
+def test_corrupt_disk_block_ends_the_restore_there(tmp_path, reference, bad: int) -> None:
+    """A restore is a chain in prefix order: blocks before a corrupt one are kept (hits),
+    it and the rest are recomputed, it is dropped from the index, and only the kept
+    prefix is announced on the device when the restore ends."""
+    kw = dict(kv_cpu_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    _, first = _with(lambda e: _run(e, "a1", A), **kw)
+    hashes = first.core.kv.hasher.hash_blocks(A)  # A's 18 full blocks, all restorable
+    _corrupt_on_disk(tmp_path, hashes[bad])
+    rec = _Recorder()
+
+    async def resume(eng: AsyncEngine):
+        eng.core.publisher.close()
+        eng.core.publisher = rec
+        return await _run(eng, "a2", A)
+    (toks, last), eng = _with(resume, **kw, kv_events_endpoint="tcp://127.0.0.1:0")
+    t = eng.stats().tiers
+    assert toks == reference, "restored KV differs from recomputed KV"
+    assert last.cached_by_tier.get("disk", 0) == bad * 16 == last.num_cached_tokens
+    assert t["restore_blocks"]["disk"] == bad and t["disk_corrupt_blocks"] == 1
+    assert (t["restore_failures"], t["restores_truncated"]) == ((1, 0) if bad == 0 else (0, 1))
+    assert t["restore_outcome"]["used"] == bad
+    ext = [to_external(h, eng.core.kv.pool.int_hashes) for h in hashes]
+    gpu = [e for e in rec.events if isinstance(e, BlockStored) and e.medium == "GPU"]
+    assert gpu[0].block_hashes == ext[:bad or 18]  # restored prefix, else the whole prompt
+    assert [e.block_hashes for e in rec.events
+            if isinstance(e, BlockRemoved) and e.medium == "DISK"] == [[ext[bad]]]
+    # the recomputed block went back to disk: a fresh engine restores the whole prefix
+    (toks, last), eng = _with(lambda e: _run(e, "a3", A), **kw)
+    assert toks == reference and last.cached_by_tier.get("disk", 0) == 288
+
+
+def test_engine_starts_over_what_a_crash_or_full_disk_leaves(tmp_path, reference) -> None:
+    """D5: a 0-byte segment (and other damage) is skipped and counted; the engine serves
+    and still restores the good segments."""
     kw = dict(kv_cpu_gib=0.01, kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
     _with(lambda e: _run(e, "a1", A), **kw)
-    seg = sorted(tmp_path.glob("seg-*.kv"))[0]
-    data = bytearray(seg.read_bytes())
-    data[-100] ^= 0xFF  # bit rot in the last block's payload
-    seg.write_bytes(bytes(data))
-    (toks, last), eng = _with(lambda e: _run(e, "a2", A), **kw)
-    t = eng.stats().tiers
-    assert toks == reference and last.cached_by_tier.get("disk", 0) == 0
-    assert t["disk_corrupt_blocks"] == 1 and t["restore_failures"] == 1
+    (tmp_path / "seg-00000100.kv").write_bytes(b"")  # created, then the disk was full
+    (tmp_path / "seg-00000101.kv").write_bytes(b"ASKVSEG1\x01")  # torn header
+    (tmp_path / "seg-00000102.kv").mkdir()  # cannot be read
+    (tmp_path / "seg-x.kv").write_bytes(b"junk")  # not a name the tier writes
+    served = ServerThread(**BASE, **kw).start()
+    try:
+        body = json.dumps({"prompt": A, "max_tokens": 4, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        req = urllib.request.Request(served.url + "/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=60) as r:
+            usage = json.loads(r.read())["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens_by_tier"]["disk"] == 288
+        text = _get(served.url + "/metrics")
+        skipped = {ln.split('reason="')[1].split('"')[0]: float(ln.split()[-1])
+                   for ln in text.splitlines()
+                   if ln.startswith("agentserve:kv_disk_segments_skipped_total{")}
+        assert skipped == {"damaged": 2, "foreign": 0, "unreadable": 1, "stray": 1}
+    finally:
+        served.close()
+    assert not (tmp_path / "seg-00000100.kv").exists()  # damaged: removed, its room reused
+    assert (tmp_path / "seg-00000102.kv").is_dir() and (tmp_path / "seg-x.kv").exists()
 
 
 def test_unwritable_disk_disables_itself_and_serving_continues(tmp_path, reference) -> None:
-    # The first segment's path is taken by a folder: every write fails (as on a full or
-    # read-only disk, and unlike chmod this also holds when the tests run as root).
-    (tmp_path / "seg-00000000.kv").mkdir()
-    (first, again, _), eng = _with(lambda e: _evict_and_resume(e, A, B), kv_cpu_gib=0.01,
-                                   kv_disk_dir=str(tmp_path), kv_disk_gib=0.05)
+    # Once the engine has scanned the folder, the first segment's path is taken by a folder:
+    # every write fails (as on a full or read-only disk, and unlike chmod this also holds
+    # when the tests run as root).
+    async def go(eng: AsyncEngine):
+        (tmp_path / "seg-00000000.kv").mkdir()
+        return await _evict_and_resume(eng, A, B)
+    (first, again, _), eng = _with(go, kv_cpu_gib=0.01, kv_disk_dir=str(tmp_path),
+                                   kv_disk_gib=0.05)
     assert first == again == reference and eng.stats().tiers["disk_disabled"] == 1
 
 

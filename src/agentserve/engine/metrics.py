@@ -72,10 +72,14 @@ TIER_COUNTERS = [
     ("restore_sizes", "agentserve:kv_restore_size", "blocks", "Restores by size in offload blocks."),
     ("restore_device_age", "agentserve:kv_restore_device_age_blocks", "age",
      "Restored offload blocks by how long ago the device evicted them."),
+    ("disk_segments_skipped", "agentserve:kv_disk_segments_skipped", "reason",
+     "Disk segments the startup scan skipped: damaged (removed), foreign, unreadable, stray."),
 ]
 TIER_SCALARS = [
     ("restore_failures", "agentserve:kv_restore_failures", True, "Restores that fell back to recompute."),
     ("disk_corrupt_blocks", "agentserve:kv_disk_corrupt_blocks", True, "Corrupt/truncated disk blocks."),
+    ("restores_truncated", "agentserve:kv_restores_truncated", True,
+     "Restores cut short at a corrupt block: the prefix before it kept, the rest recomputed."),
     ("restore_joined_blocks", "agentserve:kv_restore_joined_blocks", True,
      "Offload blocks not restored again: another request's restore in flight held them."),
     ("restore_preempted_blocks", "agentserve:kv_restore_preempted_blocks", True,

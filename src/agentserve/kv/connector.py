@@ -232,10 +232,16 @@ class TierConnector:
             return None
         skip = device_hit - g0 * self.k
         plan = RestorePlan(device_hit, n * self.k - skip, keys[:n], tiers[:n], skip)
-        for i, t in enumerate(plan.tiers):
-            toks = (self.k - (skip if i == 0 else 0)) * self.bs
-            plan.tokens_by_tier[t] = plan.tokens_by_tier.get(t, 0) + toks
+        plan.tokens_by_tier = self._tokens_by_tier(plan.tiers, skip)
         return plan
+
+    def _tokens_by_tier(self, tiers: list[str], skip: int) -> dict[str, int]:
+        """Tokens a restore of these groups brings from each tier (the first group's
+        ``skip`` sub-blocks are on the device already)."""
+        out: dict[str, int] = {}
+        for i, t in enumerate(tiers):
+            out[t] = out.get(t, 0) + (self.k - (skip if i == 0 else 0)) * self.bs
+        return out
 
     def _choose(self, tiers: list[str], skip: int,
                 pull_s: Callable[[int], float] | None = None) -> int:
@@ -287,28 +293,43 @@ class TierConnector:
                            lambda: self._load_job(plan, block_ids))
 
     def _load_job(self, plan: RestorePlan, block_ids: list[int]) -> list[Key]:
-        """Worker thread: copy every source; returns the keys found corrupt (stops there)."""
-        cpu, disk = self.mgr.cpu, self.mgr.disk
+        """Worker thread: copy every source; returns the first key found corrupt, if any.
+
+        A restore is a chain in prefix order, so it stops at a bad block: the blocks before
+        it are copied (valid KV for the prefix), the bad one and the rest are not."""
+        cpu = self.mgr.cpu
         # copied in groups of at most the worker's staging size, so a long restore from disk
         # holds a bounded amount of read-back bytes
         group = max(1, self.worker.stage_bytes // cpu.block_bytes)
         hosts: list[torch.Tensor] = []
         at, skip = 0, plan.skip
         for i, (key, src) in enumerate(zip(plan.keys, plan.sources)):
-            if src.tier == "cpu":
-                hosts.append(cpu.buf[src.slot])
-            else:
-                assert disk is not None and src.loc is not None
-                raw = disk.read_block(key, src.loc)
-                if raw is None:
-                    return [key]
-                hosts.append(torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
-                    cpu.buf.dtype).view(cpu.buf.shape[1:]))
+            host = self._host_block(key, src)
+            if host is None:
+                if hosts:  # the good prefix before it
+                    n = len(hosts) * self.k - skip
+                    self.worker.host_to_device(hosts, skip, block_ids[at:at + n])
+                return [key]
+            hosts.append(host)
             if len(hosts) == group or i == len(plan.keys) - 1:
                 n = len(hosts) * self.k - skip
                 self.worker.host_to_device(hosts, skip, block_ids[at:at + n])
                 hosts, at, skip = [], at + n, 0
         return []
+
+    def _host_block(self, key: Key, src: Source) -> torch.Tensor | None:
+        """Worker thread: one source block as a host tensor, or None if it cannot be used
+        (a disk record missing, torn, failing its checksum or of the wrong size)."""
+        cpu, disk = self.mgr.cpu, self.mgr.disk
+        if src.tier == "cpu":
+            return cpu.buf[src.slot]
+        if disk is None or src.loc is None:
+            return None
+        raw = disk.read_block(key, src.loc)
+        if raw is None or len(raw) != cpu.block_bytes:
+            return None
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
+            cpu.buf.dtype).view(cpu.buf.shape[1:])
 
     def _load_done(self, rid: str, result: Any) -> LoadDone | None:
         plan = self.loads.pop(rid, None)
@@ -318,14 +339,15 @@ class TierConnector:
             if self._restoring.get(key) == rid:
                 del self._restoring[key]
         bad = [] if isinstance(result, Exception) else list(result)
-        ok = not isinstance(result, Exception) and not bad
-        infos = None
-        self.mgr.complete_load(plan.keys, plan.sources, bad, infos)
-        if not ok:
+        self.mgr.complete_load(plan.keys, plan.sources, bad, None)
+        kept = plan.keys.index(bad[0]) if bad and bad[0] in plan.keys else 0
+        if isinstance(result, Exception) or (bad and kept == 0):
             self.stats.restore_failures += 1
             log.warning("KV restore for %s failed (%s); recomputing", rid,
                         result if isinstance(result, Exception) else "corrupt block on disk")
             return LoadDone(rid, False, plan)
+        if bad:
+            self._truncate(rid, plan, kept)
         secs = time.monotonic() - plan.started
         self.stats.observe_restore(secs)
         nbytes = {"cpu": 0, "disk": 0}
@@ -338,6 +360,19 @@ class TierConnector:
         for t, toks in plan.tokens_by_tier.items():
             self.stats.hit_tokens[t] += toks
         return LoadDone(rid, True, plan)
+
+    def _truncate(self, rid: str, plan: RestorePlan, kept: int) -> None:
+        """Cut ``plan`` to its first ``kept`` groups (a corrupt block followed them): the
+        request is admitted with those restored and computes the rest in the device blocks
+        it already holds; only the kept prefix is then cached (and announced)."""
+        self.stats.restores_truncated += 1
+        self.stats.restore_outcome["failed"] += len(plan.keys) - kept
+        log.warning("KV restore for %s: corrupt block on disk after %d of %d blocks; keeping "
+                    "those, recomputing the rest", rid, kept, len(plan.keys))
+        plan.keys, plan.tiers, plan.held = plan.keys[:kept], plan.tiers[:kept], plan.held[:kept]
+        plan.sources = plan.sources[:kept]
+        plan.num_blocks = kept * self.k - plan.skip
+        plan.tokens_by_tier = self._tokens_by_tier(plan.tiers, plan.skip)
 
     # ---- completions ------------------------------------------------------------------
     def poll(self, timeout: float | None = None) -> list[LoadDone]:

@@ -13,6 +13,16 @@ or, never the reverse; a torn or bit-rotted payload fails its CRC when read, is
 counted and treated as a miss. A restart rebuilds the index by scanning headers.
 The fingerprint (model layout, dtype, hash seed) keeps a different model's blocks out.
 
+Startup (``scan``) never fails on what the folder holds. Records with a bad header or cut
+off by the end of the file are counted (``corrupt_at_scan``) and skipped. Whole files are
+skipped, logged once with their path and counted by reason in ``skipped``: ``damaged``
+(our name, but empty, a torn header or not our magic: what a crash or a full disk leaves;
+deleted, so its room is reused), ``foreign`` (another model layout or format version; left
+as it is), ``unreadable`` (cannot be opened or read, e.g. a folder or a permission; left),
+``stray`` (``seg-*.kv`` but not a name this tier writes; left). A segment with a valid
+header and no valid record is deleted without counting. Ids of files left in place are
+never reused, so nothing is written into them. Files not named ``seg-*.kv`` are not touched.
+
 Index metadata lives on the engine-core thread; file I/O runs on worker threads via
 ``write_block``/``read_block``/``delete_segment``, which touch no metadata.
 """
@@ -62,6 +72,7 @@ class DiskTier:
         self.pending: set[Key] = set()  # reserved, write not finished
         self.pins = PinCounts()
         self.writable, self.corrupt_at_scan = True, 0
+        self.skipped: dict[str, int] = {}  # segments skipped at scan, by reason (scan)
         self._open_seg, self._next_index = -1, self.slots_per_segment
 
     # ---- metadata (core thread) -----------------------------------------------------
@@ -152,8 +163,9 @@ class DiskTier:
         except OSError:
             return None
         rec = _parse_header(raw[:REC_HDR_SIZE])
-        if rec is None or rec[0] != key or len(raw) != self.stride:
-            return None
+        if rec is None or rec[0] != key or rec[1] != self.payload_bytes \
+                or len(raw) != self.stride:
+            return None  # another key (hash length or bytes), a wrong length, torn
         payload = raw[REC_HDR_SIZE:]
         return payload if zlib.crc32(payload) == rec[2] else None
 
@@ -165,17 +177,26 @@ class DiskTier:
 
     # ---- startup ----------------------------------------------------------------------
     def scan(self) -> list[Key]:
-        """Rebuild the index from existing segments; returns the keys found (oldest first)."""
+        """Rebuild the index from existing segments; returns the keys found (oldest first).
+
+        Never raises on what the folder holds: each segment that cannot be used is skipped,
+        logged once and counted in ``skipped`` by reason (module doc, "Startup"); segment
+        ids found on disk are never reused, so no new segment is written over a kept file.
+        """
         found: list[Key] = []
+        top = -1
         for path in sorted(self.root.glob("seg-*.kv")):
+            seg = _segment_id(path.name)
+            if seg is None:
+                self._skip("stray", path, "not a segment name this tier writes")
+                continue
+            top = max(top, seg)
             try:
-                seg = int(path.stem.split("-")[1])
                 found += self._scan_segment(seg, path)
-            except (OSError, ValueError) as e:
-                log.warning("skipping unreadable disk KV segment %s: %s", path, e)
-        if self.segments:
-            self._open_seg = max(self.segments)
-            self._next_index = self.slots_per_segment  # never append into an old file
+            except OSError as e:
+                self._skip("unreadable", path, str(e))
+        self._open_seg = max(top, *self.segments) if self.segments else top
+        self._next_index = self.slots_per_segment  # never append into an old file
         while len(self.segments) > self.max_segments:  # capacity shrank since last run
             oldest = min(self.segments)
             for k in self.segments.pop(oldest):
@@ -184,15 +205,21 @@ class DiskTier:
         return [k for k in found if k in self.index]
 
     def _scan_segment(self, seg: int, path: Path) -> list[Key]:
+        """Index one segment's valid records (raises OSError if it cannot be read)."""
         with open(path, "rb") as f:
             head = f.read(FILE_HDR_SIZE)
-            magic, ver, fp, payload, slots = FILE_HDR.unpack(head[:FILE_HDR.size])
-            if magic != FILE_MAGIC or ver != VERSION or fp != self.fingerprint \
-                    or payload != self.payload_bytes:
-                log.info("ignoring disk KV segment %s: other model layout or version", path)
+            if len(head) < FILE_HDR.size or head[:8] != FILE_MAGIC:
+                # A crash between creating the file and writing its header (or a full disk)
+                # leaves it empty or torn: nothing in it can be served.
+                self._skip("damaged", path, f"no segment header ({len(head)} bytes)")
+                self.delete_segment(seg)
                 return []
-            size, keys = os.fstat(f.fileno()).st_size, []
-            for i in range(slots):
+            _, ver, fp, payload, slots = FILE_HDR.unpack(head[:FILE_HDR.size])
+            if ver != VERSION or fp != self.fingerprint or payload != self.payload_bytes:
+                self._skip("foreign", path, "another model layout or format version; kept")
+                return []
+            size, recs = os.fstat(f.fileno()).st_size, []
+            for i in range(slots):  # bounded by the file's size too
                 off = FILE_HDR_SIZE + i * self.stride
                 if off + REC_HDR_SIZE > size:
                     break
@@ -201,10 +228,27 @@ class DiskTier:
                 if rec is None or rec[1] != payload or off + self.stride > size:
                     self.corrupt_at_scan += rec is not None or off + self.stride <= size
                     continue
-                self.index[rec[0]] = Loc(seg, i)
-                keys.append(rec[0])
+                recs.append((rec[0], Loc(seg, i)))
+        if not recs:  # created, then killed before its first record: reuse its room
+            self.delete_segment(seg)
+            return []
+        for key, loc in recs:  # indexed only once the whole file was read
+            self.index[key] = loc
+        keys = [k for k, _ in recs]
         self.segments[seg] = keys
         return keys
+
+    def _skip(self, reason: str, path: Path, why: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+        log.warning("disk KV tier: skipping %s segment %s: %s", reason, path, why)
+
+
+def _segment_id(name: str) -> int | None:
+    """The id in a name ``seg-<8 digits>.kv`` this tier writes, else None."""
+    digits = name[4:-3]
+    if len(digits) != 8 or not (digits.isascii() and digits.isdigit()):
+        return None
+    return int(digits)
 
 
 def _parse_header(raw: bytes) -> tuple[Key, int, int] | None:

@@ -51,8 +51,9 @@ def make_connector(cfg: TierConfig, k: torch.Tensor, v: torch.Tensor, pool: Bloc
         found = disk.scan()
         ext = [[to_external(key, pool.int_hashes)] for key in found] if tokens == bs else None
         mgr.adopt_disk_keys(found, ext)
-        log.info("disk KV tier %s: %d blocks found, %d corrupt", cfg.disk_dir, len(found),
-                 disk.corrupt_at_scan)
+        skipped = sum(disk.skipped.values())
+        log.info("disk KV tier %s: %d blocks found, %d corrupt, %d segments skipped",
+                 cfg.disk_dir, len(found), disk.corrupt_at_scan, skipped)
     log.info("CPU KV tier: %d blocks of %d tokens (%.2f GiB), policy %s", slots, tokens,
              slots * block_bytes / 2**30, cfg.cpu_policy)
     return TierConnector(cfg, mgr, TransferWorker(k, v), pool, bs)

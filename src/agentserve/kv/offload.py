@@ -178,7 +178,11 @@ class OffloadManager:
 
     def adopt_disk_keys(self, keys: Sequence[Key], ext: Sequence[list[int | bytes]] | None) -> None:
         """Keys found on disk at startup; announced when their device hashes are known."""
-        self.stats.disk_corrupt_blocks += self.disk.corrupt_at_scan if self.disk else 0
+        if self.disk is not None:
+            self.stats.disk_corrupt_blocks += self.disk.corrupt_at_scan
+            for reason, n in self.disk.skipped.items():
+                self.stats.disk_segments_skipped[reason] = \
+                    self.stats.disk_segments_skipped.get(reason, 0) + n
         if ext is not None:
             for k, e in zip(keys, ext):
                 self.ext[k] = e

@@ -74,11 +74,16 @@ class TierStats:
     restore_device_age: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
         ("<2s", "2-10s", "10-60s", "older"), 0))
     restore_failures: int = 0
+    # Restores cut short at a corrupt block: the prefix before it kept, the rest recomputed.
+    restores_truncated: int = 0
     # Offload blocks a request did not restore because another request's restore was
     # already bringing them back (sub-agents of one group share a prefix): it waited for
     # that restore and then found them on the device.
     restore_joined_blocks: int = 0
     disk_corrupt_blocks: int = 0
+    # Disk segments the startup scan could not use, by reason (kv/disk.py, "Startup").
+    disk_segments_skipped: dict[str, int] = field(default_factory=lambda: dict.fromkeys(
+        ("damaged", "foreign", "unreadable", "stray"), 0))
     disk_disabled: int = 0
     stores_skipped: int = 0  # offered blocks not stored (tier full of pinned blocks, etc.)
     last_restore_estimate_s: float = 0.0
