@@ -20,22 +20,35 @@ import torch
 
 from tests.conftest import TEST_DEVICE, ServerThread
 
+TOKEN = "s3cret"  # the cluster's --kv-transfer-token; this test client signs as the router does
 KW = dict(model=None, kv_cache_tokens=8192, block_size=16, max_model_len=1024, max_num_seqs=16,
           max_num_batched_tokens=512, seed=0, check_invariants=True, device=TEST_DEVICE)
 
 
 @pytest.fixture(scope="module")
 def pd() -> Iterator[tuple[ServerThread, ServerThread]]:
-    p = ServerThread(role="prefill", kv_transfer_timeout=30.0, kv_transfer_token="s3cret", **KW).start()
-    d = ServerThread(role="decode", kv_transfer_token="s3cret", **KW).start()
+    p = ServerThread(role="prefill", kv_transfer_timeout=30.0, kv_transfer_token=TOKEN, **KW).start()
+    d = ServerThread(role="decode", kv_transfer_token=TOKEN, **KW).start()
     yield p, d
     p.close()
     d.close()
 
 
+def signed(params: dict[str, Any], purpose: str = "kv_transfer_params") -> dict[str, str]:
+    """The headers of a request carrying ``params``, signed as the router signs them."""
+    from agentserve.engine.transfer_params import signed_headers
+
+    return {"Content-Type": "application/json", **signed_headers(TOKEN, params, purpose)}
+
+
 def post(url: str, body: dict[str, Any], path: str = "/v1/completions") -> dict[str, Any]:
-    req = urllib.request.Request(url + path, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+    """POST as the router would: kv_transfer_params (and release calls) signed."""
+    headers = {"Content-Type": "application/json"}
+    if "kv_transfer_params" in body:
+        headers = signed(body["kv_transfer_params"])
+    elif path.endswith("/kv_transfer/release"):
+        headers = signed(body, "release")
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), headers)
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.load(r)
 
@@ -204,6 +217,7 @@ def test_prefill_engine_counts_prompt_tokens(pd: tuple[ServerThread, ServerThrea
 
 def _truncating_server(nbytes: int) -> tuple[int, threading.Thread]:
     """A fake prefill transfer server that dies after sending part of a payload."""
+    from agentserve.engine.transfer_auth import server_handshake
     from agentserve.engine.transfer_frames import recv_header, send_frame
 
     lst = socket.create_server(("127.0.0.1", 0))
@@ -211,6 +225,7 @@ def _truncating_server(nbytes: int) -> tuple[int, threading.Thread]:
     def run() -> None:
         conn, _ = lst.accept()
         with conn, lst:
+            server_handshake(conn, TOKEN, time.monotonic() + 5)
             recv_header(conn)
             send_frame(conn, {"ok": True, "nbytes": nbytes, "shape": [nbytes // 4], "dtype": "float32",
                               "sum": 0})
@@ -292,14 +307,14 @@ def test_abort_during_pull_leaks_nothing(pd: tuple[ServerThread, ServerThread]) 
         params = prefill_leg(p, body)
         conn = http.client.HTTPConnection(d.url.removeprefix("http://"), timeout=10)
         conn.request("POST", "/v1/completions", json.dumps({**body, "kv_transfer_params": params}),
-                     {"Content-Type": "application/json"})
+                     signed(params))
         conn.sock.close()  # client gone while the pull runs (or just after)
         conn.close()
     wait_clean(p, d, timeout=15)
 
 
 def test_unpulled_pins_expire() -> None:
-    p = ServerThread(role="prefill", kv_transfer_timeout=0.5, **KW).start()
+    p = ServerThread(role="prefill", kv_transfer_timeout=0.5, kv_transfer_token=TOKEN, **KW).start()
     try:
         prefill_leg(p, {"prompt": list(range(5, 100)), "temperature": 0})
         assert p.engine.core.remote.num_pinned == 1
@@ -347,7 +362,7 @@ def test_prefill_leg_whose_client_left_frees_its_pins(pd: tuple[ServerThread, Se
     leg = {"prompt": list(range(5, 5 + prompt_len)), "max_tokens": 1, "temperature": 0,
            "kv_transfer_params": {"do_remote_decode": True}}
     conn = http.client.HTTPConnection("127.0.0.1", int(p.url.rsplit(":", 1)[1]), timeout=10)
-    conn.request("POST", "/v1/completions", json.dumps(leg), {"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", json.dumps(leg), signed(leg["kv_transfer_params"]))
     conn.sock.shutdown(socket.SHUT_RDWR)  # gone before the engine answers
     conn.close()
     deadline = time.monotonic() + 10
@@ -362,7 +377,7 @@ def test_pulled_blocks_reach_a_write_back_tier_when_evicted(pd: tuple[ServerThre
     allocation evicts the previous request's blocks, which are stored as they go; a later
     local request for the first prompt restores them and gives the reference tokens."""
     p, _ = pd
-    d = ServerThread(role="decode", kv_transfer_token="s3cret",
+    d = ServerThread(role="decode", kv_transfer_token=TOKEN,
                      **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
                         "kv_cpu_gib": 0.01, "kv_store_on": "evict"}).start()
     try:
@@ -387,7 +402,7 @@ def evicted_on_tiered_decode(p: ServerThread, seed: int) -> tuple[ServerThread, 
     """A small decode engine with a write-back CPU tier, after a decode leg of prompt x and
     one of y that evicted part of x from its device: (engine, x, more tokens, x's blocks the
     device still holds). Pulls have run, so the pull throughput is measured."""
-    d = ServerThread(role="decode", kv_transfer_token="s3cret",
+    d = ServerThread(role="decode", kv_transfer_token=TOKEN,
                      **{**KW, "kv_cache_tokens": 512, "max_model_len": 512,
                         "kv_cpu_gib": 0.01, "kv_store_on": "evict"}).start()
     try:
@@ -488,7 +503,7 @@ def test_concurrent_sessions_restore_pull_and_abort_on_a_small_decode_engine(
     import http.client
 
     p, _ = pd
-    d = ServerThread(role="decode", kv_transfer_token="s3cret",
+    d = ServerThread(role="decode", kv_transfer_token=TOKEN,
                      **{**KW, "kv_cache_tokens": 576, "max_model_len": 512,
                         "kv_cpu_gib": 0.02, "kv_store_on": "evict"}).start()
     try:
@@ -503,7 +518,7 @@ def test_concurrent_sessions_restore_pull_and_abort_on_a_small_decode_engine(
                     conn = http.client.HTTPConnection(d.url.removeprefix("http://"), timeout=10)
                     conn.request("POST", "/v1/completions",
                                  json.dumps({**body, "stream": True, "kv_transfer_params": params}),
-                                 {"Content-Type": "application/json"})
+                                 signed(params))
                     conn.sock.close()
                     conn.close()
                     continue

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from agentserve.engine.transfer_api import PullSpec
+from agentserve.engine.transfer_auth import client_handshake, server_handshake
 from agentserve.engine.transfer_frames import TransferError, block_shape, block_sums
 from agentserve.engine.transfer_wire import TcpBackend
 from agentserve.kv.transfer import StagingBuffer, block_views, gather_blocks
@@ -110,6 +111,7 @@ def test_corrupted_chunk_sum_is_detected() -> None:
     def run() -> None:
         conn, _ = lst.accept()
         with conn, lst:
+            server_handshake(conn, "", time.monotonic() + 5)
             recv_header(conn)
             nbytes = 2 * block_shape(k)[1] * 4 * 2 * 8 * 4
             send_frame(conn, {"ok": True, "n": 1, "nbytes": nbytes, "block_shape": block_shape(k),
@@ -245,7 +247,8 @@ def test_stalled_reader_frees_the_pins() -> None:
     try:
         with socket.create_connection(("127.0.0.1", port)) as c:
             c.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            send_frame(c, {"op": "pull", "token": "t", "rid": "r", "idx": list(range(16)),
+            client_handshake(c, "t")
+            send_frame(c, {"op": "pull", "rid": "r", "idx": list(range(16)),
                            "hashes": [b""] * 16, "release": True, "checksum": True})
             deadline = time.monotonic() + 10
             while not src.released and time.monotonic() < deadline:
@@ -266,6 +269,7 @@ def test_stalled_sender_times_out() -> None:
     def run() -> None:
         conn, _ = lst.accept()
         with conn, lst:
+            server_handshake(conn, "", time.monotonic() + 5)
             recv_header(conn)
             send_frame(conn, {"ok": True, "n": 2, "nbytes": 2 * 768, "block_shape": block_shape(k),
                               "dtype": "float32", "chunk_blocks": 64})
@@ -313,13 +317,18 @@ def test_malformed_requests_get_an_error_frame_and_the_server_keeps_serving() ->
     try:
         for bad in ({"idx": "0,1"}, {"idx": [0, "1"]}, {"hashes": 7}, {"chunk_blocks": "x"}):
             with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
-                send_frame(c, {"op": "pull", "token": "t", "rid": "r", "idx": [0],
-                               "hashes": [b""], **bad})
+                client_handshake(c, "t")
+                send_frame(c, {"op": "pull", "rid": "r", "idx": [0], "hashes": [b""], **bad})
                 head = recv_header(c)
             assert head["ok"] is False and "malformed request" in head["error"], (bad, head)
-        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
-            send_frame(c, ["not", "a", "map"])  # (no token in it: refused as one without)
-            assert recv_header(c)["ok"] is False
+        for authed in (False, True):  # (before authenticating: refused as a failed proof)
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+                if authed:
+                    client_handshake(c, "t")
+                else:
+                    recv_header(c)  # the challenge
+                send_frame(c, ["not", "a", "map"])
+                assert recv_header(c)["ok"] is False
         assert src.busy == 0
         k2, v2 = k.clone().zero_(), v.clone().zero_()
         cli.pull_into(PullSpec("127.0.0.1", port, "r", [0, 1], [b"", b""]), k2, v2, [0, 1])

@@ -19,6 +19,7 @@ from agentserve.engine.runner import ModelRunner
 from agentserve.engine.scheduler import Scheduler
 from agentserve.engine.tokenizer import Tokenizer
 from agentserve.engine.transfer import RemoteConfig, RemoteKV
+from agentserve.engine.transfer_params import TransferPolicy, parse_peers
 from agentserve.engine.transfer_wire import TcpBackend
 from agentserve.kv.connector import TierConnector
 from agentserve.kv.factory import make_connector
@@ -77,6 +78,8 @@ class EngineArgs:
     kv_transfer_host: str = "127.0.0.1"  # advertised in remote_host (and bound)
     kv_transfer_timeout: float = 120.0  # seconds pinned prefill blocks wait for their pull
     kv_transfer_token: str | None = None  # shared secret; default $AGENTSERVE_KV_TRANSFER_TOKEN
+    insecure_transfer: bool = False  # no token needed; unsigned kv_transfer_params acted on
+    kv_transfer_peers: str | None = None  # "host:port,...": the only transfer servers pulled from
 
 
 def _check_scheduler_args(args: EngineArgs) -> None:
@@ -151,21 +154,57 @@ def _build_tiers(args: EngineArgs, kv_cache: KVCache, pool: BlockPool, cfg: obje
         raise EngineConfigError(str(e)) from e
 
 
-def _build_remote(args: EngineArgs, kv_cache: KVCache, pool: BlockPool) -> RemoteKV | None:
-    """The P/D transfer service; on for prefill/decode roles, opt-in for ``both``."""
+def _transfer_on(args: EngineArgs) -> bool:
+    """Whether this engine serves KV transfer (prefill/decode roles; ``both`` opt-in)."""
     if args.role not in ("both", "prefill", "decode"):
         raise EngineConfigError(f"--role must be both, prefill or decode, got {args.role!r}")
-    if args.kv_transfer_port == -1 or (args.role == "both" and args.kv_transfer_port is None):
-        return None
+    return not (args.kv_transfer_port == -1
+                or (args.role == "both" and args.kv_transfer_port is None))
+
+
+def _transfer_auth(args: EngineArgs) -> tuple[str, frozenset[tuple[str, int]] | None]:
+    """The cluster secret and the peer allow-list, checked before the model loads. An
+    engine serving KV transfer refuses to start without a secret unless told it runs on a
+    trusted network (--insecure-transfer)."""
     if args.kv_transfer_timeout <= 0:
         raise EngineConfigError("--kv-transfer-timeout must be > 0 seconds")
     token = args.kv_transfer_token or os.environ.get("AGENTSERVE_KV_TRANSFER_TOKEN", "")
+    if not token and not args.insecure_transfer:
+        raise EngineConfigError(
+            f"--role {args.role} with KV transfer needs a shared secret: give --kv-transfer-token "
+            "(or AGENTSERVE_KV_TRANSFER_TOKEN; `agentserve up` makes one), or --insecure-transfer "
+            "to let anyone who reaches the ports pull KV and steer transfers")
+    try:
+        peers = parse_peers(args.kv_transfer_peers)
+    except ValueError as e:
+        raise EngineConfigError(str(e)) from None
+    if args.insecure_transfer:
+        log.warning("--insecure-transfer: kv_transfer_params are acted on unsigned and %s; use "
+                    "it only on a trusted network", "the transfer port authenticates nothing"
+                    if not token else "the transfer port still checks the token")
+    return token, peers
+
+
+def _build_remote(args: EngineArgs, kv_cache: KVCache, pool: BlockPool,
+                  auth: tuple[str, frozenset[tuple[str, int]] | None] | None) -> RemoteKV | None:
+    """The P/D transfer service (``auth``: `_transfer_auth`'s, None when transfer is off)."""
+    if auth is None:
+        return None
     cfg = RemoteConfig(host=args.kv_transfer_host, port=args.kv_transfer_port or 0,
                        timeout=args.kv_transfer_timeout)
     try:
-        return RemoteKV(cfg, TcpBackend(token), pool, kv_cache.k, kv_cache.v)
+        return RemoteKV(cfg, TcpBackend(auth[0], peers=auth[1]), pool, kv_cache.k, kv_cache.v)
     except OSError as e:
         raise EngineConfigError(f"cannot listen for KV transfers on {cfg.host}:{cfg.port}: {e}") from e
+
+
+def transfer_policy(args: EngineArgs, auth: tuple[str, frozenset[tuple[str, int]] | None] | None,
+                    hasher: BlockHasher, max_len: int) -> TransferPolicy:
+    """What the API edge accepts in kv_transfer_params (`engine.transfer_params`)."""
+    token, peers = auth or ("", None)
+    return TransferPolicy(enabled=auth is not None, token=token, insecure=args.insecure_transfer,
+                          block_size=args.block_size, hash_bytes=len(hasher.none_hash),
+                          max_blocks=max_len // args.block_size + 2, peers=peers)
 
 
 def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
@@ -192,6 +231,7 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
         raise EngineConfigError(f"--block-size must be positive, got {args.block_size}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineConfigError("--device cuda requested but torch sees no CUDA device")
+    auth = _transfer_auth(args) if _transfer_on(args) else None
     if args.model is None:
         from agentserve.engine.tiny import default_model_dir
 
@@ -217,7 +257,7 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     hasher = BlockHasher(algo=args.hash_algo, block_size=args.block_size, seed=args.hash_seed)
     kv = KVCacheManager(pool, hasher, enable_caching=args.enable_prefix_caching)
     tiers = _build_tiers(args, kv_cache, pool, cfg, model_dir, dtype_name)
-    remote = _build_remote(args, kv_cache, pool)
+    remote = _build_remote(args, kv_cache, pool, auth)
     _check_scheduler_args(args)
     scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, tiers, remote,
                           long_prefill_token_threshold=args.long_prefill_token_threshold)
@@ -236,6 +276,7 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     engine = AsyncEngine(core, tokenizer, names[0], model_dir, max_len, device)
     engine.model_names = names
     engine.role = args.role
+    engine.transfer_policy = transfer_policy(args, auth, hasher, max_len)
     if remote is not None:
         log.info("KV transfer (%s) on %s:%d, role %s", remote.backend.name, args.kv_transfer_host,
                  remote.port, args.role)

@@ -60,7 +60,15 @@ def serve(
         None, help="Address advertised in remote_host and bound (default: --host, or 127.0.0.1)."),
     kv_transfer_timeout: float = typer.Option(120.0, help="Seconds pinned prefill KV waits to be pulled."),
     kv_transfer_token: Optional[str] = typer.Option(
-        None, envvar="AGENTSERVE_KV_TRANSFER_TOKEN", help="Shared secret between P/D engines."),
+        None, envvar="AGENTSERVE_KV_TRANSFER_TOKEN", help="Shared secret of the P/D engines and "
+        "the router: transfer connections prove it (never send it), the router signs "
+        "kv_transfer_params with it. Required with KV transfer unless --insecure-transfer."),
+    insecure_transfer: bool = typer.Option(
+        False, "--insecure-transfer", help="Trusted networks only: start without a token and act "
+        "on unsigned kv_transfer_params (anyone who reaches the ports can steer pulls)."),
+    kv_transfer_peers: Optional[str] = typer.Option(
+        None, help="host:port,... of the only transfer servers this engine pulls from or "
+        "releases to (default: any the router signed)."),
     seed: int = typer.Option(0, help="Global seed."),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
@@ -86,7 +94,8 @@ def serve(
                       kv_transfer_port=kv_transfer_port,
                       kv_transfer_host=kv_transfer_host or (host if host not in ("0.0.0.0", "::")
                                                             else "127.0.0.1"),
-                      kv_transfer_timeout=kv_transfer_timeout, kv_transfer_token=kv_transfer_token)
+                      kv_transfer_timeout=kv_transfer_timeout, kv_transfer_token=kv_transfer_token,
+                      insecure_transfer=insecure_transfer, kv_transfer_peers=kv_transfer_peers)
     try:
         run_server(args, host=host, port=port, api_key=api_key, max_body_bytes=max_body_mib << 20)
     except (EngineConfigError, CheckpointError, OSError) as exc:

@@ -6,9 +6,10 @@ POST /v1/messages and /v1/messages/count_tokens (Anthropic's), GET /v1/models, P
 (Prometheus text, vLLM names).
 
 Every failure is an OpenAI error object (on /v1/messages an Anthropic one) with a 4xx/5xx
-status; a bad request never disturbs others. With an API key, /v1/* needs
-`Authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic clients send the latter);
-/health and /metrics stay open for probes and scrapers.
+status; a bad request never disturbs others. With an API key, every route but /health and
+/metrics (left open for probes and scrapers) needs `Authorization: Bearer KEY` or
+`x-api-key: KEY` (Anthropic clients send the latter). A request body is read in full
+before its handler runs, bounded in size (413) and in silence (408; ``httpbounds``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from agentserve.engine.serving_chat import create_chat
 from agentserve.engine.serving_messages import anthropic_error, count_tokens, create_message
 from agentserve.engine.serving_responses import create_response
 from agentserve.engine.serving_tokenize import detokenize, tokenize
+from agentserve.httpbounds import DEFAULT_LIMITS, body_timeout_middleware
+from agentserve.engine.transfer_params import admit_release, policy_of
 
 log = logging.getLogger("agentserve.server")
 
@@ -41,6 +44,7 @@ API_KEY = web.AppKey("api_key", object)
 CREATED = web.AppKey("created", int)
 MAX_BODY = web.AppKey("max_body_bytes", int)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key: probes and scrapers
 
 
 def _engine(request: web.Request) -> EngineClient:
@@ -92,7 +96,7 @@ async def errors_middleware(request: web.Request, handler: Handler) -> web.Strea
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     key = request.app[API_KEY]
-    if key and request.path.startswith("/v1/"):
+    if key and request.path not in OPEN_PATHS:
         if (request.headers.get("Authorization", "") != f"Bearer {key}"
                 and request.headers.get("x-api-key") != key):
             raise APIError(401, "missing or invalid API key; send 'Authorization: Bearer <key>' "
@@ -147,22 +151,32 @@ async def metrics(request: web.Request) -> web.Response:
 async def kv_transfer_release(request: web.Request) -> web.Response:
     """Drop the pins of a finished prefill leg nobody will pull (the router's client left)."""
     try:
-        rid = json.loads(await request.read() or b"{}").get("remote_request_id")
+        body = json.loads(await request.read() or b"{}")
+        rid = body.get("remote_request_id")
     except (ValueError, AttributeError):
-        rid = None
+        body = rid = None
     if not isinstance(rid, str) or not rid:
         return json_response(APIError(400, "remote_request_id (string) is required").body(), 400)
+    refused = admit_release(body, request.headers, policy_of(_engine(request)))
+    if refused is not None:  # an internal path: only the router (signing) may drop pins
+        return json_response(APIError(403, refused, "remote_request_id").body(), 403)
     release = getattr(_engine(request), "release_transfer", None)
     if release is None or not release(rid):
         return json_response(APIError(404, "this engine has no KV transfer (--role both)").body(), 404)
     return json_response({"released": rid})
 
 
-def build_app(engine: EngineClient, api_key: str | None = None,
-              max_body_bytes: int = 32 << 20) -> web.Application:
-    """The aiohttp app for one engine; the caller runs it (and starts the engine)."""
+def _raise_error(request: web.Request, status: int, message: str) -> web.StreamResponse:
+    raise APIError(status, message)  # shaped by errors_middleware (Anthropic's on /v1/messages)
+
+
+def build_app(engine: EngineClient, api_key: str | None = None, max_body_bytes: int = 32 << 20,
+              body_timeout_s: float = DEFAULT_LIMITS.body_timeout_s) -> web.Application:
+    """The aiohttp app for one engine; the caller runs it (and starts the engine).
+    ``body_timeout_s``: a body that sends nothing for this long is answered 408."""
     app = web.Application(client_max_size=max_body_bytes,
-                          middlewares=[errors_middleware, auth_middleware])
+                          middlewares=[errors_middleware, auth_middleware,
+                                       body_timeout_middleware(body_timeout_s, _raise_error)])
     app[ENGINE] = engine
     app[METRICS] = ServerMetrics(engine)
     app[API_KEY] = api_key

@@ -31,6 +31,7 @@ from agentserve.engine.serving import (EngineClient, Generation, client_alive, c
                                        sampling_params, session_of, stream_sse, sum_usage,
                                        usage_mode, with_transfer)
 from agentserve.engine.tokenizer import Tokenizer
+from agentserve.engine.transfer_params import admit, policy_of
 from agentserve.engine.tools import StreamingToolParser, parse_tool_calls
 
 
@@ -94,6 +95,7 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
     /v1/chat/completions, /v1/messages and /v1/responses, which differ only in their
     answers' shapes."""
     check_chat(req)
+    admit(req.kv_transfer_params, request.headers, policy_of(engine))  # an internal path
     tok = engine.tokenizer
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tools = [msgspec.to_builtins(t) for t in req.tools or []] if use_tools else None

@@ -24,6 +24,7 @@ from agentserve.engine.serving import (EngineClient, Generation, client_alive, c
                                        usage_mode, with_transfer)
 from agentserve.engine.request import TokenLogprobs
 from agentserve.engine.tokenizer import Tokenizer
+from agentserve.engine.transfer_params import admit, policy_of
 
 
 def _is_ids(x: Any) -> bool:
@@ -79,6 +80,7 @@ async def create_completion(request: web.Request, engine: EngineClient,
     cid, eid = request_ids(request, "cmpl")
     req = decode(body, CompletionRequest)
     check_completion(req)
+    admit(req.kv_transfer_params, request.headers, policy_of(engine))  # an internal path
     session = session_of(request, req.user)
     prompts = await asyncio.to_thread(  # (a long text prompt's tokens: not the event loop's)
         completion_prompts, req.prompt, engine.tokenizer, req.add_special_tokens,

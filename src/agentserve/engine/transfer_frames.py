@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from typing import Any
 
 import msgspec
@@ -240,17 +241,23 @@ def staged_sum(buf: torch.Tensor, unit: int) -> int:
     return sum(_piece_sum(x) for x in _split(as_bytes(buf).numpy(), unit)) & MASK
 
 
-def set_io_timeout(sock: socket.socket, seconds: float, recv: bool = True) -> None:
-    """Blocking socket whose send (and recv) calls fail after ``seconds`` without progress.
+def _timeval(seconds: float) -> bytes:
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+
+
+def set_io_timeout(sock: socket.socket, seconds: float, recv: bool = True,
+                   recv_seconds: float | None = None) -> None:
+    """Blocking socket whose send (and recv) calls fail after ``seconds`` without progress
+    (recv: ``recv_seconds`` when given, e.g. a server's idle timeout between requests).
 
     Kernel timeouts (SO_SNDTIMEO/SO_RCVTIMEO) instead of Python's: a blocking socket sends
     a whole iovec in one sendmsg and fills one in one recvmsg_into (MSG_WAITALL), where a
     Python timeout makes the socket non-blocking: a poll and a partial call per segment."""
     sock.settimeout(None)
-    tv = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
-    if recv:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(seconds))
+    if recv or recv_seconds is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                        _timeval(seconds if recv_seconds is None else recv_seconds))
 
 
 def send_frame(sock: socket.socket, header: dict[str, Any], payload: torch.Tensor | None = None) -> None:
@@ -260,23 +267,30 @@ def send_frame(sock: socket.socket, header: dict[str, Any], payload: torch.Tenso
         sock.sendall(memoryview(as_bytes(payload).numpy()))
 
 
-def recv_exact(sock: socket.socket, view: memoryview) -> None:
+def recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> None:
+    """Fill ``view``; with ``deadline`` (time.monotonic) also fail once it has passed, so
+    that a peer dripping a byte per socket timeout cannot hold the reader forever."""
     got = 0
     while got < len(view):
+        if deadline is not None and time.monotonic() > deadline:
+            raise TransferError(f"timed out after {got} of {len(view)} bytes")
         n = sock.recv_into(view[got:])
         if n == 0:
             raise TransferError(f"peer closed the connection after {got} of {len(view)} bytes")
         got += n
 
 
-def recv_header(sock: socket.socket) -> dict[str, Any]:
+def recv_header(sock: socket.socket, limit: int = MAX_HEADER,
+                deadline: float | None = None) -> dict[str, Any]:
+    """One frame's msgpack header (at most ``limit`` bytes: an unauthenticated peer gets a
+    small one)."""
     raw = bytearray(_HDR.size)
-    recv_exact(sock, memoryview(raw))
+    recv_exact(sock, memoryview(raw), deadline)
     (n,) = _HDR.unpack(raw)
-    if n > MAX_HEADER:
-        raise TransferError(f"header of {n} bytes exceeds the {MAX_HEADER} limit")
+    if n > limit:
+        raise TransferError(f"header of {n} bytes exceeds the {limit} limit")
     head = bytearray(n)
-    recv_exact(sock, memoryview(head))
+    recv_exact(sock, memoryview(head), deadline)
     return msgspec.msgpack.decode(head)
 
 

@@ -1,16 +1,19 @@
 """The serving half of `transfer_wire.TcpBackend`: the prefill side's transfer server.
 
-One thread per connection; each request is a pull (check the blocks out of the
+One thread per connection, at most ``max_conns`` (more are refused at once); a connection
+first proves it holds the token (`transfer_auth`: challenge-response, within
+``auth_timeout``), then each request is a pull (check the blocks out of the
 `BlockSource`, send them chunk by chunk, each chunk followed by its checksum trailer, check
-them back in) or a release. Wire format and checksums: see `transfer_wire`.
+them back in) or a release, and a connection idle for ``idle_timeout`` between requests is
+closed. Wire format and checksums: see `transfer_wire`.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,6 +22,7 @@ import msgspec
 import torch
 
 from agentserve.engine.transfer_api import BlockSource
+from agentserve.engine.transfer_auth import refuse, server_handshake
 from agentserve.engine.transfer_frames import (
     MASK,
     SUM,
@@ -48,6 +52,10 @@ class TcpServing:
 
     token: str
     timeout: float
+    auth_timeout: float
+    idle_timeout: float
+    max_conns: int
+    _conns: int
     chunk_blocks: int
     staged: bool | None
     on_sent: Callable[[int], None]
@@ -77,32 +85,57 @@ class TcpServing:
     def _accept(self, lst: socket.socket, source: BlockSource) -> None:
         while True:
             try:
-                conn, _ = lst.accept()
+                conn, peer = lst.accept()
             except OSError:
                 return  # closed
+            with self._lock:
+                busy = self._conns >= self.max_conns
+                self._conns += 0 if busy else 1
+            if busy:  # refused at once, from this thread: the cap bounds the threads
+                set_io_timeout(conn, 1.0)
+                refuse(conn, f"the prefill engine has {self.max_conns} kv transfer connections "
+                             "open, its limit; retry")
+                conn.close()
+                continue
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            set_io_timeout(conn, self.timeout, recv=False)  # a reader that stalls frees its pins
-            threading.Thread(target=self._handle, args=(conn, source), name="kv-xfer-conn",
+            # until it authenticates: auth_timeout for each wait (and a deadline for all)
+            set_io_timeout(conn, self.auth_timeout)
+            threading.Thread(target=self._handle, args=(conn, peer, source), name="kv-xfer-conn",
                              daemon=True).start()
 
-    def _handle(self, conn: socket.socket, source: BlockSource) -> None:
+    def _handle(self, conn: socket.socket, peer: Any, source: BlockSource) -> None:
+        try:
+            with conn:
+                try:
+                    server_handshake(conn, self.token, time.monotonic() + self.auth_timeout)
+                except (TransferError, OSError, msgspec.DecodeError) as e:
+                    log.info("kv transfer connection from %s closed before it authenticated: %r",
+                             peer, e)
+                    return
+                # sends: a reader that stalls frees its pins; receives: an idle connection
+                # (no request within idle_timeout) is closed, the client opens a new one
+                set_io_timeout(conn, self.timeout, recv_seconds=self.idle_timeout)
+                self._serve_requests(conn, source)
+        finally:
+            with self._lock:
+                self._conns -= 1
+
+    def _serve_requests(self, conn: socket.socket, source: BlockSource) -> None:
         pin = source.k.is_cuda
         stages = (StagingBuffer(pin), StagingBuffer(pin))  # this connection's, reused per pull
-        with conn:
-            while True:
-                try:
-                    req = recv_header(conn)
-                except (TransferError, OSError, msgspec.DecodeError):
-                    return
-                if not isinstance(req, dict) or not hmac.compare_digest(
-                        str(req.get("token", "")), self.token):
-                    send_frame(conn, {"ok": False, "error": "bad kv-transfer token"})
-                    return
-                try:
-                    self._reply(conn, req, source, stages)
-                except (OSError, TransferError) as e:
-                    log.info("kv transfer connection dropped mid-reply: %r", e)
-                    return
+        while True:
+            try:
+                req = recv_header(conn)
+            except (TransferError, OSError, msgspec.DecodeError):
+                return  # closed, idle past idle_timeout, or garbled
+            if not isinstance(req, dict):
+                send_frame(conn, {"ok": False, "error": "malformed request: not a map"})
+                return
+            try:
+                self._reply(conn, req, source, stages)
+            except (OSError, TransferError) as e:
+                log.info("kv transfer connection dropped mid-reply: %r", e)
+                return
 
     def _reply(self, conn: socket.socket, req: dict[str, Any], source: BlockSource,
                stages: tuple[StagingBuffer, StagingBuffer]) -> None:

@@ -4,7 +4,8 @@
 Wire format (one request, one reply per round trip; connections are pooled and reused):
 
     frame  = u32 header_len | msgpack header
-    pull   -> {"op": "pull", "token", "rid", "idx": [block index], "hashes": [bytes], "release",
+    first, once per connection: the challenge-response of `transfer_auth` (no secret sent)
+    pull   -> {"op": "pull", "rid", "idx": [block index], "hashes": [bytes], "release",
                "chunk_blocks", "checksum"}
     reply  <- {"ok", "error", "n", "nbytes", "block_shape": [2, L, bs, H, D], "dtype",
                "chunk_blocks"}
@@ -39,7 +40,12 @@ block changed after its sums fails the pull like a corrupted payload does.
 
 Every socket wait is bounded: blocking sockets with kernel timeouts (``set_io_timeout``):
 a peer that stops sending fails the pull; a puller that stops reading makes the server's
-send fail, which checks its pins back in.
+send fail, which checks its pins back in. The server closes a connection that does not
+authenticate within ``auth_timeout`` or sits idle for ``idle_timeout``, and refuses more
+than ``max_conns`` at once. The client reuses a pooled connection only while it is younger
+than POOL_IDLE_S of idleness (below the server's idle timeout), and retries a request once
+on a fresh connection when a reused one turns out closed before any reply came. With
+``peers`` it connects only to those ``(host, port)``, for pulls and releases alike.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
@@ -55,6 +62,7 @@ import msgspec
 import torch
 
 from agentserve.engine.transfer_api import PullSpec
+from agentserve.engine.transfer_auth import client_handshake
 from agentserve.engine.transfer_frames import (
     CHUNK_BLOCKS,
     MASK,
@@ -79,6 +87,7 @@ from agentserve.engine.transfer_frames import (
     spans_sum,
     staged_sum,
 )
+from agentserve.engine.transfer_params import peer_key
 from agentserve.engine.transfer_server import TcpServing
 from agentserve.kv.transfer import (
     StagingBuffer,
@@ -87,6 +96,11 @@ from agentserve.kv.transfer import (
 )
 
 log = logging.getLogger("agentserve.transfer")
+
+AUTH_TIMEOUT_S = 5.0  # a new connection must authenticate within this
+IDLE_TIMEOUT_S = 60.0  # the server closes a connection idle this long between requests
+POOL_IDLE_S = 30.0  # the client drops pooled connections idle longer (< IDLE_TIMEOUT_S)
+MAX_CONNS = 64  # concurrent transfer connections a server accepts
 
 
 class TcpBackend(TcpServing):
@@ -97,17 +111,25 @@ class TcpBackend(TcpServing):
     staging (tests run the staged path on CPU). ``checksum`` (the puller's choice, sent
     with each pull): per-chunk sums; off, the trailer is 0 and nothing is summed (TCP's
     own checksums and the size checks remain). ``timeout``: seconds any socket call may
-    wait without progress (connect, send, receive)."""
+    wait without progress (connect, send, receive). ``token``: the shared secret both ends
+    prove they hold (`transfer_auth`); ``peers``: the only ``(host, port)`` this client
+    connects to (None: any; see `transfer_params.peer_key`)."""
 
     name = "tcp"
 
     def __init__(self, token: str = "", timeout: float = 30.0, chunk_blocks: int = CHUNK_BLOCKS,
-                 staged: bool | None = None, checksum: bool = True) -> None:
+                 staged: bool | None = None, checksum: bool = True,
+                 auth_timeout: float = AUTH_TIMEOUT_S, idle_timeout: float = IDLE_TIMEOUT_S,
+                 max_conns: int = MAX_CONNS,
+                 peers: frozenset[tuple[str, int]] | None = None) -> None:
         self.token, self.timeout = token, timeout
         self.chunk_blocks, self.staged = max(1, chunk_blocks), staged
         self.checksum = checksum
+        self.auth_timeout, self.idle_timeout = auth_timeout, idle_timeout
+        self.max_conns, self.peers = max(1, max_conns), peers
+        self._conns = 0  # server connections open (authenticating or authenticated)
         self._listener: socket.socket | None = None
-        self._pool: dict[tuple[str, int], list[socket.socket]] = {}
+        self._pool: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
         self._local = threading.local()  # per pulling thread: its two receive staging buffers
         self._copier: ThreadPoolExecutor | None = None
@@ -121,23 +143,44 @@ class TcpBackend(TcpServing):
             return self._summer
 
     # ---- client -------------------------------------------------------------------------
-    def _conn(self, host: str, port: int) -> socket.socket:
+    def _conn(self, host: str, port: int) -> tuple[socket.socket, bool]:
+        """A connection to ``host:port`` (pooled if one is fresh, else new and
+        authenticated), and whether it was reused."""
+        now = time.monotonic()
         with self._lock:
-            free = self._pool.get((host, port))
-            if free:
-                return free.pop()
+            free = self._pool.get((host, port), [])
+            while free:
+                s, used = free.pop()
+                if now - used < POOL_IDLE_S:
+                    return s, True
+                s.close()  # the server may have closed it as idle
+        if self.peers is not None and peer_key(host, port) not in self.peers:
+            raise TransferError(f"{host}:{port} is not one of this engine's --kv-transfer-peers")
         s = socket.create_connection((host, port), timeout=self.timeout)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        set_io_timeout(s, self.timeout)  # blocking: MSG_WAITALL fills a group in one call
-        return s
+        try:
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            set_io_timeout(s, self.timeout)  # blocking: MSG_WAITALL fills a group in one call
+            client_handshake(s, self.token)
+        except BaseException:
+            s.close()
+            raise
+        return s, False
 
     def _call(self, host: str, port: int, req: dict[str, Any],
               body: Callable[[socket.socket, dict[str, Any]], Any] | None = None) -> Any:
         """One round trip on a pooled connection; ``body`` reads the reply's payload."""
-        s = self._conn(host, port)
+        for attempt in range(2):
+            s, reused = self._conn(host, port)
+            try:
+                send_frame(s, req)
+                head = recv_header(s)
+            except (OSError, TransferError):
+                s.close()
+                if reused and attempt == 0:
+                    continue  # closed while pooled (idle timeout, restart): once more, fresh
+                raise
+            break
         try:
-            send_frame(s, {**req, "token": self.token})
-            head = recv_header(s)
             if not head.get("ok"):
                 raise TransferError(f"prefill engine refused: {head.get('error')}")
             out = body(s, head) if body is not None else head
@@ -145,7 +188,7 @@ class TcpBackend(TcpServing):
             s.close()  # the stream may be mid-frame: never reuse it
             raise
         with self._lock:
-            self._pool.setdefault((host, port), []).append(s)
+            self._pool.setdefault((host, port), []).append((s, time.monotonic()))
         return out
 
     def pull_into(self, spec: PullSpec, k: torch.Tensor, v: torch.Tensor,
@@ -273,7 +316,7 @@ class TcpBackend(TcpServing):
             self._listener.close()
         with self._lock:
             for conns in self._pool.values():
-                for s in conns:
+                for s, _ in conns:
                     s.close()
             self._pool.clear()
             for pool in (self._copier, self._summer):
