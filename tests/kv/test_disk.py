@@ -4,6 +4,7 @@ files left in place are never written into, and a bad record is a miss, never an
 
 from __future__ import annotations
 
+import logging
 import zlib
 
 import torch
@@ -33,7 +34,7 @@ def _put(d: DiskTier, key: bytes, fill: int) -> None:
     d.commit(key, True)
 
 
-def test_scan_skips_damaged_foreign_unreadable_and_stray_segments(tmp_path) -> None:
+def test_scan_skips_damaged_foreign_unreadable_and_stray_segments(tmp_path, caplog) -> None:
     d = _disk(tmp_path)
     for i in range(3):  # seg 0: K0, K1; seg 1: K2
         _put(d, K(i), i)
@@ -49,8 +50,11 @@ def test_scan_skips_damaged_foreign_unreadable_and_stray_segments(tmp_path) -> N
     (tmp_path / "notes.txt").write_text("not ours")
 
     d2 = _disk(tmp_path)
-    assert d2.scan() == [K(0), K(1), K(2)]
+    with caplog.at_level(logging.WARNING, logger="agentserve.kv.disk"):
+        assert d2.scan() == [K(0), K(1), K(2)]
     assert d2.skipped == {"damaged": 3, "foreign": 1, "unreadable": 1, "stray": 1}
+    for n in ("00000005", "00000006", "00000007", "00000008", "00000009"):  # once, with the path
+        assert sum(f"seg-{n}.kv" in r.getMessage() for r in caplog.records) == 1
     assert d2.read_block(K(2), d2.index[K(2)]) == bytes([2]) * 64
     names = sorted(p.name for p in tmp_path.iterdir() if p.name != "other")
     assert names == ["notes.txt", "seg-00000000.kv", "seg-00000001.kv", "seg-00000008.kv",

@@ -211,7 +211,9 @@ class DiskTier:
             if len(head) < FILE_HDR.size or head[:8] != FILE_MAGIC:
                 # A crash between creating the file and writing its header (or a full disk)
                 # leaves it empty or torn: nothing in it can be served.
-                self._skip("damaged", path, f"no segment header ({len(head)} bytes)")
+                why = "not a segment file (magic)" if len(head) >= FILE_HDR.size \
+                    else f"empty or torn header ({len(head)} bytes)"
+                self._skip("damaged", path, f"{why}; removed")
                 self.delete_segment(seg)
                 return []
             _, ver, fp, payload, slots = FILE_HDR.unpack(head[:FILE_HDR.size])
