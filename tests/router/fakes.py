@@ -17,6 +17,7 @@ class FakeEngine:
         self.calls: list[dict] = []
         self.request_ids: list[str | None] = []  # X-Request-Id of each generate call
         self.status = 200  # HTTP status for generate calls
+        self.error_message = "boom"  # the error object's message when status != 200
         self.delay_s = 0.0  # before the first byte
         self.chunk_gap_s = 0.0
         self.chunks = 3
@@ -61,7 +62,8 @@ class FakeEngine:
             self.cancelled += 1
             raise
         if self.status != 200:
-            return web.json_response({"error": {"message": "boom"}}, status=self.status)
+            return web.json_response({"error": {"message": self.error_message}},
+                                     status=self.status)
         usage = {"prompt_tokens": 10, "completion_tokens": self.chunks, "total_tokens": 13,
                  "prompt_tokens_details": {"cached_tokens": 0}}
         if not body.get("stream"):

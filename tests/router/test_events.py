@@ -26,8 +26,9 @@ def stored(hashes, medium="GPU"):
                        block_size=16, lora_id=None, medium=medium, lora_name=None)
 
 
-def batch(*events, rank=0):
-    return KVEventBatch(ts=time.time(), events=list(events), data_parallel_rank=rank)
+def batch(*events, rank=0, ts=None):
+    return KVEventBatch(ts=time.time() if ts is None else ts, events=list(events),
+                        data_parallel_rank=rank)
 
 
 def run(index):
@@ -39,9 +40,11 @@ def test_in_order_apply_and_remove():
     a = EventApplier(idx, URL)
     assert a.on_batch(0, 0, batch(stored([1, 2, 3]))) == "first"
     assert run(idx) == 3
-    assert a.on_batch(0, 1, batch(BlockRemoved(block_hashes=[3], medium="GPU"))) == "ok"
+    removed = batch(BlockRemoved(block_hashes=[3], medium="GPU"))
+    assert a.on_batch(0, 1, removed) == "ok"
     assert run(idx) == 2
-    assert a.on_batch(0, 1, batch(stored([9]))) == "dup"
+    # a batch seen again (the replay gave it, the SUB queue held it too) carries its own ts
+    assert a.on_batch(0, 1, batch(stored([9]), ts=removed.ts)) == "dup"
     assert a.on_batch(0, 2, batch(AllBlocksCleared())) == "ok"
     assert run(idx) == 0
 
@@ -113,6 +116,96 @@ async def test_live_zmq_with_replay_catches_up():
         await asyncio.gather(task, return_exceptions=True)
         ctx.destroy(linger=0)
     finally:
+        pub.close()
+
+
+def test_a_batch_newer_than_the_stream_but_behind_it_is_a_restart():
+    """The engine restarted and we missed its seq 0: its later batch is newer than any
+    applied, so it is no duplicate; the holder is rebuilt, not kept with the dead one's."""
+    idx = PrefixIndex()
+    a = EventApplier(idx, URL)
+    for seq in range(6):
+        a.on_batch(0, seq, batch(stored([1 + seq]), ts=100.0 + seq))
+    assert a.on_batch(0, 2, batch(stored([9]), ts=200.0)) == "restart"
+    assert len(idx) == 1 and idx.match([9]).best_run((URL, 0)) == 1
+    assert a.streams[0].expected == 3
+
+
+def test_a_snapshot_replay_newer_than_the_live_batch_covers_it():
+    """A gap asked of a replay socket whose buffer wrapped: the answer is one snapshot
+    batch, numbered past the live batch that showed the gap; it replaces the holder, and
+    the live batch (already in it) is not applied again."""
+    idx = PrefixIndex()
+    a = EventApplier(idx, URL)
+    a.on_batch(0, 0, batch(stored([1, 2, 3])))
+    snap = batch(AllBlocksCleared(), stored([1, 2]), stored([7]))
+    assert a.on_batch(0, 10, batch(stored([8])), [(12, snap)]) == "gap"
+    assert run(idx) == 2 and idx.match([7]).best_run((URL, 0)) == 1
+    assert idx.match([8]).best_run((URL, 0)) == 0 and a.streams[0].expected == 13
+
+
+async def test_a_router_started_after_the_buffer_wrapped_rebuilds_before_any_batch():
+    """The engines ran for a while (more steps than the replay buffer keeps); the router
+    (re)starts: it rebuilds the whole index from the replay socket's snapshot at once,
+    without waiting for the engine's next batch."""
+    pub = KVEventPublisher("tcp://*:0", replay_endpoint="tcp://*:0", buffer_steps=4)
+    ctx = zmq.asyncio.Context()
+    try:
+        for i in range(20):
+            pub.publish([stored([100 + i])])
+        pub.publish([BlockRemoved(block_hashes=[100], medium="GPU")])
+        await _wait(lambda: pub.published == 21)
+        idx, ready = PrefixIndex(), asyncio.Event()
+        a = EventApplier(idx, URL)
+        task = asyncio.create_task(subscribe(ctx, a, local(pub.endpoint),
+                                             local(pub.replay_endpoint), ready=ready))
+        await asyncio.wait_for(ready.wait(), 5)
+        assert len(idx) == 19 and idx.match([101]).best_run((URL, 0)) == 1
+        assert a.streams[0].expected == 21
+        pub.publish([stored([500])])  # and the live stream continues from there
+        await _wait(lambda: idx.match([500]).best_run((URL, 0)) == 1)
+        assert a.streams[0].gaps == 0
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        ctx.destroy(linger=0)
+        pub.close()
+
+
+async def test_an_endpoint_back_from_failed_checks_is_rebuilt_from_its_replay():
+    """A restarted engine that has published nothing yet holds nothing: when its health
+    checks pass again, the stream is rebuilt from its replay socket (empty), so the router
+    stops predicting the dead engine's cache."""
+    import socket
+
+    def port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    ev, rp = f"tcp://*:{port()}", f"tcp://*:{port()}"
+    pub = KVEventPublisher(ev, replay_endpoint=rp)
+    ctx = zmq.asyncio.Context()
+    recoveries = [0]
+    try:
+        pub.publish([stored([1, 2, 3])])
+        await _wait(lambda: pub.published == 1)
+        idx = PrefixIndex()
+        a = EventApplier(idx, URL)
+        task = asyncio.create_task(subscribe(ctx, a, ev.replace("*", "127.0.0.1"),
+                                             rp.replace("*", "127.0.0.1"),
+                                             recoveries=lambda: recoveries[0]))
+        await _wait(lambda: run(idx) == 3)
+        pub.close()
+        pub = KVEventPublisher(ev, replay_endpoint=rp)  # the engine, restarted: seq 0 again
+        recoveries[0] += 1  # as check_health counts it
+        await _wait(lambda: len(idx) == 0)
+        pub.publish([stored([1])])
+        await _wait(lambda: run(idx) == 1)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    finally:
+        ctx.destroy(linger=0)
         pub.close()
 
 

@@ -3,6 +3,14 @@
 Frames: ``(topic, 8-byte big-endian sequence, msgpack KVEventBatch)``. The publisher
 sends from its own thread (an engine step never blocks on the network) and keeps the
 last batches for the replay socket; the subscriber is what routers and tests use.
+
+Replay, as vLLM's: a request ``[b"", start_seq]`` on the ROUTER socket gets every buffered
+batch with seq >= start, then the end marker. One extension, for a subscriber that starts
+after the buffer wrapped (a restarted router): when ``start`` is older than the oldest
+buffered batch, the answer is one *snapshot* batch instead, numbered with the last sequence
+sent: ``AllBlocksCleared`` then ``BlockStored`` runs of every block held now
+(`event_snapshot.HeldBlocks`). It is an ordinary batch, so any vLLM consumer applies it
+correctly, and together with the batches after it it is the whole stream's state.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from agentserve.kv.event_snapshot import HeldBlocks
 from agentserve.kv.events import (KVEvent, KVEventBatch, decode_event_batch,
                                   encode_event_batch)
 
@@ -97,9 +106,12 @@ class KVEventPublisher:
         self._pub.set_hwm(hwm)
         self._replay: zmq.Socket | None = None
         self.replay_endpoint: str | None = None
+        self._seq = 0  # the next batch's sequence number (the sender thread's)
+        self._held: HeldBlocks | None = None  # what the stream holds (replay snapshots)
         if replay_endpoint:
             ep = offset_endpoint_port(replay_endpoint, data_parallel_rank) or replay_endpoint
             self._replay, self.replay_endpoint = _open(self._ctx, zmq.ROUTER, ep, bind=True)
+            self._held = HeldBlocks()
         self._thread = threading.Thread(target=self._run, name="kv-event-pub", daemon=True)
         self._thread.start()
 
@@ -137,7 +149,6 @@ class KVEventPublisher:
             self._replay.close(linger=0)
 
     def _run(self) -> None:
-        seq = 0
         # With a replay socket we must poll it, so wake up at least every 10 ms.
         wait = 0.01 if self._replay is not None else 0.1
         while True:
@@ -150,10 +161,12 @@ class KVEventPublisher:
                 batches, self._pending = self._pending, deque()
             for batch in batches:
                 payload = encode_event_batch(batch)
-                seq_bytes = seq.to_bytes(8, "big")
+                seq_bytes = self._seq.to_bytes(8, "big")
                 self._pub.send_multipart((self._topic, seq_bytes, payload))
-                self._buffer.append((seq, payload))
-                seq += 1
+                self._buffer.append((self._seq, payload))
+                if self._held is not None:
+                    self._held.apply(batch.events)
+                self._seq += 1
                 self.published += 1
             if not self._running and not self._pending:
                 return
@@ -166,10 +179,17 @@ class KVEventPublisher:
             return
         client, _, start = frames
         start_seq = int.from_bytes(start, "big")
-        for seq, payload in list(self._buffer):
-            if seq >= start_seq:
-                frame = (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
-                self._replay.send_multipart(frame)
+        oldest = self._buffer[0][0] if self._buffer else self._seq
+        if start_seq < oldest and self._held is not None:
+            # the log from start_seq is gone: send the state as of the last batch instead
+            snap = encode_event_batch(self._held.snapshot(time.time(), self._rank))
+            last = (self._seq - 1).to_bytes(8, "big")
+            self._replay.send_multipart((client, b"", self._topic, last, snap))
+        else:
+            for seq, payload in list(self._buffer):
+                if seq >= start_seq:
+                    frame = (client, b"", self._topic, seq.to_bytes(8, "big"), payload)
+                    self._replay.send_multipart(frame)
         self._replay.send_multipart((client, b"", b"", END_SEQ, b""))
 
 

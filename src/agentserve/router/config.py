@@ -114,6 +114,10 @@ class Options:
     health_interval_s: float = 2.0
     eject_after_failures: int = 3
     eject_for_s: float = 5.0
+    # Panic routing (Envoy's panic threshold): when outlier ejection leaves fewer than this
+    # share of a role's endpoints available, its ejected ones take traffic again. 0: only
+    # when none is left (never eject the last one); Envoy's default is 0.5.
+    panic_threshold: float = 0.0
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 5.0
     max_inflight: int = 1024
@@ -159,6 +163,9 @@ def _options(d: dict[str, Any]) -> Options:
     for name in ("recent_requests_s", "session_active_s"):
         if not getattr(o, name) > 0:
             raise ValueError(f"router option {name} must be > 0, got {getattr(o, name)!r}")
+    t = o.panic_threshold
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
+        raise ValueError(f"router option panic_threshold must be in [0, 1], got {o.panic_threshold!r}")
     q = o.session_pause_quantile
     if q is not None and not 0 < q <= 1:
         raise ValueError(f"router option session_pause_quantile must be in (0, 1] or null, got {q!r}")

@@ -106,6 +106,7 @@ class Router:
         # Candidate.active_rate / session_rate: only for rebalancing or the `rate` scorer
         self._count_rates = bool(getattr(self.picker, "uses_rates", False)
                                  or cfg.scorers.get("rate"))
+        self.panics = 0  # decisions that routed to ejected endpoints (panic threshold)
         self.filters = [ModelFilter()]
         self.role_filter = RoleFilter()
         for e in cfg.endpoints:
@@ -154,8 +155,27 @@ class Router:
         return ph.keys
 
     # ---- candidates -------------------------------------------------------------------
+    def live(self, count: bool = True) -> list[Endpoint]:
+        """Endpoints to route to: those available, plus, per role, the outlier-ejected
+        ones whose health checks pass when ejection left fewer than `panic_threshold` of
+        the role's endpoints (and never none) available: Envoy's panic routing, so that
+        errors cannot take a role's last endpoint out. Counted in `panics`."""
+        eps = self.endpoints.values()
+        live = [ep for ep in eps if ep.healthy and not ep.ejected]
+        if len(live) == len(eps):
+            return live
+        panic = False
+        for role in {ep.cfg.role for ep in eps if ep.ejected and ep.healthy}:
+            members = [ep for ep in eps if ep.cfg.role == role]
+            up = sum(1 for ep in members if ep.healthy and not ep.ejected)
+            if up == 0 or up < self.opts.panic_threshold * len(members):
+                live += [ep for ep in members if ep.healthy and ep.ejected]
+                panic = True
+        self.panics += panic and count
+        return live
+
     def candidates(self, req: RouteInput, now: float) -> tuple[list[Candidate], dict]:
-        live = [ep for ep in self.endpoints.values() if ep.healthy and now >= ep.ejected_until]
+        live = self.live()
         if not live:
             raise NoEndpoint("no healthy endpoint: all backends are down or ejected; "
                              "check the router's /health and the engines' logs")

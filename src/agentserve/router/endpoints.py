@@ -7,9 +7,12 @@ Three sources, each with its own clock:
   `vllm:num_requests_waiting`, `vllm:num_requests_running`, `vllm:kv_cache_usage_perc`,
   `vllm:cache_config_info{block_size,num_gpu_blocks}`; ignored once older than
   `metrics_stale_s`;
-- *health*: active `/health` checks plus passive failures from proxied requests.
-  `eject_after_failures` consecutive failures eject the endpoint for `eject_for_s`;
-  afterwards the next successful health check re-admits it.
+- *health*: active `/health` checks (`healthy`: False after `eject_after_failures` failed
+  checks in a row, or at once when nothing listens; the first passing check re-admits it
+  and counts a recovery) and passive outlier ejection (`ejected`): `eject_after_failures`
+  consecutive failures of proxied requests eject the endpoint for `eject_for_s`, after
+  which the next passing health check re-admits it. Failures the request caused (4xx, or
+  a 5xx whose message says the request could not be queued or scheduled) never count.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
 
 from agentserve.router.config import EndpointConfig, Options
 
@@ -73,10 +77,13 @@ class Endpoint:
     """One backend and everything the router believes about it."""
 
     cfg: EndpointConfig
-    healthy: bool = True
-    fails: int = 0
+    healthy: bool = True  # active checks: /health answers
+    fails: int = 0  # proxied requests failed in a row (outlier detection)
+    ejected: bool = False  # outlier-ejected: until ejected_until and a passing health check
     ejected_until: float = 0.0
     ejections: int = 0
+    check_fails: int = 0  # health checks failed in a row
+    recoveries: int = 0  # times a passing check followed failed ones (the engine may be new)
     scrape: Scrape = field(default_factory=Scrape)
     scraped_at: float = 0.0
     models: list[str] = field(default_factory=list)
@@ -149,8 +156,8 @@ class Endpoint:
         return self.cfg.block_size or self.scrape.block_size
 
     def available(self, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        return self.healthy and now >= self.ejected_until
+        """Takes traffic: its health checks pass and it is not outlier-ejected."""
+        return self.healthy and not self.ejected
 
     def fresh(self, stale_s: float, now: float | None = None) -> bool:
         now = time.monotonic() if now is None else now
@@ -160,20 +167,54 @@ class Endpoint:
         self.fails = 0
 
     def record_failure(self, opts: Options, now: float | None = None) -> bool:
-        """Count a failure; True when it ejected the endpoint."""
+        """Count a failed proxied request; True when it ejected the endpoint."""
         self.fails += 1
-        if self.fails >= opts.eject_after_failures and self.healthy:
+        if self.fails >= opts.eject_after_failures and not self.ejected:
             now = time.monotonic() if now is None else now
-            self.healthy = False
+            self.ejected = True
             self.ejected_until = now + opts.eject_for_s
             self.ejections += 1
             return True
         return False
 
+    def record_check(self, ok: bool, refused: bool, opts: Options,
+                     now: float | None = None) -> None:
+        """Fold one active health check in (`refused`: nothing listens at the address)."""
+        if not ok:
+            self.check_fails += 1
+            if refused or self.check_fails >= opts.eject_after_failures:
+                self.healthy = False
+            return
+        if self.check_fails or not self.healthy:
+            self.recoveries += 1
+        self.check_fails = 0
+        self.healthy = True
+        now = time.monotonic() if now is None else now
+        if self.ejected and now >= self.ejected_until:
+            self.ejected, self.fails = False, 0
+
     def serves(self, model: str | None) -> bool:
         if model is None or (not self.models and self.cfg.model is None):
             return True
         return model == self.cfg.model or model in self.models
+
+
+# Phrases of a 5xx answer that blame the request, not the engine (agentserve engines):
+# such a failure does not count toward outlier ejection and is not retried elsewhere.
+REQUEST_FAULTS = ("could not queue the request", "could not schedule the request",
+                  "could not allocate KV for the request")
+
+
+def request_fault(status: int | None, body: bytes) -> bool:
+    """The upstream answered a 5xx whose error message says the request itself failed."""
+    if status is None or status < 500 or not body:
+        return False
+    try:
+        err = msgspec.json.decode(body).get("error")
+        message = err.get("message") if isinstance(err, dict) else None
+    except (msgspec.DecodeError, AttributeError):
+        return False
+    return isinstance(message, str) and any(p in message for p in REQUEST_FAULTS)
 
 
 MODELS_REFRESH_S = 60.0  # /v1/models is read again this often (a backend restarted with
@@ -183,11 +224,12 @@ MODELS_REFRESH_S = 60.0  # /v1/models is read again this often (a backend restar
 async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Options) -> bool:
     """One active check: /health, and /v1/models while unknown, when the endpoint comes back
     from an ejection, and every `MODELS_REFRESH_S`."""
+    refused = False
     try:
         timeout = aiohttp.ClientTimeout(total=opts.connect_timeout_s)
         async with session.get(ep.url + "/health", timeout=timeout) as r:
             ok = r.status == 200
-        if ok and (not ep.models or not ep.healthy
+        if ok and (not ep.models or not ep.healthy or ep.ejected or ep.check_fails
                    or time.monotonic() - ep.models_at >= MODELS_REFRESH_S):
             async with session.get(ep.url + "/v1/models", timeout=timeout) as r:
                 if r.status == 200:
@@ -197,15 +239,11 @@ async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Optio
                             if isinstance(m.get("max_model_len"), int)]
                     ep.max_model_len = max(lens) if lens else None
                     ep.models_at = time.monotonic()
+    except aiohttp.ClientConnectorError:
+        ok, refused = False, True  # nothing listens there: the process is gone
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
         ok = False
-    now = time.monotonic()
-    if ok:
-        ep.fails = 0
-        if not ep.healthy and now >= ep.ejected_until:
-            ep.healthy = True
-    else:
-        ep.record_failure(opts, now)
+    ep.record_check(ok, refused, opts)
     return ok
 
 

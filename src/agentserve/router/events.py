@@ -10,8 +10,17 @@ router applies batches strictly in sequence order:
   in order. If there is no replay socket, or it cannot fill the gap, the holder's entries
   are cleared (a stale index routes badly; an empty one only routes by load until the
   next BlockStored events arrive), then the batch is applied.
-- `seq < expected`: the engine restarted (sequence numbers start at 0 again): clear.
-- The first batch ever seen: with a replay socket, catch up from seq 0 first.
+- `seq < expected`: a duplicate (a batch the replay already gave), unless it is newer
+  than the last batch applied (seq 0, or a later timestamp): then the engine restarted
+  (sequence numbers start at 0 again), and the holder is rebuilt from seq 0.
+
+With a replay socket the stream is rebuilt from seq 0 as soon as the subscriber starts
+(a router started after its engines does not begin with an empty index) and whenever the
+endpoint comes back after failed health checks (a restarted engine that has published
+nothing yet has nothing cached). A replay from seq 0 is a rebuild: the holder is cleared
+and the answer applied. Our engines answer a replay older than their buffer with one
+snapshot batch (`kv.zmq_events`); any replayed batch that opens with `AllBlocksCleared`
+is such a point: what came before it is not needed.
 
 Only KV cache group 0 (the full-attention group; `group_idx` None or 0) is indexed.
 """
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import urlparse
@@ -86,8 +96,12 @@ class EventApplier:
         self.index.clear_holder((self.url, rank))
         self.streams.setdefault(rank, StreamState()).clears += 1
 
-    def classify(self, rank: int, seq: int) -> str:
-        """'ok' | 'first' | 'gap' | 'restart' | 'dup' for a batch arriving on a stream."""
+    def classify(self, rank: int, seq: int, ts: float | None = None) -> str:
+        """'ok' | 'first' | 'gap' | 'restart' | 'dup' for a batch arriving on a stream.
+
+        A batch behind the stream is a duplicate when it is no newer than the last batch
+        applied (a replayed batch also queued live carries the same timestamp); a newer
+        one comes from a restarted engine whose first batches we missed."""
         st = self.streams.setdefault(rank, StreamState())
         if st.expected is None:
             return "first"
@@ -95,7 +109,7 @@ class EventApplier:
             return "ok"
         if seq > st.expected:
             return "gap"
-        return "restart" if seq == 0 else "dup"
+        return "restart" if seq == 0 or (ts is not None and ts > st.last_ts) else "dup"
 
     def accept(self, rank: int, seq: int, batch: KVEventBatch) -> None:
         st = self.streams.setdefault(rank, StreamState())
@@ -105,34 +119,51 @@ class EventApplier:
 
     def on_batch(self, rank: int, seq: int, batch: KVEventBatch,
                  replayed: list[tuple[int, KVEventBatch]] | None = None) -> str:
-        """Handle one live batch; `replayed` is what the replay socket returned, if asked."""
-        kind = self.classify(rank, seq)
+        """Handle one live batch; `replayed` is what the replay socket returned when asked
+        (from `expected` for a gap, from 0 otherwise)."""
+        kind = self.classify(rank, seq, batch.ts)
         st = self.streams[rank]
         if kind == "dup":
             return kind
         if kind != "ok":
-            start = st.expected if kind == "gap" else 0
-            got = sorted((s, b) for s, b in (replayed or []) if start <= s < seq)
-            complete = [s for s, _ in got] == list(range(start, seq))
             if kind in ("gap", "restart"):
                 st.gaps += 1
-            if kind == "restart" or (kind == "gap" and not complete):
-                self.clear(rank)
+            if kind == "restart":
+                st.expected = None
+                if replayed is None:
+                    self.clear(rank)
             if replayed is not None:
-                st.resyncs += 1
-            for s, b in _contiguous_tail(got, seq):
-                self.accept(rank, s, b)
+                self.catch_up(rank, st.expected if kind == "gap" else 0, replayed)
+            if st.expected is not None and seq < st.expected:
+                return kind  # the replay covered this batch
+            if st.expected is not None and seq != st.expected:
+                self.clear(rank)  # a hole nothing filled: an empty index beats a wrong one
         self.accept(rank, seq, batch)
         return kind
 
+    def catch_up(self, rank: int, start: int, replayed: list[tuple[int, KVEventBatch]]) -> None:
+        """Apply a replay answer for batches from `start` (0: rebuild the holder).
 
-def _contiguous_tail(got: list[tuple[int, KVEventBatch]],
-                     end: int) -> list[tuple[int, KVEventBatch]]:
-    """The longest run of `got` (sorted by seq) ending exactly at seq `end - 1`."""
-    i = len(got)
-    while i > 0 and got[i - 1][0] == end - (len(got) - i) - 1:
-        i -= 1
-    return got[i:]
+        It begins at its last restart point (a batch opening with `AllBlocksCleared`: our
+        engines' snapshot), else at `start`; an answer that does not reach back to `start`
+        (the publisher's buffer wrapped) is applied from its own first batch after a clear.
+        Application stops at a hole; `expected` then points at it."""
+        st = self.streams.setdefault(rank, StreamState())
+        st.resyncs += 1
+        got = sorted({s: b for s, b in replayed if s >= start}.items())
+        cut = next((i for i in range(len(got) - 1, -1, -1)
+                    if got[i][1].events and isinstance(got[i][1].events[0], AllBlocksCleared)),
+                   None)
+        if cut is None and got and got[0][0] != start:
+            cut = 0  # only the log's tail is left: the best that can be rebuilt
+        if start == 0 or cut is not None:
+            self.clear(rank)
+            if not got:
+                st.expected = 0  # the engine has published nothing
+        for i, (s, b) in enumerate(got[cut or 0:]):
+            if i and s != got[(cut or 0) + i - 1][0] + 1:
+                break
+            self.accept(rank, s, b)
 
 
 async def replay(ctx: zmq.asyncio.Context, address: str, start: int,
@@ -156,9 +187,30 @@ async def replay(ctx: zmq.asyncio.Context, address: str, start: int,
         sock.close(linger=0)
 
 
+async def rebuild(ctx: zmq.asyncio.Context, applier: EventApplier, replay_address: str,
+                  rank: int = 0) -> bool:
+    """Rebuild one stream's holder from the engine's replay socket; False if unanswered."""
+    got = await replay(ctx, replay_address, 0)
+    if got is None:
+        logger.warning("KV events: no replay answer from %s; the index of %s waits for its "
+                       "next batch", replay_address, applier.url)
+        return False
+    applier.catch_up(rank, 0, got)
+    return True
+
+
+IDLE_POLL_MS = 500  # how often an idle stream looks at its endpoint's recoveries
+
+
 async def subscribe(ctx: zmq.asyncio.Context, applier: EventApplier, address: str,
-                    replay_address: str | None, rank: int = 0) -> None:
-    """Run forever: receive one stream's batches and apply them in order."""
+                    replay_address: str | None, rank: int = 0,
+                    recoveries: Callable[[], int] | None = None,
+                    ready: asyncio.Event | None = None) -> None:
+    """Run forever: receive one stream's batches and apply them in order.
+
+    With a replay socket the holder is rebuilt first, and again whenever `recoveries`
+    (the endpoint's count of returns from failed health checks) changes; `ready` is set
+    once the first rebuild was tried."""
     address = offset_endpoint_port(connect_address(address, applier.url), rank) or address
     if replay_address:
         replay_address = offset_endpoint_port(connect_address(replay_address, applier.url), rank)
@@ -167,8 +219,19 @@ async def subscribe(ctx: zmq.asyncio.Context, applier: EventApplier, address: st
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.RCVHWM, 1_000_000)
     sock.connect(address)
+    seen = recoveries() if recoveries is not None else 0
     try:
+        if replay_address:
+            await rebuild(ctx, applier, replay_address, rank)
+        if ready is not None:
+            ready.set()
         while True:
+            if recoveries is not None and recoveries() != seen:
+                seen = recoveries()
+                if replay_address:  # the engine may have restarted: what it holds now
+                    await rebuild(ctx, applier, replay_address, rank)
+            if not await sock.poll(IDLE_POLL_MS):
+                continue
             frames = await sock.recv_multipart()
             if len(frames) != 3:
                 continue
@@ -178,11 +241,11 @@ async def subscribe(ctx: zmq.asyncio.Context, applier: EventApplier, address: st
             except Exception as e:  # a corrupt frame is a gap: resync on the next one
                 logger.warning("KV events from %s: undecodable batch %d: %s", address, seq, e)
                 continue
-            kind = applier.classify(rank, seq)
+            kind = applier.classify(rank, seq, batch.ts)
             got = None
             if replay_address and kind in ("gap", "first", "restart"):
                 got = await replay(ctx, replay_address, 0 if kind != "gap"
                                    else applier.streams[rank].expected or 0)
-            applier.on_batch(rank, seq, batch, got if got is not None else None)
+            applier.on_batch(rank, seq, batch, got)
     finally:
         sock.close(linger=0)

@@ -16,6 +16,7 @@ next-best endpoint.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 import threading
@@ -28,15 +29,17 @@ from aiohttp import web
 
 from agentserve.router.config import EndpointConfig, RouterConfig, load_config
 from agentserve.router.core import NoEndpoint, RouteInput, Router
-from agentserve.router.endpoints import Endpoint, cancel, check_health, poll_loop
+from agentserve.router.endpoints import Endpoint, cancel, check_health, poll_loop, request_fault
 from agentserve.router.errors import anthropic_errors, error, internal_errors
 from agentserve.router.events import EventApplier, subscribe
 from agentserve.router.metrics import RouterMetrics
+from agentserve.router.pd import DecodeUnreachable
 from agentserve.router.proxy import Upstream, echo_request_id, forward
 from agentserve.router.rawprompt import RawPromptCache
 from agentserve.router.requests import BadRequest, parse_request
 
 logger = logging.getLogger(__name__)
+REBUILD_WAIT_S = 5.0  # longest the start waits for the engines' replay sockets
 RELOAD_ERRORS = (OSError, ValueError, TypeError, yaml.YAMLError)  # a bad config file
 
 
@@ -57,6 +60,7 @@ class Gateway:
         self.zctx: Any = None
         self.tasks: dict[str, list[asyncio.Task]] = {}
         self.appliers: dict[str, EventApplier] = {}
+        self._ready: dict[str, list[asyncio.Event]] = {}  # per endpoint: first rebuild tried
         self.active = 0
         self.waiting = 0
         self._slot = asyncio.Condition()
@@ -93,6 +97,14 @@ class Gateway:
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for ep in list(self.router.endpoints.values()):
             self._spawn(ep.cfg)
+        # Listen only once the index is rebuilt from the engines' replay sockets (a router
+        # restarted beside running engines predicts their caches from its first request);
+        # an engine that does not answer is caught up from its next batch.
+        ready = [ev for evs in self._ready.values() for ev in evs]
+        if ready:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*(ev.wait() for ev in ready)),
+                                       REBUILD_WAIT_S)
         # SIGHUP reload needs the main thread's loop (not so when embedded, e.g. in tests);
         # POST /admin/reload works everywhere.
         if hasattr(signal, "SIGHUP") and threading.current_thread() is threading.main_thread():
@@ -118,8 +130,9 @@ class Gateway:
                 if ep.cfg.block_size is None and ep.scrape.block_size is None:
                     ep.scrape.block_size = bs
             applier = self.appliers[e.url] = EventApplier(self.router.index, e.url, learn)
-            tasks += [asyncio.create_task(subscribe(self.zctx, applier, e.kv_events,
-                                                    e.replay, r))
+            ready = self._ready[e.url] = [asyncio.Event() for _ in range(e.dp_ranks)]
+            tasks += [asyncio.create_task(subscribe(self.zctx, applier, e.kv_events, e.replay, r,
+                                                    lambda ep=ep: ep.recoveries, ready[r]))
                       for r in range(e.dp_ranks)]
         self.tasks[e.url] = tasks
 
@@ -127,6 +140,7 @@ class Gateway:
         for t in self.tasks.pop(url, []):
             await cancel(t)
         self.appliers.pop(url, None)
+        self._ready.pop(url, None)
 
     async def add_endpoint(self, e: EndpointConfig) -> Endpoint:
         await self._kill(e.url)
@@ -207,6 +221,7 @@ class Gateway:
             body = await request.read()
         except web.HTTPRequestEntityTooLarge:
             return self._count(error(413, f"body larger than {self.opts.max_body_mb} MB"))
+        body = self.pd.trust.admit(request, body)  # a client's kv_transfer_params: removed
         try:
             route = parse_request(request.path, body, request.headers, self.tokenizer,
                                   self.raw_prompts)
@@ -260,18 +275,21 @@ class Gateway:
     async def _route(self, request: web.Request, body: bytes,
                      route: RouteInput) -> web.StreamResponse:
         assert self.session is not None
+        tried: set[str] = set()
+        last: Upstream | None = None
         if self.pd.enabled():
             try:
                 resp = await self.pd.route(request, body, route)
             except NoEndpoint as e:  # a prompt over every decode endpoint's context limit
                 return error(e.status, str(e), e.kind, param=e.param, code=e.code)
+            except DecodeUnreachable as e:  # nothing was sent back: retry once, elsewhere
+                tried.add(e.url)
+                last, resp = e.upstream, None
             if resp is not None:
                 return resp
         timeout = aiohttp.ClientTimeout(total=self.opts.request_timeout_s,
                                         sock_connect=self.opts.connect_timeout_s)
-        tried: set[str] = set()
-        last: Upstream | None = None
-        for attempt in range(2):
+        for attempt in range(len(tried), 2):  # one try, and one retry before the first byte
             try:
                 d = self.router.decide(route, exclude=tried)
             except NoEndpoint as e:
@@ -279,6 +297,7 @@ class Gateway:
                     break
                 return error(e.status, str(e), e.kind, param=e.param, code=e.code)
             if d.url in tried:
+                self.router.finish(d)  # booked by decide: release it
                 break
             tried.add(d.url)
             self._observe_decision(d, route, attempt)
@@ -291,6 +310,8 @@ class Gateway:
                      "x-agentserve-predicted-cached": str(d.predicted_cached)})
             except Upstream as e:
                 last = e
+                if request_fault(e.status, e.body):
+                    break  # the request's own failure: it would fail anywhere; not the engine's
                 if ep.record_failure(self.opts):
                     self.metrics.ejections.labels(d.url).inc()
                 continue
@@ -330,9 +351,10 @@ class Gateway:
     async def handle_health(self, request: web.Request) -> web.Response:
         eps = self.router.endpoints.values()
         up = [ep.url for ep in eps if ep.available()]
-        body = {"status": "ok" if up else "unavailable", "healthy": up,
+        routable = bool(self.router.live(count=False))  # panic routing counts as serving
+        body = {"status": "ok" if routable else "unavailable", "healthy": up,
                 "unhealthy": [ep.url for ep in eps if not ep.available()]}
-        return web.json_response(body, status=200 if up else 503)
+        return web.json_response(body, status=200 if routable else 503)
 
     async def handle_metrics(self, request: web.Request) -> web.Response:
         m = self.metrics
@@ -342,6 +364,7 @@ class Gateway:
             m.chat_renders.labels(mode).set(n)
         for mode, n in getattr(self.raw_prompts, "parses", {}).items():
             m.token_id_parses.labels(mode).set(n)
+        m.panic_routing.set(self.router.panics)
         for url, ep in self.router.endpoints.items():
             m.inflight.labels(url).set(ep.inflight)
             m.healthy.labels(url).set(1 if ep.available() else 0)

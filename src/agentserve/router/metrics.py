@@ -41,6 +41,10 @@ class RouterMetrics:
                                registry=r)
         self.ejections = Counter(p + "ejections", "Endpoint ejections", ["endpoint"],
                                  registry=r)
+        self.panic_routing = Gauge(p + "panic_routing", "Routing decisions that sent traffic "
+                                   "to outlier-ejected endpoints because too few of a role "
+                                   "were left (options.panic_threshold); since start",
+                                   registry=r)
         self.rejected = Counter(p + "rejected", "Requests refused by admission control",
                                 registry=r)
         self.index_blocks = Gauge(p + "index_blocks", "Blocks in the prefix index", registry=r)

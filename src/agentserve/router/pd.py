@@ -37,12 +37,22 @@ from aiohttp import web
 from prometheus_client import Counter, Histogram
 
 from agentserve.router.core import Decision, NoEndpoint, RouteInput, Router
+from agentserve.router.endpoints import request_fault
 from agentserve.router.proxy import Upstream, forward, forward_headers
 
 RELEASE_PATH = "/v1/kv_transfer/release"  # agentserve engines; vLLM's pins expire instead
 MAX_FIELD = {"/v1/responses": "max_output_tokens"}  # a path's output limit, where not max_tokens
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                   "remote_block_ids": None, "remote_host": None, "remote_port": None}
+
+
+class DecodeUnreachable(Exception):
+    """The decode leg's engine could not be reached (refused, or gone before answering):
+    nothing reached the client, so the gateway retries the request once elsewhere."""
+
+    def __init__(self, url: str, upstream: Upstream) -> None:
+        super().__init__(str(upstream))
+        self.url, self.upstream = url, upstream
 
 
 def pick(router: Router, req: RouteInput, roles: tuple[str, ...], charge_output: bool) -> Decision:
@@ -126,6 +136,9 @@ class PDOrchestrator:
                 if not started:
                     self._release(request, prefill_url, params, "client_gone")
                 raise
+            except DecodeUnreachable:  # retried elsewhere, without these pins
+                self._release(request, prefill_url, params, "decode_failed")
+                raise
             if not started:  # the decode leg failed: its engine may never have seen the params
                 self._release(request, prefill_url, params, "decode_failed")
             return resp
@@ -206,8 +219,11 @@ class PDOrchestrator:
                                     first_byte or (lambda: self.gw.router.first_byte(d)), headers)
         except Upstream as e:
             ep = self.gw.router.endpoints.get(d.url)
-            if ep is not None and ep.record_failure(self.gw.opts):
+            if (ep is not None and not request_fault(e.status, e.body)
+                    and ep.record_failure(self.gw.opts)):
                 self.gw.metrics.ejections.labels(d.url).inc()
+            if e.status is None:
+                raise DecodeUnreachable(d.url, e) from e
             return self.gw._upstream_error(e)
         return resp
 
