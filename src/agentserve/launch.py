@@ -74,7 +74,9 @@ class Cluster:
     engine_args: list[str] = field(default_factory=list)
     engines: list[tuple[EngineSpec, ManagedProcess]] = field(default_factory=list)
     router: ManagedProcess | None = None
-    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    # the P/D engines' and the router's shared secret: $AGENTSERVE_KV_TRANSFER_TOKEN, else new
+    token: str = field(default_factory=lambda: os.environ.get("AGENTSERVE_KV_TRANSFER_TOKEN")
+                       or secrets.token_hex(16))
 
     def start(self, topo: Topology, health_timeout: float = 180.0) -> None:
         """Start everything and wait for health; on any failure stop what started."""
@@ -90,7 +92,8 @@ class Cluster:
                                  "--port", str(self.port))
             cmd += ["--tokenizer", self.model or _tiny_dir()]
             self.router = start_process("router", cmd, self.run_dir / "router.log",
-                                        f"http://{self.host}:{self.port}")
+                                        f"http://{self.host}:{self.port}",
+                                        {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token})  # signs legs
             self.router.wait_healthy(health_timeout)
         except BaseException:
             self.stop()

@@ -14,7 +14,7 @@ import pytest
 
 from agentserve.launch import Topology, parse_topology
 from agentserve.procs import agentserve_cmd, free_port
-from tests.pd.test_pd_engine import post
+from tests.pd.test_pd_engine import TOKEN, post
 
 
 def test_parse_topology() -> None:
@@ -43,7 +43,8 @@ def test_up_1p1d_pd_fallback_and_clean_stop(tmp_path: Path) -> None:
     cmd = agentserve_cmd("up", "--topology", "1P1D", "--port", str(port), "--state", str(state),
                          "--run-dir", str(tmp_path / "run"), "--engine-args",
                          "--kv-cache-tokens 8192 --max-model-len 1024")
-    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    up = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env={**os.environ, "AGENTSERVE_KV_TRANSFER_TOKEN": TOKEN})  # post signs
     pids: list[int] = []
     try:
         deadline = time.monotonic() + 120

@@ -7,15 +7,20 @@ prefill's params to the decode leg, and pins released when the client leaves bet
 from __future__ import annotations
 
 import asyncio
+import json
 
 import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
+from agentserve.engine.transfer_params import AUTH_HEADER, sign, verify
 from agentserve.router.config import build_config
+from agentserve.router.pd import PREFILL_PARAMS
 from agentserve.router.gateway import Gateway
 from tests.router.fakes import FakeEngine
+
+TOKEN = "cluster-secret"
 
 
 class FakePD(FakeEngine):
@@ -25,6 +30,8 @@ class FakePD(FakeEngine):
     def __init__(self, name: str) -> None:
         super().__init__(name)
         self.released: list[str] = []
+        self.auth: list[str | None] = []  # x-agentserve-transfer-auth of each generate call
+        self.release_auth: list[str | None] = []
         self.n = 0
 
     def app(self) -> web.Application:
@@ -34,10 +41,12 @@ class FakePD(FakeEngine):
 
     async def release(self, request: web.Request) -> web.Response:
         self.released.append((await request.json())["remote_request_id"])
+        self.release_auth.append(request.headers.get(AUTH_HEADER))
         return web.json_response({"ok": True})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
+        self.auth.append(request.headers.get(AUTH_HEADER))
         p = body.get("kv_transfer_params") or {}
         if not p.get("do_remote_decode") or self.status != 200:
             return await super().generate(_Replay(request, body))
@@ -72,7 +81,8 @@ class _Replay:
 async def pd_stack():
     made: list = []
 
-    async def make(roles: list[str], threshold: int = 64, max_model_len: int | None = None):
+    async def make(roles: list[str], threshold: int = 64, max_model_len: int | None = None,
+                   **top: str):
         engines = [FakePD(f"{r}{i}") for i, r in enumerate(roles)]
         for e in engines:
             e.max_model_len = max_model_len
@@ -80,7 +90,7 @@ async def pd_stack():
         cfg = build_config({"policy": "default",
                             "endpoints": [{"url": u, "role": r} for u, r in zip(urls, roles)],
                             "options": {"health_interval_s": 0.2, "scrape_interval_s": 0.05,
-                                        "pd_threshold": threshold}})
+                                        "pd_threshold": threshold}, **top})
         gw = Gateway(cfg)
         srv = TestServer(gw.app(), handler_cancellation=True)
         await srv.start_server()
@@ -147,12 +157,76 @@ async def test_prompt_over_the_context_limit_is_a_400_on_the_pd_path(pd_stack) -
     assert len(p.calls) == 1 and len(d.calls) == 1
 
 
-async def test_request_with_own_params_is_not_split(pd_stack) -> None:
-    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=16)
+async def test_client_params_are_removed_and_the_request_split_as_any(pd_stack) -> None:
+    """A client's kv_transfer_params (an internal control path) never reach an engine, nor
+    does a client-sent signature header, however the key is spelled in JSON."""
+    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=16, kv_transfer_token=TOKEN)
+    own = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1,
+           "remote_request_id": "theirs"}
+    forged = {AUTH_HEADER: sign(TOKEN, own)}  # (even a valid signature: the router's to add)
+    async with s.post("/v1/completions", json=body(200, kv_transfer_params=own),
+                      headers=forged) as r:
+        assert r.status == 200 and "prefill_ms=" in r.headers["x-agentserve-pd"]
+    assert p.calls[-1]["kv_transfer_params"] == PREFILL_PARAMS
+    assert d.calls[-1]["kv_transfer_params"]["remote_request_id"] == "prefill0-1"
+    escaped = json.dumps(body(200, prompt=list(range(500, 700)))).replace(
+        '"max_tokens"', '"kv\\u005ftransfer_params": %s, "max_tokens"' % json.dumps(own))
+    async with s.post("/v1/completions", data=escaped,
+                      headers={"Content-Type": "application/json"}) as r:
+        assert r.status == 200
+    assert d.calls[-1]["kv_transfer_params"]["remote_request_id"] == "prefill0-2"
+    aggregated = body(3, kv_transfer_params=own)  # below the threshold: not split, still removed
+    async with s.post("/v1/completions", json=aggregated) as r:
+        assert r.status == 200
+    assert "kv_transfer_params" not in d.calls[-1] and d.auth[-1] is None
+    assert ('agentserve_router_internal_fields_stripped_total{field="kv_transfer_params"} 3.0'
+            in await metrics(s))
+
+
+async def test_an_operators_params_are_kept_signed_and_not_split(pd_stack) -> None:
+    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=16, kv_transfer_token=TOKEN,
+                                   operator_key="op-key")
     own = {"do_remote_prefill": True, "remote_request_id": "theirs"}
-    async with s.post("/v1/completions", json=body(200, kv_transfer_params=own)) as r:
+    async with s.post("/v1/completions", json=body(200, kv_transfer_params=own),
+                      headers={"x-agentserve-operator-key": "op-key"}) as r:
         assert r.status == 200
     assert p.calls == [] and d.calls[-1]["kv_transfer_params"] == own
+    assert verify(TOKEN, d.auth[-1], own) is None
+    other = body(200, prompt=list(range(500, 700)), kv_transfer_params=own)
+    async with s.post("/v1/completions", json=other,
+                      headers={"x-agentserve-operator-key": "wrong"}) as r:
+        assert r.status == 200  # not the operator: removed, and split as any request
+    assert d.calls[-1]["kv_transfer_params"]["remote_request_id"] == "prefill0-1"
+
+
+async def test_every_leg_and_release_is_signed_with_the_token(pd_stack) -> None:
+    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=16, kv_transfer_token=TOKEN)
+    async with s.post("/v1/completions", json=body(200)) as r:
+        assert r.status == 200
+    assert verify(TOKEN, p.auth[-1], p.calls[-1]["kv_transfer_params"]) is None
+    assert verify(TOKEN, d.auth[-1], d.calls[-1]["kv_transfer_params"]) is None
+    assert verify("other", d.auth[-1], d.calls[-1]["kv_transfer_params"]) is not None
+    d.status = 503  # the decode leg fails: the router releases the pins, signed
+    async with s.post("/v1/completions", json=body(200, prompt=list(range(900, 1100)))) as r:
+        assert r.status >= 500
+    for _ in range(50):
+        if p.released:
+            break
+        await asyncio.sleep(0.05)
+    assert verify(TOKEN, p.release_auth[-1], {"remote_request_id": p.released[-1]},
+                  "release") is None
+
+
+async def test_a_prefill_engine_refusing_the_signature_is_a_403_not_a_fallback(pd_stack) -> None:
+    """A router without the cluster's token (or with another) in front of agentserve
+    engines: the prefill engine answers 403 and so does the router, naming the fix."""
+    gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=16)
+    p.status, p.error_message = 403, "kv_transfer_params refused: not signed"
+    async with s.post("/v1/completions", json=body(200)) as r:
+        assert r.status == 403
+        err = (await r.json())["error"]
+    assert "not signed" in err["message"] and "--kv-transfer-token" in err["message"]
+    assert err["param"] == "kv_transfer_params" and len(d.calls) == 0
 
 
 async def test_parallel_sampling_is_not_split(pd_stack) -> None:

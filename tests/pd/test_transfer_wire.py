@@ -336,3 +336,201 @@ def test_malformed_requests_get_an_error_frame_and_the_server_keeps_serving() ->
     finally:
         cli.close()
         srv.close()
+
+
+class Relay:
+    """A TCP relay between a client and ``port`` that keeps every byte in both directions."""
+
+    def __init__(self, port: int) -> None:
+        self.lst = socket.create_server(("127.0.0.1", 0))
+        self.port, self.target = self.lst.getsockname()[1], port
+        self.seen = bytearray()
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                a, _ = self.lst.accept()
+            except OSError:
+                return
+            b = socket.create_connection(("127.0.0.1", self.target))
+            for src, dst in ((a, b), (b, a)):
+                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket) -> None:
+        while True:
+            try:
+                data = src.recv(1 << 16)
+            except OSError:
+                data = b""
+            if not data:
+                for s in (src, dst):
+                    try:
+                        s.shutdown(socket.SHUT_RDWR)
+                    except OSError:
+                        pass
+                return
+            with self._lock:
+                self.seen += data
+            dst.sendall(data)
+
+    def close(self) -> None:
+        self.lst.close()
+
+
+def test_the_token_never_crosses_the_wire_and_a_wrong_one_is_refused() -> None:
+    """Everything a pull and a release send, both ways, through a recording relay: the pull
+    works, and neither the secret nor its hex form is in the bytes; a client holding
+    another token is refused by name, and so is a server that cannot prove it holds it."""
+    token = "the-cluster-secret-0123456789"
+    k, v = cache()
+    src = Source(k, v)
+    srv = TcpBackend(token)
+    relay = Relay(srv.serve(src, "127.0.0.1", 0))
+    cli = TcpBackend(token, timeout=5)
+    try:
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        cli.pull_into(PullSpec("127.0.0.1", relay.port, "r", [0, 1], [b"", b""], release=False),
+                      dk, dv, [3, 4])
+        cli.release("127.0.0.1", relay.port, "r")
+        assert torch.equal(dk[:, 3], k[:, 0]) and src.released == ["r"]
+        seen = bytes(relay.seen)
+        assert len(seen) > 2 * dk[:, 0].numel() * 4  # (the payload went through the relay)
+        for secret in (token.encode(), token.encode().hex().encode(), token.upper().encode()):
+            assert secret not in seen
+        with pytest.raises(TransferError, match="kv-transfer-token"):
+            TcpBackend("wrong", timeout=5).pull_into(
+                PullSpec("127.0.0.1", relay.port, "r", [0], [b""]), dk, dv, [0])
+    finally:
+        cli.close()
+        relay.close()
+        srv.close()
+    # a fake server that does not hold the token: the client refuses it before any request
+    lst = socket.create_server(("127.0.0.1", 0))
+    got = bytearray()
+
+    def fake() -> None:
+        from agentserve.engine.transfer_frames import recv_header, send_frame
+
+        conn, _ = lst.accept()
+        with conn, lst:
+            send_frame(conn, {"op": "hello", "v": 2, "nonce": b"n" * 32})
+            recv_header(conn)
+            send_frame(conn, {"ok": True, "mac": b"m" * 32})
+            conn.settimeout(1)
+            try:
+                got.extend(conn.recv(1 << 16))
+            except OSError:
+                pass
+
+    t = threading.Thread(target=fake, daemon=True)
+    t.start()
+    with pytest.raises(TransferError, match="could not prove"):
+        TcpBackend(token, timeout=5).pull_into(
+            PullSpec("127.0.0.1", lst.getsockname()[1], "r", [0], [b""]), dk, dv, [0])
+    t.join(5)
+    assert b"pull" not in got  # no request went to it
+
+
+def test_peers_outside_the_allow_list_are_never_connected() -> None:
+    lst = socket.create_server(("127.0.0.1", 0))
+    lst.settimeout(0.3)
+    port = lst.getsockname()[1]
+    cli = TcpBackend("t", peers=frozenset({("127.0.0.1", 1)}))
+    k, v = cache(blocks=4)
+    with pytest.raises(TransferError, match="--kv-transfer-peers"):
+        cli.pull_into(PullSpec("127.0.0.1", port, "r", [0], [b""]), k, v, [0])
+    cli.release("127.0.0.1", port, "r")  # (logged, not raised: its pins expire anyway)
+    with pytest.raises(socket.timeout):
+        lst.accept()  # nothing ever connected
+    lst.close()
+
+
+def _threads(prefix: str) -> int:
+    return sum(t.name.startswith(prefix) for t in threading.enumerate())
+
+
+def test_idle_unauthenticated_connections_are_capped_and_closed() -> None:
+    """200 connections that never authenticate: at most max_conns get a thread, the rest a
+    refusal at once; each thread ends by the auth timeout; then a real client is served."""
+    from agentserve.engine.transfer_frames import recv_header
+
+    k, v = cache()
+    srv = TcpBackend("t", auth_timeout=0.5, max_conns=16)
+    port = srv.serve(Source(k, v), "127.0.0.1", 0)
+    socks = []
+    try:
+        for _ in range(200):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+        time.sleep(0.2)
+        assert _threads("kv-xfer-conn") <= 16
+        refused = 0
+        for s in socks[-50:]:
+            head = recv_header(s)
+            refused += head.get("ok") is False and "limit" in head.get("error", "")
+        assert refused == 50
+        deadline = time.monotonic() + 5
+        while _threads("kv-xfer-conn") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _threads("kv-xfer-conn") == 0, "connections that never authenticated kept threads"
+        assert time.monotonic() < deadline - 3  # (within about the auth timeout)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        TcpBackend("t", timeout=5).pull_into(PullSpec("127.0.0.1", port, "r", [1], [b""],
+                                                      release=False), dk, dv, [7])
+        assert torch.equal(dk[:, 7], k[:, 2])
+    finally:
+        for s in socks:
+            s.close()
+        srv.close()
+
+
+def test_a_drip_fed_handshake_is_cut_at_its_deadline() -> None:
+    """A peer sending its auth frame a byte at a time (each within the socket timeout)
+    still loses the connection at about the auth timeout."""
+    from agentserve.engine.transfer_frames import recv_header
+
+    k, v = cache(blocks=4)
+    srv = TcpBackend("t", auth_timeout=0.6)
+    port = srv.serve(Source(k, v), "127.0.0.1", 0)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+            recv_header(c)
+            t0 = time.monotonic()
+            c.sendall(b"\0\0\0\x40")  # a 64-byte header follows... one byte at a time
+            closed = False
+            for _ in range(64):
+                time.sleep(0.25)
+                try:
+                    c.sendall(b"\x80")
+                    c.settimeout(0.01)
+                    closed = c.recv(1) == b""
+                except socket.timeout:
+                    pass
+                except OSError:
+                    closed = True
+                if closed:
+                    break
+            assert closed and time.monotonic() - t0 < 2.5
+    finally:
+        srv.close()
+
+
+def test_an_idle_authenticated_connection_is_closed_and_the_client_reconnects() -> None:
+    k, v = cache()
+    srv = TcpBackend("t", idle_timeout=0.3)
+    port = srv.serve(Source(k, v), "127.0.0.1", 0)
+    cli = TcpBackend("t", timeout=5)
+    try:
+        spec = PullSpec("127.0.0.1", port, "r", [0], [b""], release=False)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+        cli.pull_into(spec, dk, dv, [0])
+        deadline = time.monotonic() + 5
+        while _threads("kv-xfer-conn") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _threads("kv-xfer-conn") == 0  # the server let the idle connection go
+        cli.pull_into(spec, dk, dv, [1])  # the pooled one is dead: retried on a fresh one
+        assert torch.equal(dk[:, 1], k[:, 0])
+    finally:
+        cli.close()
+        srv.close()

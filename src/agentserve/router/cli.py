@@ -18,6 +18,14 @@ def route(
                                             "(for text and chat prompts)."),
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY' "
                                           "(also enables /admin)."),
+    kv_transfer_token: Optional[str] = typer.Option(
+        None, envvar="AGENTSERVE_KV_TRANSFER_TOKEN", help="The P/D engines' shared secret: the "
+        "router signs each leg's kv_transfer_params with it (agentserve engines refuse unsigned "
+        "ones; vLLM ignores the signature)."),
+    operator_key: Optional[str] = typer.Option(
+        None, envvar="AGENTSERVE_OPERATOR_KEY", help="Callers sending it in "
+        "x-agentserve-operator-key keep their own kv_transfer_params (signed); everyone "
+        "else's are removed."),
     policy: Optional[str] = typer.Option(None, help="Override the config's policy."),
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
@@ -36,6 +44,8 @@ def route(
         cfg = build_config(raw)
         cfg.endpoints += [EndpointConfig(url=u) for u in endpoint]
         cfg.api_key = api_key or cfg.api_key
+        cfg.kv_transfer_token = kv_transfer_token or cfg.kv_transfer_token
+        cfg.operator_key = operator_key or cfg.operator_key
         cfg.tokenizer = tokenizer or cfg.tokenizer
         if not cfg.endpoints:
             raise ValueError("no endpoints: give --config with endpoints: or --endpoint URL")

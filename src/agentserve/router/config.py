@@ -152,6 +152,8 @@ class RouterConfig:
     options: Options = field(default_factory=Options)
     tokenizer: str | None = None
     api_key: str | None = None
+    kv_transfer_token: str | None = None  # the engines' secret: P/D legs are signed with it
+    operator_key: str | None = None  # callers sending it keep their kv_transfer_params (trust.py)
 
 
 def _options(d: dict[str, Any]) -> Options:
@@ -187,10 +189,12 @@ def build_config(raw: dict[str, Any] | None) -> RouterConfig:
     index = raw.pop("index", preset["index"])
     tokenizer = raw.pop("tokenizer", None)
     api_key = raw.pop("api_key", None)
+    secrets = {k: raw.pop(k, None) for k in ("kv_transfer_token", "operator_key")}
     if raw:
         raise ValueError(f"unknown router config keys: {sorted(raw)}")
     return RouterConfig(policy=policy, endpoints=eps, scorers=scorers, picker=picker,
-                        index=index, options=options, tokenizer=tokenizer, api_key=api_key)
+                        index=index, options=options, tokenizer=tokenizer, api_key=api_key,
+                        **secrets)
 
 
 def load_config(path: str | Path | None) -> RouterConfig:

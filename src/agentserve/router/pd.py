@@ -22,11 +22,15 @@ Pins of a finished prefill leg are released by the decode engine's pull; when th
 left between the legs, or the decode leg failed or was cancelled before its engine
 answered, the router frees them at once (``POST /v1/kv_transfer/release`` on the prefill
 engine, ``agentserve_router_pd_releases``); otherwise they expire.
+
+Every leg's params and each release are signed with the cluster's token, and a client's
+own ``kv_transfer_params`` never reach an engine (`trust.py`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -39,7 +43,9 @@ from prometheus_client import Counter, Histogram
 from agentserve.router.core import Decision, NoEndpoint, RouteInput, Router
 from agentserve.router.endpoints import request_fault
 from agentserve.router.proxy import Upstream, forward, forward_headers
+from agentserve.router.trust import TransferRefused, Trust
 
+logger = logging.getLogger(__name__)
 RELEASE_PATH = "/v1/kv_transfer/release"  # agentserve engines; vLLM's pins expire instead
 MAX_FIELD = {"/v1/responses": "max_output_tokens"}  # a path's output limit, where not max_tokens
 PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
@@ -79,7 +85,11 @@ class PDOrchestrator:
                                          registry=r)
         self.releases = Counter(p + "releases", "Prefill pins released by the router (no decode "
                                 "leg will pull them)", ["reason"], registry=r)
+        self.trust = Trust(gw.cfg.kv_transfer_token, gw.cfg.operator_key, r)
         self._tasks: set[asyncio.Task] = set()
+        if not self.trust.token and any(e.role == "prefill" for e in gw.cfg.endpoints):
+            logger.warning("prefill endpoints but no --kv-transfer-token: agentserve engines "
+                           "refuse unsigned P/D legs (403); vLLM engines ignore the signature")
 
     def enabled(self) -> bool:
         """The fleet has a prefill pool (healthy or not) and a decode endpoint up.
@@ -102,6 +112,7 @@ class PDOrchestrator:
                 raise  # the prompt fits no decode endpoint: the client's error, not a reason to split
             return None
         headers: dict[str, str] = {"x-agentserve-endpoint": d.url, "x-agentserve-reason": d.reason}
+        req: Any = None
         try:
             req = msgspec.json.decode(body)
             # n > 1 is not split: a P/D leg is one sample (the engines refuse n > 1 with
@@ -111,39 +122,54 @@ class PDOrchestrator:
                     or req.get("kv_transfer_params") or route.samples > 1 or _scores_prompt(req)):
                 self.legs.labels("aggregated").inc()
                 return await self._decode_leg(request, d, body, headers)
-            params, info, prefill_url = await self._prefill_leg(request, route, req)
+            try:
+                params, info, prefill_url = await self._prefill_leg(request, route, req)
+            except TransferRefused as e:  # the cluster's tokens disagree: say so, loudly
+                return e.response()
             headers["x-agentserve-pd"] = info
             if params is None:
                 self.legs.labels("fallback").inc()
+                self.trust.sign(request, None)
                 return await self._decode_leg(request, d, body, headers)
             self.legs.labels("disaggregated").inc()
             headers["x-agentserve-pd"] = f"{info};decode_route_ms={d.seconds * 1e3:.2f}"
-            if request.transport is None or request.transport.is_closing():
-                # the client left between the legs: no decode leg will pull these pins
-                self._release(request, prefill_url, params, "client_gone")
-                return web.Response(status=499)
-            body = msgspec.json.encode({**req, "kv_transfer_params": params})
-            started = False
-
-            def first_byte() -> None:
-                nonlocal started
-                started = True
-                router.first_byte(d)
-
-            try:
-                resp = await self._decode_leg(request, d, body, headers, first_byte)
-            except asyncio.CancelledError:  # client gone before the decode engine answered
-                if not started:
-                    self._release(request, prefill_url, params, "client_gone")
-                raise
-            except DecodeUnreachable:  # retried elsewhere, without these pins
-                self._release(request, prefill_url, params, "decode_failed")
-                raise
-            if not started:  # the decode leg failed: its engine may never have seen the params
-                self._release(request, prefill_url, params, "decode_failed")
-            return resp
+            return await self._pulling_leg(request, d, req, params, prefill_url, headers)
         finally:
             router.finish(d)
+            if not (isinstance(req, dict) and req.get("kv_transfer_params")):
+                self.trust.sign(request, None)  # (an operator's own signature stays for a retry)
+
+    async def _pulling_leg(self, request: web.Request, d: Decision, req: dict[str, Any],
+                           params: dict[str, Any], prefill_url: str,
+                           headers: dict[str, str]) -> web.StreamResponse:
+        """The decode leg with the prefill's params, signed; releases the pins when it
+        never reached its engine."""
+        router: Router = self.gw.router
+        if request.transport is None or request.transport.is_closing():
+            # the client left between the legs: no decode leg will pull these pins
+            self._release(request, prefill_url, params, "client_gone")
+            return web.Response(status=499)
+        body = msgspec.json.encode({**req, "kv_transfer_params": params})
+        self.trust.sign(request, params)
+        started = False
+
+        def first_byte() -> None:
+            nonlocal started
+            started = True
+            router.first_byte(d)
+
+        try:
+            resp = await self._decode_leg(request, d, body, headers, first_byte)
+        except asyncio.CancelledError:  # client gone before the decode engine answered
+            if not started:
+                self._release(request, prefill_url, params, "client_gone")
+            raise
+        except DecodeUnreachable:  # retried elsewhere, without these pins
+            self._release(request, prefill_url, params, "decode_failed")
+            raise
+        if not started:  # the decode leg failed: its engine may never have seen the params
+            self._release(request, prefill_url, params, "decode_failed")
+        return resp
 
     def _release(self, request: web.Request, prefill_url: str, params: dict[str, Any],
                  reason: str) -> None:
@@ -157,6 +183,7 @@ class PDOrchestrator:
         self.releases.labels(reason).inc()
         headers = {k: v for k, v in forward_headers(request).items()
                    if k.lower() in ("authorization", "x-api-key")}
+        headers.update(self.trust.release_headers(str(rid)))
         task = asyncio.get_running_loop().create_task(self._post_release(prefill_url, str(rid), headers))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -184,6 +211,7 @@ class PDOrchestrator:
                MAX_FIELD.get(request.path, "max_tokens"): 1}
         leg.pop("stream_options", None)
         leg.pop("max_completion_tokens", None)
+        self.trust.sign(request, leg["kv_transfer_params"])
         t0 = time.perf_counter()
         timeout = aiohttp.ClientTimeout(total=self.prefill_timeout_s,
                                         sock_connect=self.gw.opts.connect_timeout_s)
@@ -192,6 +220,8 @@ class PDOrchestrator:
             assert self.gw.session is not None
             async with self.gw.session.post(p.url + request.path, data=msgspec.json.encode(leg),
                                             headers=forward_headers(request), timeout=timeout) as r:
+                if r.status == 403:  # refused our signature: no silent local prefill
+                    raise self.trust.refused(p.url, r.status, await r.read())
                 out = await r.json(content_type=None) if r.status == 200 else None
                 reason = f"http_{r.status}" if out is None else reason
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as e:

@@ -25,6 +25,8 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
+from agentserve.engine.transfer_params import AUTH_HEADER
+
 logger = logging.getLogger(__name__)
 
 _HOP = {"host", "content-length", "transfer-encoding", "connection", "keep-alive",
@@ -63,10 +65,22 @@ async def echo_request_id(request: web.Request, response: web.StreamResponse) ->
         response.headers[REQUEST_ID_HEADER] = request_id(request)
 
 
+OPERATOR_HEADER = "x-agentserve-operator-key"  # the router's operator_key: internal fields kept
+INTERNAL_HEADERS = frozenset({AUTH_HEADER, OPERATOR_HEADER})  # never forwarded from a client
+TRANSFER_AUTH = web.RequestKey("transfer_auth", str)  # the router's signature for this leg
+
+
 def forward_headers(request: web.Request) -> dict[str, str]:
+    """The client's headers for an engine: hop-by-hop and internal ones dropped, the request
+    id set, and the signature of the leg's kv_transfer_params when the router made one
+    (``request[TRANSFER_AUTH]``, `pd.py`)."""
     headers = {k: v for k, v in request.headers.items()
-               if k.lower() not in _HOP and k.lower() != "x-request-id"}
+               if k.lower() not in _HOP and k.lower() != "x-request-id"
+               and k.lower() not in INTERNAL_HEADERS}
     headers[REQUEST_ID_HEADER] = request_id(request)
+    auth = request.get(TRANSFER_AUTH)
+    if auth:
+        headers[AUTH_HEADER] = auth
     return headers
 
 

@@ -151,6 +151,26 @@ def _converted_input(path: str, body: bytes, headers: Any,
     return route
 
 
+INTERNAL_FIELDS = ("kv_transfer_params",)  # body fields only the router may set
+
+
+def strip_internal(body: bytes) -> tuple[bytes, dict[str, Any]] | None:
+    """None when the body sets none of INTERNAL_FIELDS; else (the body without them, what
+    it set). The cheap byte test comes first, so that ordinary bodies are not decoded
+    twice; a body with JSON escapes (``"kv\\u005ftransfer_params"`` decodes to the same
+    key, for us and for vLLM) is decoded to make sure."""
+    if not any(f.encode() in body for f in INTERNAL_FIELDS) and b"\\u" not in body:
+        return None
+    try:
+        req = _DECODER.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return None  # parse_request answers it with a 400
+    if not isinstance(req, dict) or not any(f in req for f in INTERNAL_FIELDS):
+        return None
+    found = {f: req.pop(f) for f in INTERNAL_FIELDS if f in req}
+    return msgspec.json.encode(req), found
+
+
 def parse_request(path: str, body: bytes, headers: Any,
                   tok: IncrementalTokenizer | None,
                   raw_cache: RawPromptCache | None = None) -> RouteInput:
