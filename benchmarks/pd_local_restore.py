@@ -42,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gc_pauses import gc_stats
 from pd_itl import loadavg, prompt, scrape
 
+from agentserve.engine.transfer_params import signed_headers
 from agentserve.procs import ManagedProcess, agentserve_cmd, free_port, running, start_process
 
 PULL_B = "agentserve:kv_transfer_received_bytes_total"
@@ -59,8 +60,14 @@ def start(run_dir: Path, name: str, role: str, extra: list[str]) -> ManagedProce
     return start_process(name, cmd, run_dir / f"{name}.log", f"http://127.0.0.1:{port}", env)
 
 
+def signed(params: dict) -> dict[str, str]:
+    """The router's signature over a leg's kv_transfer_params (the engines refuse unsigned ones)."""
+    return signed_headers(TOKEN, params)
+
+
 async def post(s: aiohttp.ClientSession, url: str, body: dict) -> dict:
-    async with s.post(url + "/v1/completions", json=body) as r:
+    headers = signed(body["kv_transfer_params"]) if "kv_transfer_params" in body else {}
+    async with s.post(url + "/v1/completions", json=body, headers=headers) as r:
         out = await r.json()
         if r.status != 200:
             raise RuntimeError(f"{url}: {r.status} {out}")
@@ -73,7 +80,7 @@ async def decode_leg(s: aiohttp.ClientSession, p: str, d: str, body: dict) -> tu
         "do_remote_decode": True, "do_remote_prefill": False}}
     params = (await post(s, p, leg))["kv_transfer_params"]
     t0, first, text = time.perf_counter(), None, []
-    async with s.post(d + "/v1/completions",
+    async with s.post(d + "/v1/completions", headers=signed(params),
                       json={**body, "stream": True, "kv_transfer_params": params}) as r:
         if r.status != 200:
             raise RuntimeError(f"{d}: {r.status} {await r.text()}")
