@@ -1,14 +1,21 @@
 """A local P/D cluster in one command: N prefill + M decode (or K aggregated) engines + router.
 
 `agentserve up --topology 1P1D` starts every engine as its own process group
-(`agentserve.procs`), each with a KV-event PUB port and (prefill/decode roles) a KV
-transfer server, writes the router's YAML (endpoints with roles and event addresses)
-into a run folder, starts `agentserve route` on it, waits for every /health, prints a
-status table and, with `--state FILE`, writes
-``{"router": URL, "engines": [{"url", "role", "pid"}]}``. SIGINT/SIGTERM stop the router
-first, then the engines (SIGTERM to each group, SIGKILL after a bound): no orphans.
-An engine that dies is reported and routed around; the cluster stops by itself only when
-the router or every decode-capable engine is gone.
+(`agentserve.procs`), each with a KV-event PUB port, a KV-event replay port and
+(prefill/decode roles) a KV transfer server on a fixed port, writes the router's YAML
+(endpoints with roles, event and replay addresses) into a run folder, starts `agentserve
+route` on it, waits for every /health, prints a status table and, with `--state FILE`,
+writes ``{"router": URL, "router_pid", "engines": [{"url", "role", "pid", "restarts"}]}``.
+SIGINT/SIGTERM stop the router first, then the engines (SIGTERM to each group, SIGKILL
+after a bound): no orphans.
+
+Supervision (`supervisor.py`): an engine or the router that dies is started again with
+the same command, ports and log, after a backoff of 0.5 s doubling to 10 s; the state
+file is rewritten with the new pid. The router re-admits a restarted engine at its next
+passing health check and rebuilds that engine's part of the index from its replay socket;
+a restarted router rebuilds the whole index the same way before it listens. A process
+that exits more than `--max-restarts` times in 5 minutes is given up on; the cluster then
+stops by itself if that leaves no router or no decode-capable engine.
 """
 
 from __future__ import annotations
@@ -20,12 +27,14 @@ import secrets
 import shlex
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from agentserve.procs import ManagedProcess, ProcessError, agentserve_cmd, free_port, start_process
+from agentserve.supervisor import RestartPolicy, Supervised
 
 
 @dataclass(slots=True, frozen=True)
@@ -57,6 +66,8 @@ class EngineSpec:
     port: int
     events_port: int
     host: str = "127.0.0.1"
+    replay_port: int | None = None  # KV-event replay ROUTER socket (index rebuilds)
+    transfer_port: int | None = None  # KV transfer server (prefill/decode roles)
 
     @property
     def url(self) -> str:
@@ -77,48 +88,76 @@ class Cluster:
     # the P/D engines' and the router's shared secret: $AGENTSERVE_KV_TRANSFER_TOKEN, else new
     token: str = field(default_factory=lambda: os.environ.get("AGENTSERVE_KV_TRANSFER_TOKEN")
                        or secrets.token_hex(16))
+    threads: str = "1"  # OMP_NUM_THREADS of each engine (the cores shared out)
+    restarts: dict[str, int] = field(default_factory=dict)  # name -> restarts so far
 
     def start(self, topo: Topology, health_timeout: float = 180.0) -> None:
         """Start everything and wait for health; on any failure stop what started."""
         try:
-            threads = str(max(1, (os.cpu_count() or 1) // max(1, len(topo.roles))))
+            self.threads = str(max(1, (os.cpu_count() or 1) // max(1, len(topo.roles))))
             for i, role in enumerate(topo.roles):
-                spec = EngineSpec(f"{role}{i}", role, free_port(), free_port(), self.host)
-                self.engines.append((spec, self._start_engine(spec, threads)))
+                transfer = free_port() if role in ("prefill", "decode") else None
+                spec = EngineSpec(f"{role}{i}", role, free_port(), free_port(), self.host,
+                                  free_port(), transfer)
+                self.engines.append((spec, self.start_engine(spec)))
             for _, proc in self.engines:
                 proc.wait_healthy(health_timeout)
-            cfg_path = self.write_router_config()
-            cmd = agentserve_cmd("route", "--config", str(cfg_path), "--host", self.host,
-                                 "--port", str(self.port))
-            cmd += ["--tokenizer", self.model or _tiny_dir()]
-            self.router = start_process("router", cmd, self.run_dir / "router.log",
-                                        f"http://{self.host}:{self.port}",
-                                        {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token})  # signs legs
+            self.write_router_config()
+            self.router = self.start_router()
             self.router.wait_healthy(health_timeout)
         except BaseException:
             self.stop()
             raise
 
-    def _start_engine(self, spec: EngineSpec, threads: str) -> ManagedProcess:
+    def start_engine(self, spec: EngineSpec) -> ManagedProcess:
+        """Start (or restart: same ports, flags and log) one engine; not waited for."""
         args = ["serve", "--host", spec.host, "--port", str(spec.port), "--role", spec.role,
                 "--kv-events-endpoint", f"tcp://{spec.host}:{spec.events_port}"]
+        if spec.replay_port is not None:
+            args += ["--kv-events-replay-endpoint", f"tcp://{spec.host}:{spec.replay_port}"]
+        if spec.transfer_port is not None:
+            args += ["--kv-transfer-port", str(spec.transfer_port)]
         if self.model:
             args += ["--model", self.model]
-        env = {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token, "OMP_NUM_THREADS": threads}
+        env = {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token, "OMP_NUM_THREADS": self.threads}
         return start_process(spec.name, agentserve_cmd(*args, *self.engine_args),
                              self.run_dir / f"{spec.name}.log", spec.url, env)
 
+    def start_router(self) -> ManagedProcess:
+        """Start (or restart) the router on `router.yaml`; not waited for. It signs P/D
+        legs with the cluster's token (from its environment, never on the command line)."""
+        cmd = agentserve_cmd("route", "--config", str(self.run_dir / "router.yaml"),
+                             "--host", self.host, "--port", str(self.port),
+                             "--tokenizer", self.model or _tiny_dir())
+        return start_process("router", cmd, self.run_dir / "router.log",
+                             f"http://{self.host}:{self.port}",
+                             {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token})
+
     def write_router_config(self) -> Path:
-        eps = [{"url": s.url, "role": s.role, "kv_events": f"tcp://{s.host}:{s.events_port}"}
-               for s, _ in self.engines]
+        eps = []
+        for s, _ in self.engines:
+            ep = {"url": s.url, "role": s.role, "kv_events": f"tcp://{s.host}:{s.events_port}"}
+            if s.replay_port is not None:
+                ep["replay"] = f"tcp://{s.host}:{s.replay_port}"
+            eps.append(ep)
         path = self.run_dir / "router.yaml"
         path.write_text(yaml.safe_dump({"policy": "default", "endpoints": eps}, sort_keys=False))
         return path
 
+    def replace(self, name: str, proc: ManagedProcess) -> None:
+        """A restarted process takes the dead one's place (state, status, stop)."""
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        if name == "router":
+            self.router = proc
+            return
+        self.engines = [(s, proc if s.name == name else p) for s, p in self.engines]
+
     def state(self) -> dict:
         assert self.router is not None and self.router.url is not None
-        return {"router": self.router.url,
-                "engines": [{"url": s.url, "role": s.role, "pid": p.pid} for s, p in self.engines]}
+        return {"router": self.router.url, "router_pid": self.router.pid,
+                "router_restarts": self.restarts.get("router", 0),
+                "engines": [{"url": s.url, "role": s.role, "pid": p.pid, "name": s.name,
+                             "restarts": self.restarts.get(s.name, 0)} for s, p in self.engines]}
 
     def write_state(self, path: Path) -> None:
         tmp = path.with_suffix(path.suffix + ".tmp")  # readers never see half a file
@@ -151,6 +190,13 @@ class Cluster:
             return False
         return any(s.role in ("decode", "both") and p.alive() for s, p in self.engines)
 
+    def supervised(self, policy: RestartPolicy) -> list[Supervised]:
+        """One `Supervised` per process (engines, then the router), restarting in place."""
+        sups = [Supervised(s.name, p, lambda s=s: self.start_engine(s), policy)
+                for s, p in self.engines]
+        assert self.router is not None
+        return sups + [Supervised("router", self.router, self.start_router, policy)]
+
 
 def _tiny_dir() -> str:
     from agentserve.engine.tiny import default_model_dir
@@ -173,8 +219,35 @@ def status_table(cluster: Cluster) -> "object":
     return table
 
 
+TICK_S = 0.25  # how often the launcher looks at its processes
+
+
+def watch(cluster: Cluster, sups: list[Supervised], stop: threading.Event,
+          state: Path | None, say: Callable[[str], None]) -> int:
+    """Supervise until `stop` is set (0) or the cluster can no longer serve (1): the
+    router, or every engine that can decode, was given up on."""
+    decoders = {s.name for s, _ in cluster.engines if s.role in ("decode", "both")}
+    while not stop.wait(TICK_S):
+        for sup in sups:
+            msg = sup.tick()
+            if msg is None:
+                continue
+            say(f"[yellow]{sup.name}[/yellow] {msg}")
+            if sup.state == "starting":  # a new process: stop() and the status must see it
+                cluster.replace(sup.name, sup.proc)
+            elif sup.state == "running" and state is not None:
+                cluster.write_state(state)  # its new pid, once it serves
+        failed = {sup.name for sup in sups if sup.state == "failed"}
+        if "router" in failed or decoders <= failed:
+            say("[red]the router or every decode engine is gone for good; stopping the "
+                "cluster[/red]")
+            return 1
+    return 0
+
+
 def up(topology: str, model: str | None, host: str, port: int, state: Path | None,
-       run_dir: Path | None, engine_args: str = "", health_timeout: float = 180.0) -> int:
+       run_dir: Path | None, engine_args: str = "", health_timeout: float = 180.0,
+       max_restarts: int = 5) -> int:
     """Run the cluster in the foreground until SIGINT/SIGTERM; returns an exit code."""
     from rich.console import Console
 
@@ -197,16 +270,8 @@ def up(topology: str, model: str | None, host: str, port: int, state: Path | Non
         if state is not None:
             cluster.write_state(state)
         console.print(f"router ready at [bold]{cluster.state()['router']}[/bold] (Ctrl-C stops all)")
-        reported: set[str] = set()
-        while not stop.wait(1.0):
-            for name in sorted(set(cluster.exited()) - reported):
-                reported.add(name)
-                console.print(f"[yellow]{name} exited; the router routes around it[/yellow]")
-            if not cluster.serving():
-                console.print("[red]the router or every decode engine exited; stopping the "
-                              "cluster[/red]")
-                return 1
-        return 0
+        policy = RestartPolicy(max_restarts=max_restarts, health_timeout_s=health_timeout)
+        return watch(cluster, cluster.supervised(policy), stop, state, console.print)
     finally:
         console.print("stopping cluster...")
         cluster.stop()
