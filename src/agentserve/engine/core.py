@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from agentserve.engine.request import RequestOutput, RequestStatus
 from agentserve.engine.runner import ModelRunner
-from agentserve.engine.scheduler import Scheduler
+from agentserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from agentserve.engine.sequence import Sequence
 from agentserve.engine.steptrace import StepTrace, request_trace
 from agentserve.kv.events import KVEventQueue
@@ -32,6 +32,13 @@ class _Abort:
 
 class _Tick:
     """Wakes the loop (a pull finished or pins were released on another thread)."""
+
+
+# Steps in a row that may fail with no request to blame (the scheduler's own bookkeeping,
+# a tier's poll) before every admitted request ends with the error: a transient fault costs
+# nobody their request, a lasting one answers them all instead of leaving them waiting.
+MAX_UNATTRIBUTED_FAILURES = 3
+FAILED_STEP_PAUSE_S = 0.05  # between failing steps: bounds a broken loop's log and CPU
 
 
 class EngineCore:
@@ -57,6 +64,9 @@ class EngineCore:
         self.generation_tokens = 0
         self.inbox: queue.Queue[Sequence | _Abort | _Tick | None] = queue.Queue()
         self.dead: BaseException | None = None  # why the core thread ended, if it did
+        self.pending: set[str] = set()  # submitted, not yet admitted (``lost``)
+        self._batch: list[Sequence] | None = None  # the step's batch once it is scheduled
+        self._unattributed = 0  # consecutive failed steps that had no batch to blame
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.trace = StepTrace.from_env()  # opt-in per-step timings (steptrace.py)
@@ -64,7 +74,18 @@ class EngineCore:
 
     # ---- thread-safe entry points -------------------------------------------------
     def submit(self, seq: Sequence) -> None:
+        self.pending.add(seq.request_id)
         self.inbox.put(seq)
+
+    @property
+    def stopping(self) -> bool:
+        """``stop`` was called: the loop answers nothing more (thread-safe)."""
+        return self._stop.is_set()
+
+    def lost(self, seq: Sequence) -> bool:
+        """True when the core holds ``seq`` nowhere (not queued, not admitted). Its caller
+        then has its final output already, or one is in flight to it (thread-safe)."""
+        return seq.request_id not in self.pending and self.seqs.get(seq.request_id) is not seq
 
     def abort(self, request_id: str) -> None:
         self.inbox.put(_Abort(request_id))
@@ -98,15 +119,12 @@ class EngineCore:
             while not self._stop.is_set():
                 outputs = self._drain_inbox(block=not self.scheduler.has_work())
                 if self.remote is not None:
-                    self.remote.service()  # pins pulled, released or expired
-                if self.scheduler.has_work():
-                    failed: list[RequestOutput] = []
                     try:
-                        outputs.extend(self.step(failed))
-                    except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
-                        log.exception("engine step failed")
-                        outputs.extend(self._fail_running(f"engine step failed: {exc!r}"))
-                    outputs.extend(failed)  # requests that could not be scheduled, even then
+                        self.remote.service()  # pins pulled, released or expired
+                    except Exception:  # noqa: BLE001 - pins are freed on a later pass
+                        log.exception("releasing KV transfer pins failed")
+                if self.scheduler.has_work():
+                    self._guarded_step(outputs)
                 if outputs:
                     on_outputs(outputs)
         except BaseException as exc:  # the thread is ending: nobody may wait on it forever
@@ -116,6 +134,28 @@ class EngineCore:
                         for seq in self.seqs.values()])
             self.seqs.clear()
 
+    def _guarded_step(self, outputs: list[RequestOutput]) -> None:
+        """One step; if it raises, only the requests of its batch end (with the error)."""
+        ended: list[RequestOutput] = []  # final outputs, delivered even if the step fails
+        self._batch = None
+        try:
+            outputs.extend(self.step(ended))
+            self._unattributed = 0
+        except Exception as exc:  # noqa: BLE001 - a failed step must not kill the server
+            log.exception("engine step failed")
+            message = f"engine step failed: {exc!r}"
+            batch = [seq for seq in self._batch or () if self.seqs.get(seq.request_id) is seq]
+            if not batch:  # nothing to blame (it failed in the scheduler's own work)
+                self._unattributed += 1
+                if self._unattributed >= MAX_UNATTRIBUTED_FAILURES:
+                    batch = list(self.seqs.values())
+                    self._unattributed = 0
+            ended.extend(self._fail_one(seq, message) for seq in batch)
+            self._stop.wait(FAILED_STEP_PAUSE_S)
+        finally:
+            self._batch = None
+            outputs.extend(ended)
+
     def _drain_inbox(self, block: bool) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         try:
@@ -123,12 +163,12 @@ class EngineCore:
             while True:
                 if isinstance(item, Sequence):
                     out = self._admit(item)
-                    if out is not None:
-                        outputs.append(out)
                 elif isinstance(item, _Abort):
                     out = self._finish_abort(item.request_id)
-                    if out is not None:
-                        outputs.append(out)
+                else:
+                    out = None
+                if out is not None:
+                    outputs.append(out)
                 item = self.inbox.get_nowait()
         except queue.Empty:
             pass
@@ -137,6 +177,7 @@ class EngineCore:
     def _admit(self, seq: Sequence) -> RequestOutput | None:
         """Queue a new request; one that cannot be queued fails alone (an error output)."""
         self.seqs[seq.request_id] = seq
+        self.pending.discard(seq.request_id)  # (after it is in ``seqs``: ``lost`` reads both)
         if self.rtrace is not None:
             seq.timing = {"adm": time.perf_counter()}
         try:
@@ -155,38 +196,36 @@ class EngineCore:
             if self.remote is not None:
                 self.remote.release(request_id)
             return None
-        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        self._retire(seq, RequestStatus.FINISHED_ABORTED)
         return self._output(seq, [], "abort")
-
-    def _fail_running(self, message: str) -> list[RequestOutput]:
-        """A step failed as a whole (the forward pass): every request in it ends with an error."""
-        return [self._fail_one(seq, message) for seq in list(self.scheduler.running)]
 
     def _fail_one(self, seq: Sequence, message: str) -> RequestOutput:
         """End one request with an error output; its blocks go back to the pool."""
-        self.seqs.pop(seq.request_id, None)
-        self.scheduler.finish(seq, RequestStatus.FINISHED_ABORTED)
+        self._retire(seq, RequestStatus.FINISHED_ABORTED)
         return self._output(seq, [], "error", error=message)
 
+    def _retire(self, seq: Sequence, status: RequestStatus) -> None:
+        """``seq`` leaves the core for good; the caller then makes its one final output.
+        Never raises: a request whose cleanup breaks must still get that output."""
+        self.seqs.pop(seq.request_id, None)
+        try:
+            self.scheduler.finish(seq, status)
+        except Exception:  # noqa: BLE001 - log it, still take it out of every queue
+            log.exception("finishing request %s failed; dropping it", seq.request_id)
+            self.scheduler.drop(seq)
+
     # ---- one step -----------------------------------------------------------------
-    def step(self, failed: list[RequestOutput]) -> list[RequestOutput]:
-        """Schedule and run one batch; returns its outputs. Requests that could not be
-        scheduled end with an error in ``failed`` (delivered even if the batch then fails)."""
+    def step(self, ended: list[RequestOutput]) -> list[RequestOutput]:
+        """Schedule and run one batch; returns the outputs of its requests that go on.
+        Final outputs (requests that could not be scheduled, failed or finished) go to
+        ``ended`` as each request ends, so they are delivered even if the step then fails."""
         t_sched = time.perf_counter()
         sched = self.scheduler.schedule()
-        failed.extend(self._fail_one(seq, msg) for seq, msg in sched.failed)
+        ended.extend(self._fail_one(seq, msg) for seq, msg in sched.failed)
         if sched.empty:  # only restores, stores or pulls in flight: wait for one
-            copies = self.tiers is not None and self.tiers.busy
-            pulls = self.remote is not None and bool(self.scheduler.pulling)
-            # Each wait returns as soon as its own job ends; with both kinds in flight, in
-            # short turns, so that a pull that ends is not left waiting behind a store.
-            wait = 0.002 if copies and pulls else 0.01
-            if self.tiers is not None:
-                self.scheduler._finish_loads(self.tiers.poll(wait if copies else None))
-                self._publish_events()
-            if pulls:
-                self.scheduler._finish_pulls(self.remote.poll(wait))
+            self._wait_for_kv()
             return []
+        self._batch = [s.seq for s in sched.scheduled]  # what a failure below may end
         if self.rtrace is not None:
             for s in sched.scheduled:
                 if s.seq.timing is not None and "sched" not in s.seq.timing:
@@ -202,54 +241,83 @@ class EngineCore:
         firsts: list[Sequence] = []  # sampled their first token in this step (request trace)
         it = iter(tokens)
         for s in sched.scheduled:
-            seq = s.seq
-            done_prompt = s.completes_prompt
-            seq.num_computed_tokens += s.num_tokens
-            self.kv.cache_blocks(seq)
-            if self.tiers is not None:
-                self.tiers.offer(seq, self.kv.req_blocks.get(seq.request_id, []))
-            if not done_prompt:
-                continue
-            token = next(it)
-            if isinstance(token, Exception):  # this request's own sampling failed: it alone ends
-                outputs.append(self._fail_one(seq, f"sampling failed: {token!r}"))
-                continue
-            if seq.params.constraint is not None:
-                try:
-                    seq.params.constraint.accept(token)
-                except Exception as exc:  # noqa: BLE001 - its grammar broke: it alone ends
-                    outputs.append(self._fail_one(seq, f"constraint failed: {exc!r}"))
-                    continue
-            if seq.num_output_tokens == 0:  # first token: the prompt is prefilled
-                self.prompt_tokens += seq.num_prompt_tokens
-                if seq.timing is not None:
-                    firsts.append(seq)
-            seq.token_ids.append(token)
-            self.generation_tokens += 1
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.seqs.pop(seq.request_id, None)
-                if (self.remote is not None and seq.kv_transfer
-                        and seq.kv_transfer.get("do_remote_decode")):  # prefill leg: hold its KV
-                    seq.kv_transfer_out = self.remote.pin(seq, self.kv.req_blocks.get(seq.request_id, []))
-                self.scheduler.finish(seq, RequestStatus.FINISHED_STOPPED if reason == "stop"
-                                      else RequestStatus.FINISHED_LENGTH)
-            outputs.append(self._output(seq, seq.token_ids[seq.num_prompt_tokens + seq.emitted:], reason))
+            done_prompt = s.completes_prompt  # (before _advance moves num_computed_tokens)
+            token = next(it, None) if done_prompt else None
+            try:
+                out = self._advance(s, done_prompt, token, firsts)
+            except Exception as exc:  # noqa: BLE001 - its own bookkeeping broke: it alone ends
+                log.exception("request %s: finishing its step failed", s.seq.request_id)
+                out = self._fail_one(s.seq, f"could not finish the step for the request: {exc!r}") \
+                    if self.seqs.get(s.seq.request_id) is s.seq else None
+            if out is not None:
+                (ended if out.finished else outputs).append(out)
         self._publish_events()
         if self.check_invariants:
             self.kv.pool.check_invariants()
         if self.trace is not None:
-            t1 = time.perf_counter()
-            if self.rtrace is not None:
-                for seq in firsts:  # (`sub`: the Sequence's creation, right before its submit)
-                    self.rtrace.record(dict(core=seq.request_id, n=seq.num_prompt_tokens,
-                                            hit=max(seq.num_cached_tokens, 0), sub=seq.arrival,
-                                            **(seq.timing or {}), tok=t1))
-            self.trace.record(t_sched, t0 - t_sched, t_exec - t0, t1 - t_exec,
-                              [s.seq.num_computed_tokens for s in sched.scheduled if s.num_tokens == 1],
-                              [(s.num_tokens, s.seq.num_computed_tokens - s.num_tokens)
-                               for s in sched.scheduled if s.num_tokens > 1])
+            self._record_trace(sched, firsts, t_sched, t0, t_exec)
         return outputs
+
+    def _wait_for_kv(self) -> None:
+        """Nothing to compute: wait (briefly) for a restore, store or pull to end."""
+        copies = self.tiers is not None and self.tiers.busy
+        pulls = self.remote is not None and bool(self.scheduler.pulling)
+        # Each wait returns as soon as its own job ends; with both kinds in flight, in
+        # short turns, so that a pull that ends is not left waiting behind a store.
+        wait = 0.002 if copies and pulls else 0.01
+        if self.tiers is not None:
+            self.scheduler._finish_loads(self.tiers.poll(wait if copies else None))
+            self._publish_events()
+        if pulls:
+            self.scheduler._finish_pulls(self.remote.poll(wait))
+
+    def _advance(self, s: ScheduledSeq, done_prompt: bool, token: int | Exception | None,
+                 firsts: list[Sequence]) -> RequestOutput | None:
+        """Book one entry of the batch: its computed tokens and full blocks, and, when it
+        completed its prompt, its sampled ``token``. Returns its output (None mid-prompt)."""
+        seq = s.seq
+        seq.num_computed_tokens += s.num_tokens
+        self.kv.cache_blocks(seq)
+        if self.tiers is not None:
+            self.tiers.offer(seq, self.kv.req_blocks.get(seq.request_id, []))
+        if not done_prompt:
+            return None
+        if token is None or isinstance(token, Exception):  # its own sampling failed: it alone ends
+            return self._fail_one(seq, f"sampling failed: {token!r}")
+        if seq.params.constraint is not None:
+            try:
+                seq.params.constraint.accept(token)
+            except Exception as exc:  # noqa: BLE001 - its grammar broke: it alone ends
+                return self._fail_one(seq, f"constraint failed: {exc!r}")
+        if seq.num_output_tokens == 0:  # first token: the prompt is prefilled
+            self.prompt_tokens += seq.num_prompt_tokens
+            if seq.timing is not None:
+                firsts.append(seq)
+        seq.token_ids.append(token)
+        self.generation_tokens += 1
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            if (self.remote is not None and seq.kv_transfer
+                    and seq.kv_transfer.get("do_remote_decode")):  # prefill leg: hold its KV
+                seq.kv_transfer_out = self.remote.pin(seq, self.kv.req_blocks.get(seq.request_id, []))
+            self._retire(seq, RequestStatus.FINISHED_STOPPED if reason == "stop"
+                         else RequestStatus.FINISHED_LENGTH)
+        return self._output(seq, seq.token_ids[seq.num_prompt_tokens + seq.emitted:], reason)
+
+    def _record_trace(self, sched: SchedulerOutput, firsts: list[Sequence], t_sched: float,
+                      t0: float, t_exec: float) -> None:
+        """The step's timings (and its first tokens' request paths) to the step trace."""
+        assert self.trace is not None
+        t1 = time.perf_counter()
+        if self.rtrace is not None:
+            for seq in firsts:  # (`sub`: the Sequence's creation, right before its submit)
+                self.rtrace.record(dict(core=seq.request_id, n=seq.num_prompt_tokens,
+                                        hit=max(seq.num_cached_tokens, 0), sub=seq.arrival,
+                                        **(seq.timing or {}), tok=t1))
+        self.trace.record(t_sched, t0 - t_sched, t_exec - t0, t1 - t_exec,
+                          [s.seq.num_computed_tokens for s in sched.scheduled if s.num_tokens == 1],
+                          [(s.num_tokens, s.seq.num_computed_tokens - s.num_tokens)
+                           for s in sched.scheduled if s.num_tokens > 1])
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -48,6 +48,10 @@ class EngineStats:
 
 
 _DEAD_CHECK_S = 5.0  # how often a waiting request checks that the core thread still runs
+# A request the core no longer holds, with no final output, at this many checks in a row
+# is answered with an error: a bug that drops a request must not leave its caller waiting
+# (one check is not enough: the core ends a request a moment before its output arrives).
+_LOST_CHECKS = 2
 
 
 class EngineDraining(RuntimeError):
@@ -120,7 +124,7 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = q.get_nowait() if not q.empty() else await self._next(q)
+                out = q.get_nowait() if not q.empty() else await self._next(q, seq)
                 finished = out.finished
                 yield out
         finally:
@@ -135,22 +139,37 @@ class AsyncEngine:
         if request_id in self._queues:
             raise ValueError(f"duplicate request id {request_id!r}")
 
-    async def _next(self, q: asyncio.Queue[RequestOutput]) -> RequestOutput:
+    async def _next(self, q: asyncio.Queue[RequestOutput], seq: Sequence) -> RequestOutput:
         """The request's next output; fails (rather than waits forever) if the core thread
-        has stopped, which it checks every few seconds while nothing arrives."""
+        has stopped or no longer holds the request, which it checks every few seconds
+        while nothing arrives."""
+        lost = 0
         while True:
             try:
                 return await asyncio.wait_for(q.get(), _DEAD_CHECK_S)
             except TimeoutError:
                 self._check_core()
+                lost = lost + 1 if self.core.lost(seq) else 0
+                if lost >= _LOST_CHECKS:
+                    log.error("request %s left the engine core without a final output",
+                              seq.request_id)
+                    return self._final_error(seq.request_id, "the engine lost the request "
+                                             "(an engine bug, logged); retry it")
 
     def _check_core(self) -> None:
         if self.core.dead is not None:
             raise EngineDraining(f"engine core stopped ({self.core.dead!r}); restart the server")
+        if self.core.stopping:
+            raise EngineDraining("server is shutting down; retry on another replica")
+
+    @staticmethod
+    def _final_error(request_id: str, message: str) -> RequestOutput:
+        """A final error output made here, for a request the core will not answer."""
+        return RequestOutput(request_id, [], True, "error", 0, 0, error=message)
 
     def _transfer_params(self, p: dict | None) -> dict | None:
         """P/D params this engine acts on; None when transfer is off or they ask nothing."""
-        if not p or self.core.remote is None:
+        if not p or not isinstance(p, dict) or self.core.remote is None:
             return None
         if p.get("do_remote_decode") or p.get("do_remote_prefill"):
             return dict(p)

@@ -78,9 +78,22 @@ class KVWaits:
         seq.device_hit_tokens = len(computed) * self.kv.block_size
         ids = self.kv.block_ids(seq.request_id)
         self.tiers.audit.trace_admit(seq, len(computed), plan.num_blocks)
-        self.tiers.start_load(seq, plan, ids[plan.first_block:plan.first_block + plan.num_blocks])
+        try:
+            self.tiers.start_load(seq, plan, ids[plan.first_block:plan.first_block + plan.num_blocks])
+        except Exception as exc:
+            self._abandon_load(seq, plan, exc)
+            raise  # the caller ends this request alone (``_fail``), which frees its blocks
         self.loading[seq.request_id] = seq
         return True
+
+    def _abandon_load(self, seq: Sequence, plan, exc: Exception) -> None:
+        """A restore that could not start leaves no pinned source and no claim on its keys
+        (later requests would otherwise park behind a load that never ends)."""
+        assert self.tiers is not None
+        if self.tiers.loads.get(seq.request_id) is plan:
+            self.tiers._load_done(seq.request_id, exc)  # as a failed load: unpins, unclaims
+        elif plan.sources:
+            self.tiers.unpin(plan)
 
     def _park(self, seq: Sequence, leader: str) -> bool:
         """The head waits, out of the queue, for ``leader``'s restore, pull or computation

@@ -128,12 +128,12 @@ class Scheduler(KVWaits):
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a full pool admits nobody new this step
             self._schedule_waiting(out, budget)
-        out.failed, self._failed = self._failed, []
         out.num_tokens = sum(s.num_tokens for s in out.scheduled)
         if self.tiers is not None:
             for s in out.scheduled:
                 if s.completes_prompt:
                     self.tiers.audit.on_first_token(s.seq)
+        out.failed, self._failed = self._failed, []  # last: nothing after it may raise
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
@@ -141,16 +141,35 @@ class Scheduler(KVWaits):
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget, self.chunk_cap)
-            while not self.kv.allocate_slots(seq, n):
+            room = self._allocate_or_fail(seq, n)
+            while room is False:
                 victim = self.running.pop()  # newest first
-                self._preempt(victim)
-                out.preempted.append(victim)
+                self._preempt_or_fail(victim, out)
                 if victim is seq:
                     return budget
+                room = self._allocate_or_fail(seq, n)
+            if room is None:
+                continue  # it failed and left `running`: the next one is at slot i now
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
             i += 1
         return budget
+
+    def _allocate_or_fail(self, seq: Sequence, n: int) -> bool | None:
+        """``allocate_slots`` for a running sequence; None when it raised (``seq`` failed)."""
+        try:
+            return self.kv.allocate_slots(seq, n)
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not fail the step
+            self._fail(seq, "could not allocate KV for the request", exc)
+            return None
+
+    def _preempt_or_fail(self, victim: Sequence, out: SchedulerOutput) -> None:
+        """Preempt ``victim`` (popped from running); if that raises it ends, not vanishes."""
+        try:
+            self._preempt(victim)
+            out.preempted.append(victim)
+        except Exception as exc:  # noqa: BLE001 - one request's bug must not fail the step
+            self._fail(victim, "could not preempt the request", exc)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while (self.waiting and budget > 0
@@ -240,12 +259,14 @@ class Scheduler(KVWaits):
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, status: RequestStatus) -> None:
-        """Remove a sequence (finished or aborted) and free its blocks."""
+        """Remove a sequence (finished or aborted) and free its blocks. Never raises for a
+        hook's sake: a request whose release or tier hook breaks still leaves every queue
+        and frees its blocks (else its caller would never get its last output)."""
         seq.status = status
         if self.remote is not None and seq.kv_transfer and seq.kv_transfer.get("do_remote_prefill"):
-            self.remote.release_remote(seq)  # a decode leg that never pulled its blocks
+            self._hook(seq, self.remote.release_remote, seq)  # a decode leg that never pulled
         if self.tiers is not None:
-            self.tiers.on_finish(seq)
+            self._hook(seq, self.tiers.on_finish, seq)
             if seq.request_id in self.loading:
                 return  # a load is writing its blocks: freed when the load completes
         self.inflight.drop(seq.request_id)
@@ -266,3 +287,26 @@ class Scheduler(KVWaits):
             except ValueError:
                 pass
         self.kv.free(seq)
+
+    @staticmethod
+    def _hook(seq: Sequence, fn, *args) -> None:
+        """Run one of ``finish``'s bookkeeping hooks; a bug in it is logged, not raised."""
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - the blocks must still be freed below
+            log.exception("request %s: finishing hook %s failed", seq.request_id,
+                          getattr(fn, "__name__", fn))
+
+    def drop(self, seq: Sequence) -> None:
+        """Last resort when ``finish`` raised: ``seq`` leaves every queue; its blocks are
+        freed unless a restore or pull is writing them (then that one's end frees them)."""
+        for q in (self.waiting, self.running):
+            if seq in q:
+                q.remove(seq)
+        for leader, parked in list(self.joined.items()):
+            if seq in parked:
+                parked.remove(seq)
+                if not parked:
+                    del self.joined[leader]
+        if seq.request_id not in self.loading and seq.request_id not in self.pulling:
+            self.kv.free(seq)

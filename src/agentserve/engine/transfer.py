@@ -227,16 +227,22 @@ class RemoteKV:
     def plan(self, seq: Any, device_hit: int) -> PullSpec | None:
         """Blocks to pull for a ``do_remote_prefill`` request; None: nothing (released)."""
         p = seq.kv_transfer
-        hashes = [bytes.fromhex(h) for h in p.get("remote_block_hashes") or []]
+        hashes, peer = _hashes(p), _peer(p)
+        if hashes is None or peer is None:  # malformed: compute locally, contact nobody
+            log.warning("request %s: kv_transfer_params name no valid remote prefill (%s); "
+                        "computing its prompt locally", seq.request_id,
+                        "remote_block_hashes" if hashes is None else "remote_host/port/request_id")
+            seq.kv_transfer = None  # nothing to pull, nothing to release
+            self.stats.blocks_local += device_hit
+            return None
         max_blocks = min((seq.num_tokens - 1) // self.bs, len(hashes), len(seq.block_hashes))
         usable = next((i for i in range(max_blocks) if hashes[i] != seq.block_hashes[i]), max_blocks)
-        host, port, rid = p.get("remote_host"), p.get("remote_port"), p.get("remote_request_id")
-        if usable <= device_hit or not host or not port or not rid:
+        if usable <= device_hit:
             self.stats.blocks_local += device_hit
-            self.release_remote(seq)  # nothing worth pulling (local hit, or not our format)
+            self.release_remote(seq)  # nothing worth pulling: the local hit covers it
             return None
-        return PullSpec(str(host), int(port), str(rid), list(range(device_hit, usable)),
-                        hashes[device_hit:usable])
+        host, port, rid = peer
+        return PullSpec(host, port, rid, list(range(device_hit, usable)), hashes[device_hit:usable])
 
     def joins(self, seq: Any, device_hit: int) -> tuple[str, int] | None:
         """(request id, blocks) when the prompt blocks right past ``device_hit`` are being
@@ -262,20 +268,23 @@ class RemoteKV:
         return tokens / self.bs * self.block_bytes / self.pull_bw
 
     def start_pull(self, seq: Any, spec: PullSpec, block_ids: list[int]) -> None:
+        rid = seq.request_id
+        self._jobs.put(lambda: self._pull_job(rid, spec, block_ids))
+        # bookkeeping once the job is queued: nothing is left behind if queueing raised
         seq.kv_transfer = None  # the pull releases the remote pins: nothing left to release
         self.stats.blocks_local += spec.idx[0]
-        self._pull_hashes[seq.request_id] = list(spec.hashes)
+        self._pull_hashes[rid] = list(spec.hashes)
         for h in spec.hashes:
-            self._pulling.setdefault(h, seq.request_id)
+            self._pulling.setdefault(h, rid)
         self.pending += 1
-        self._jobs.put(lambda: self._pull_job(seq.request_id, spec, block_ids))
 
     def release_remote(self, seq: Any) -> None:
         """Drop the prefill side's pins for a decode request that will not pull them."""
         p, seq.kv_transfer = seq.kv_transfer, None
-        if not p or not p.get("remote_host") or not p.get("remote_port"):
+        peer = _peer(p) if p else None
+        if peer is None:  # no (valid) prefill engine named: nothing to release
             return
-        host, port, rid = str(p["remote_host"]), int(p["remote_port"]), str(p.get("remote_request_id"))
+        host, port, rid = peer
         self._jobs.put(lambda: self.backend.release(host, port, rid))
 
     def poll(self, timeout: float | None = None) -> list[PullDone]:
@@ -296,25 +305,25 @@ class RemoteKV:
     # ---- kv-pull thread ----------------------------------------------------------------------
     def _pull_job(self, rid: str, spec: PullSpec, block_ids: list[int]) -> None:
         t0 = time.perf_counter()
+        ok = False
         try:
             nbytes = self.backend.pull_into(spec, self.k, self.v, block_ids)
+            dt = time.perf_counter() - t0
+            self.stats.pull_seconds += dt
+            self.stats.bytes_received += nbytes
+            if nbytes >= MEASURED_PULL_BYTES and dt > 0:  # (one float store: thread-safe)
+                bw = nbytes / dt
+                self.pull_bw = bw if self.pull_bw is None else self.pull_bw + 0.3 * (bw - self.pull_bw)
+            self.stats.pulls += 1
+            self.stats.blocks_pulled += len(block_ids)
+            ok = True
         except Exception as e:  # noqa: BLE001 - any failure means: recompute locally
             self.stats.pull_failures += 1
-            log.warning("KV pull for %s from %s:%d failed, recomputing: %s", rid, spec.host,
+            log.warning("KV pull for %s from %s:%s failed, recomputing: %r", rid, spec.host,
                         spec.port, e)
-            self._done.put(PullDone(rid, False, len(block_ids)))
+        finally:  # always answered: without it the request would wait in `pulling` for ever
+            self._done.put(PullDone(rid, ok, len(block_ids)))
             self.notify()
-            return
-        dt = time.perf_counter() - t0
-        self.stats.pull_seconds += dt
-        self.stats.bytes_received += nbytes
-        if nbytes >= MEASURED_PULL_BYTES and dt > 0:  # (one float store: safe across threads)
-            bw = nbytes / dt
-            self.pull_bw = bw if self.pull_bw is None else self.pull_bw + 0.3 * (bw - self.pull_bw)
-        self.stats.pulls += 1
-        self.stats.blocks_pulled += len(block_ids)
-        self._done.put(PullDone(rid, True, len(block_ids)))
-        self.notify()
 
     @staticmethod
     def _run(jobs: queue.Queue[Callable[[], None] | None]) -> None:
@@ -340,3 +349,31 @@ class RemoteKV:
         s["pulls_in_flight"] = self.pending
         s["pull_bw_estimate"] = self.pull_bw or 0.0
         return s
+
+
+def _peer(p: Any) -> tuple[str, int, str] | None:
+    """(host, port, request id) of the prefill engine ``kv_transfer_params`` name, or None
+    when they name none or not in this format. The API edge rejects malformed params with a
+    400; this check keeps one that slips through (an internal caller) from raising inside the
+    engine step, where it would fail every request of the batch."""
+    if not isinstance(p, dict):
+        return None
+    host, port, rid = p.get("remote_host"), p.get("remote_port"), p.get("remote_request_id")
+    if not isinstance(host, str) or not host or not isinstance(rid, str) or not rid:
+        return None
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+        return None
+    return host, port, rid
+
+
+def _hashes(p: Any) -> list[bytes] | None:
+    """``remote_block_hashes`` as bytes (absent: none), or None when malformed."""
+    raw = p.get("remote_block_hashes") if isinstance(p, dict) else None
+    if raw is None:
+        return []
+    if not isinstance(raw, list) or not all(isinstance(h, str) for h in raw):
+        return None
+    try:
+        return [bytes.fromhex(h) for h in raw]
+    except ValueError:
+        return None
