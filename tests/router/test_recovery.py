@@ -114,6 +114,31 @@ async def test_panic_threshold_share_and_failed_health_checks() -> None:
         build_config({"options": {"panic_threshold": 2}})
 
 
+async def test_an_endpoint_back_from_failed_checks_is_rebuilt_before_it_takes_traffic() -> None:
+    from agentserve.router.config import EndpointConfig, Options
+    from agentserve.router.endpoints import Endpoint, check_health
+
+    engine = FakeEngine("a")
+    url = await engine.start()
+    ep, opts, seen = Endpoint(EndpointConfig(url=url)), Options(), []
+
+    async def on_recover() -> None:
+        seen.append(ep.available())
+
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await check_health(ep, session, opts, on_recover) and seen == []
+            await engine.close()  # killed: nothing listens, so the first check says so
+            assert not await check_health(ep, session, opts, on_recover)
+            assert not ep.available() and ep.check_fails == 1
+            url2 = await engine.start()  # restarted (a new port here; the same in `up`)
+            ep.cfg.url = url2
+            assert await check_health(ep, session, opts, on_recover)
+            assert seen == [False] and ep.available() and ep.recoveries == 1
+    finally:
+        await engine.close()
+
+
 @pytest.mark.parametrize("failure", ["refused", "stream_cut"])
 async def test_a_request_whose_engine_fails_before_the_first_byte_is_retried(
         gateway, failure: str) -> None:

@@ -23,7 +23,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -221,9 +221,15 @@ MODELS_REFRESH_S = 60.0  # /v1/models is read again this often (a backend restar
 # another model or context limit is re-learned; at once when it comes back from an ejection)
 
 
-async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Options) -> bool:
+Recover = Callable[[], Awaitable[object]]  # run before a recovered endpoint takes traffic
+
+
+async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Options,
+                       on_recover: Recover | None = None) -> bool:
     """One active check: /health, and /v1/models while unknown, when the endpoint comes back
-    from an ejection, and every `MODELS_REFRESH_S`."""
+    from an ejection, and every `MODELS_REFRESH_S`. An endpoint that passes after failed
+    checks (it may be a restarted engine) runs `on_recover` (the gateway rebuilds its
+    index entries) before it is marked healthy."""
     refused = False
     try:
         timeout = aiohttp.ClientTimeout(total=opts.connect_timeout_s)
@@ -243,6 +249,8 @@ async def check_health(ep: Endpoint, session: aiohttp.ClientSession, opts: Optio
         ok, refused = False, True  # nothing listens there: the process is gone
     except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, KeyError):
         ok = False
+    if ok and on_recover is not None and (ep.check_fails or not ep.healthy):
+        await on_recover()
     ep.record_check(ok, refused, opts)
     return ok
 
@@ -261,13 +269,14 @@ async def scrape_once(ep: Endpoint, session: aiohttp.ClientSession, opts: Option
     return True
 
 
-async def poll_loop(ep: Endpoint, session: aiohttp.ClientSession, opts: Options) -> None:
+async def poll_loop(ep: Endpoint, session: aiohttp.ClientSession, opts: Options,
+                    on_recover: Recover | None = None) -> None:
     """Scrape metrics every `scrape_interval_s` and check health every `health_interval_s`."""
     next_health = 0.0
     while True:
         now = time.monotonic()
         if now >= next_health:
-            await check_health(ep, session, opts)
+            await check_health(ep, session, opts, on_recover)
             next_health = now + opts.health_interval_s
         if ep.available():
             await scrape_once(ep, session, opts)

@@ -15,12 +15,12 @@ router applies batches strictly in sequence order:
   (sequence numbers start at 0 again), and the holder is rebuilt from seq 0.
 
 With a replay socket the stream is rebuilt from seq 0 as soon as the subscriber starts
-(a router started after its engines does not begin with an empty index) and whenever the
-endpoint comes back after failed health checks (a restarted engine that has published
-nothing yet has nothing cached). A replay from seq 0 is a rebuild: the holder is cleared
-and the answer applied. Our engines answer a replay older than their buffer with one
-snapshot batch (`kv.zmq_events`); any replayed batch that opens with `AllBlocksCleared`
-is such a point: what came before it is not needed.
+(a router started after its engines does not begin with an empty index) and, before the
+endpoint takes traffic again, whenever it comes back after failed health checks (a
+restarted engine that has published nothing yet has nothing cached). A replay from seq 0
+is a rebuild: the holder is cleared and the answer applied. Our engines answer a replay
+older than their buffer with one snapshot batch (`kv.zmq_events`); any replayed batch
+that opens with `AllBlocksCleared` is such a point: what came before it is not needed.
 
 Only KV cache group 0 (the full-attention group; `group_idx` None or 0) is indexed.
 """
@@ -187,51 +187,45 @@ async def replay(ctx: zmq.asyncio.Context, address: str, start: int,
         sock.close(linger=0)
 
 
+def stream_address(address: str, url: str, rank: int) -> str:
+    """The address to connect to for DP rank `rank` of an endpoint's configured socket."""
+    return offset_endpoint_port(connect_address(address, url), rank) or address
+
+
 async def rebuild(ctx: zmq.asyncio.Context, applier: EventApplier, replay_address: str,
                   rank: int = 0) -> bool:
-    """Rebuild one stream's holder from the engine's replay socket; False if unanswered."""
-    got = await replay(ctx, replay_address, 0)
+    """Rebuild one stream's holder from the engine's replay socket (its configured address);
+    False if it did not answer."""
+    address = stream_address(replay_address, applier.url, rank)
+    got = await replay(ctx, address, 0)
     if got is None:
         logger.warning("KV events: no replay answer from %s; the index of %s waits for its "
-                       "next batch", replay_address, applier.url)
+                       "next batch", address, applier.url)
         return False
     applier.catch_up(rank, 0, got)
     return True
 
 
-IDLE_POLL_MS = 500  # how often an idle stream looks at its endpoint's recoveries
-
-
 async def subscribe(ctx: zmq.asyncio.Context, applier: EventApplier, address: str,
                     replay_address: str | None, rank: int = 0,
-                    recoveries: Callable[[], int] | None = None,
                     ready: asyncio.Event | None = None) -> None:
     """Run forever: receive one stream's batches and apply them in order.
 
-    With a replay socket the holder is rebuilt first, and again whenever `recoveries`
-    (the endpoint's count of returns from failed health checks) changes; `ready` is set
-    once the first rebuild was tried."""
-    address = offset_endpoint_port(connect_address(address, applier.url), rank) or address
-    if replay_address:
-        replay_address = offset_endpoint_port(connect_address(replay_address, applier.url), rank)
+    With a replay socket the holder is rebuilt first; `ready` is set once that was tried.
+    (The gateway rebuilds it again, with `rebuild`, when the endpoint comes back from
+    failed health checks.)"""
+    address = stream_address(address, applier.url, rank)
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
     sock.setsockopt(zmq.RCVHWM, 1_000_000)
     sock.connect(address)
-    seen = recoveries() if recoveries is not None else 0
     try:
         if replay_address:
             await rebuild(ctx, applier, replay_address, rank)
         if ready is not None:
             ready.set()
         while True:
-            if recoveries is not None and recoveries() != seen:
-                seen = recoveries()
-                if replay_address:  # the engine may have restarted: what it holds now
-                    await rebuild(ctx, applier, replay_address, rank)
-            if not await sock.poll(IDLE_POLL_MS):
-                continue
             frames = await sock.recv_multipart()
             if len(frames) != 3:
                 continue
@@ -244,8 +238,8 @@ async def subscribe(ctx: zmq.asyncio.Context, applier: EventApplier, address: st
             kind = applier.classify(rank, seq, batch.ts)
             got = None
             if replay_address and kind in ("gap", "first", "restart"):
-                got = await replay(ctx, replay_address, 0 if kind != "gap"
-                                   else applier.streams[rank].expected or 0)
+                got = await replay(ctx, stream_address(replay_address, applier.url, rank),
+                                   0 if kind != "gap" else applier.streams[rank].expected or 0)
             applier.on_batch(rank, seq, batch, got)
     finally:
         sock.close(linger=0)

@@ -31,7 +31,7 @@ from agentserve.router.config import EndpointConfig, RouterConfig, load_config
 from agentserve.router.core import NoEndpoint, RouteInput, Router
 from agentserve.router.endpoints import Endpoint, cancel, check_health, poll_loop, request_fault
 from agentserve.router.errors import anthropic_errors, error, internal_errors
-from agentserve.router.events import EventApplier, subscribe
+from agentserve.router.events import EventApplier, rebuild, subscribe
 from agentserve.router.metrics import RouterMetrics
 from agentserve.router.pd import DecodeUnreachable
 from agentserve.router.proxy import Upstream, echo_request_id, forward
@@ -124,7 +124,8 @@ class Gateway:
         """Start the poll loop and (precise mode) the KV event subscribers of an endpoint."""
         assert self.session is not None
         ep = self.router.endpoints[e.url]
-        tasks = [asyncio.create_task(poll_loop(ep, self.session, self.opts))]
+        tasks = [asyncio.create_task(poll_loop(ep, self.session, self.opts,
+                                               lambda url=e.url: self._rebuild(url)))]
         if e.kv_events and self.cfg.index == "precise":
             def learn(bs: int, ep=ep) -> None:
                 if ep.cfg.block_size is None and ep.scrape.block_size is None:
@@ -132,9 +133,19 @@ class Gateway:
             applier = self.appliers[e.url] = EventApplier(self.router.index, e.url, learn)
             ready = self._ready[e.url] = [asyncio.Event() for _ in range(e.dp_ranks)]
             tasks += [asyncio.create_task(subscribe(self.zctx, applier, e.kv_events, e.replay, r,
-                                                    lambda ep=ep: ep.recoveries, ready[r]))
+                                                    ready[r]))
                       for r in range(e.dp_ranks)]
         self.tasks[e.url] = tasks
+
+    async def _rebuild(self, url: str) -> None:
+        """An endpoint back from failed health checks (perhaps a restarted engine, which
+        holds nothing yet): its index entries from its replay socket, before it takes
+        traffic again (bounded by the replay's timeout)."""
+        applier, ep = self.appliers.get(url), self.router.endpoints.get(url)
+        if applier is None or ep is None or not ep.cfg.replay:
+            return
+        for r in range(ep.cfg.dp_ranks):
+            await rebuild(self.zctx, applier, ep.cfg.replay, r)
 
     async def _kill(self, url: str) -> None:
         for t in self.tasks.pop(url, []):
