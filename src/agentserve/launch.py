@@ -171,25 +171,6 @@ class Cluster:
         for _, proc in reversed(self.engines):
             proc.stop()
 
-    def all_alive(self) -> bool:
-        procs = [p for _, p in self.engines] + ([self.router] if self.router else [])
-        return all(p.alive() for p in procs)
-
-    def exited(self) -> list[str]:
-        """Names of the processes that are no longer running."""
-        procs = [(s.name, p) for s, p in self.engines] + ([("router", self.router)] if self.router else [])
-        return [name for name, p in procs if not p.alive()]
-
-    def serving(self) -> bool:
-        """The router and at least one engine that can decode are up.
-
-        A dead prefill engine (or a dead one of several decoders) does not stop the
-        cluster: the router routes around it (prefill legs fall back to local prefill on
-        the decode engine), as in a real deployment where one replica fails."""
-        if self.router is None or not self.router.alive():
-            return False
-        return any(s.role in ("decode", "both") and p.alive() for s, p in self.engines)
-
     def supervised(self, policy: RestartPolicy) -> list[Supervised]:
         """One `Supervised` per process (engines, then the router), restarting in place."""
         sups = [Supervised(s.name, p, lambda s=s: self.start_engine(s), policy)
@@ -225,7 +206,9 @@ TICK_S = 0.25  # how often the launcher looks at its processes
 def watch(cluster: Cluster, sups: list[Supervised], stop: threading.Event,
           state: Path | None, say: Callable[[str], None]) -> int:
     """Supervise until `stop` is set (0) or the cluster can no longer serve (1): the
-    router, or every engine that can decode, was given up on."""
+    router, or every engine that can decode, was given up on. A prefill engine (or one of
+    several decoders) given up on does not stop it: the router routes around it (prefill
+    legs fall back to local prefill), as in a deployment where one replica fails."""
     decoders = {s.name for s, _ in cluster.engines if s.role in ("decode", "both")}
     while not stop.wait(TICK_S):
         for sup in sups:
