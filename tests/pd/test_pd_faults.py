@@ -52,7 +52,8 @@ def reference() -> dict[str, list[int]]:
     return run_engine(body, **KW)[0]
 
 
-def test_malformed_transfer_params_fail_nobody(reference) -> None:
+@pytest.mark.parametrize("role", ["decode", "prefill"])
+def test_malformed_transfer_params_fail_nobody(reference, role: str) -> None:
     """D1: each malformed request beside three streams: the streams are unchanged, the bad
     one ends too (computed locally), and the engine pulls from and releases to nobody."""
     async def body(eng: AsyncEngine) -> dict[str, tuple]:
@@ -68,7 +69,7 @@ def test_malformed_transfer_params_fail_nobody(reference) -> None:
                           [last.error for _, last in outs], bad, alone_bad)
         return seen
 
-    seen, eng = run_engine(body, **KW)
+    seen, eng = run_engine(body, **{**KW, "role": role})
     for name, (streams, errors, (toks, last), alone_bad) in seen.items():
         assert errors == [None] * 3, (name, errors)
         assert streams == reference, name
