@@ -202,7 +202,7 @@ class Endpoint:
 # Phrases of a 5xx answer that blame the request, not the engine (agentserve engines):
 # such a failure does not count toward outlier ejection and is not retried elsewhere.
 REQUEST_FAULTS = ("could not queue the request", "could not schedule the request",
-                  "could not allocate KV for the request")
+                  "could not allocate KV for the request", "constraint failed")
 
 
 def request_fault(status: int | None, body: bytes) -> bool:
