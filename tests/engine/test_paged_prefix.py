@@ -155,7 +155,8 @@ def test_metrics_count_the_context_read_in_place_and_gathered():
     from agentserve.engine.request import SamplingParams
     from agentserve.engine.sequence import Sequence
 
-    eng = AsyncEngine.from_args(kv_cache_tokens=8192)
+    eng = AsyncEngine.from_args(kv_cache_tokens=8192,
+                                long_prefill_token_threshold=0)  # chunks: the whole budget
     core = eng.core
     prompt = _tokens(2400, 7)
 

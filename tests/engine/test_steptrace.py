@@ -14,7 +14,8 @@ def test_steps_are_traced_only_when_asked(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV, raising=False)
     assert AsyncEngine.from_args(kv_cache_tokens=2048).core.trace is None
     monkeypatch.setenv(ENV, str(tmp_path / "steps"))
-    eng = AsyncEngine.from_args(kv_cache_tokens=2048, max_num_batched_tokens=64)
+    eng = AsyncEngine.from_args(kv_cache_tokens=2048, max_num_batched_tokens=64,
+                                long_prefill_token_threshold=0)  # chunks: the whole budget
     core = eng.core
     seq = Sequence("a", list(range(5, 105)), SamplingParams(max_tokens=3, temperature=0.0,
                                                              ignore_eos=True))

@@ -52,7 +52,10 @@ class EngineArgs:
     max_model_len: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int = 2048
-    long_prefill_token_threshold: int = 0  # cap on one request's prefill chunk (0: off)
+    # cap on one request's prefill chunk (0: off; None: half of max_num_batched_tokens, so a
+    # long prompt leaves room in every step for the requests behind it)
+    long_prefill_token_threshold: int | None = None
+    max_tokens_limit: int = 0  # the most tokens one request generates (0: the context limit)
     enable_prefix_caching: bool = True
     hash_algo: str = "sha256_cbor"
     hash_seed: str | None = None  # default: $PYTHONHASHSEED, as vLLM
@@ -83,9 +86,22 @@ class EngineArgs:
 
 
 def _check_scheduler_args(args: EngineArgs) -> None:
-    if args.long_prefill_token_threshold < 0:
+    if args.long_prefill_token_threshold is not None and args.long_prefill_token_threshold < 0:
         raise EngineConfigError("--long-prefill-token-threshold must be >= 0 (0: off), got "
                                 f"{args.long_prefill_token_threshold}")
+    if args.max_tokens_limit < 0:
+        raise EngineConfigError(f"--max-tokens-limit must be >= 0 (0: none but the context "
+                                f"limit), got {args.max_tokens_limit}")
+
+
+def chunk_cap(args: EngineArgs) -> int:
+    """The prefill chunk cap per request and step (0: off). By default half the step's
+    token budget: a 72K-token prompt otherwise takes every step's whole budget until it is
+    in, and short requests behind it wait for all of it (measured on the tiny model, 16K
+    prompt: three 8-token requests' TTFT 5.4 s -> 0.36 s; the lone prompt's prefill +12%)."""
+    if args.long_prefill_token_threshold is not None:
+        return args.long_prefill_token_threshold
+    return max(1, args.max_num_batched_tokens // 2)
 
 
 def _tier_config(args: EngineArgs) -> TierConfig | None:
@@ -260,7 +276,7 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     remote = _build_remote(args, kv_cache, pool, auth)
     _check_scheduler_args(args)
     scheduler = Scheduler(kv, args.max_num_seqs, args.max_num_batched_tokens, tiers, remote,
-                          long_prefill_token_threshold=args.long_prefill_token_threshold)
+                          long_prefill_token_threshold=chunk_cap(args))
     runner = ModelRunner(model, kv_cache, args.block_size, device)
     publisher = None
     if args.kv_events_endpoint:
@@ -276,6 +292,7 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     engine = AsyncEngine(core, tokenizer, names[0], model_dir, max_len, device)
     engine.model_names = names
     engine.role = args.role
+    engine.max_tokens_limit = args.max_tokens_limit
     engine.transfer_policy = transfer_policy(args, auth, hasher, max_len)
     if remote is not None:
         log.info("KV transfer (%s) on %s:%d, role %s", remote.backend.name, args.kv_transfer_host,

@@ -30,15 +30,31 @@ def serve(
     max_model_len: Optional[int] = typer.Option(None, help="Context limit (prompt + output)."),
     max_num_seqs: int = typer.Option(128, help="Max sequences per step."),
     max_num_batched_tokens: int = typer.Option(2048, help="Token budget per step (chunked prefill)."),
-    long_prefill_token_threshold: int = typer.Option(
-        0, help="Cap one request's prefill chunk per step at this many tokens, so a long "
-                "prefill shares steps with other requests (vLLM's flag; 0: off)."),
+    long_prefill_token_threshold: Optional[int] = typer.Option(
+        None, help="Cap one request's prefill chunk per step at this many tokens, so a long "
+                "prefill shares steps with other requests (vLLM's flag; default: half of "
+                "--max-num-batched-tokens; 0: off)."),
+    max_tokens_limit: int = typer.Option(
+        0, help="The most tokens one request generates: a missing max_tokens means up to "
+        "the context limit (as vLLM), and this lowers it and any larger max_tokens (0: none)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable prefix caching."),
     prefix_caching_hash_algo: str = typer.Option("sha256_cbor", help="sha256_cbor (vLLM) | fast."),
     kv_events_endpoint: Optional[str] = typer.Option(None, help="ZMQ PUB endpoint, e.g. tcp://*:5557."),
     kv_events_replay_endpoint: Optional[str] = typer.Option(None, help="ZMQ replay endpoint."),
     api_key: Optional[str] = typer.Option(None, help="Require 'Authorization: Bearer KEY'."),
     max_body_mib: int = typer.Option(32, help="Request body size limit (MiB)."),
+    http_header_timeout: float = typer.Option(
+        30.0, help="Seconds a connection has to send a complete request head, from when it "
+        "opened or its last response ended (idle keep-alive connections close after it; "
+        "behind our router keep it above 15 s, when the router drops its idle ones)."),
+    http_body_timeout: float = typer.Option(
+        60.0, help="A request body that sends nothing for this many seconds is answered 408."),
+    max_connections: int = typer.Option(
+        2048, help="Open connections at most; more are answered 503 (as uvicorn's "
+        "--limit-concurrency)."),
+    drain_timeout: float = typer.Option(
+        30.0, help="On SIGTERM: seconds in-flight requests may finish; then they are answered "
+        "503 and the process exits (within 15 s more, whatever hangs)."),
     kv_cpu_gib: Optional[float] = typer.Option(None, help="CPU DRAM KV tier size (GiB); off by default."),
     kv_cpu_policy: str = typer.Option("lru", help="CPU tier retention: lru | arc | session."),
     kv_disk_dir: Optional[str] = typer.Option(None, help="Disk KV tier folder (persistent prefix cache)."),
@@ -76,6 +92,7 @@ def serve(
     from agentserve.engine.builder import EngineArgs, EngineConfigError
     from agentserve.engine.checkpoint import CheckpointError
     from agentserve.engine.serve import run_server
+    from agentserve.httpbounds import HttpLimits
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = EngineArgs(model=model, served_model_name=served_model_name, dtype=dtype, device=device,
@@ -83,6 +100,7 @@ def serve(
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
                       long_prefill_token_threshold=long_prefill_token_threshold,
+                      max_tokens_limit=max_tokens_limit,
                       enable_prefix_caching=not no_prefix_caching, hash_algo=prefix_caching_hash_algo,
                       kv_events_endpoint=kv_events_endpoint,
                       kv_events_replay_endpoint=kv_events_replay_endpoint, seed=seed,
@@ -96,8 +114,16 @@ def serve(
                                                             else "127.0.0.1"),
                       kv_transfer_timeout=kv_transfer_timeout, kv_transfer_token=kv_transfer_token,
                       insecure_transfer=insecure_transfer, kv_transfer_peers=kv_transfer_peers)
+    limits = HttpLimits(http_header_timeout, http_body_timeout, max_connections)
     try:
-        run_server(args, host=host, port=port, api_key=api_key, max_body_bytes=max_body_mib << 20)
+        limits.check()
+        if not drain_timeout >= 0:
+            raise ValueError(f"--drain-timeout must be >= 0, got {drain_timeout!r}")
+    except ValueError as exc:
+        fail(str(exc))
+    try:
+        run_server(args, host=host, port=port, api_key=api_key, max_body_bytes=max_body_mib << 20,
+                   drain_timeout=drain_timeout, limits=limits)
     except (EngineConfigError, CheckpointError, OSError) as exc:
         # startup problems the user fixes (flags, model folder, a taken port): one line, no
         # traceback; the traceback stays available at --log-level debug

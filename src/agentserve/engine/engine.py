@@ -58,6 +58,10 @@ class EngineDraining(RuntimeError):
     """Raised by generate() once shutdown has begun."""
 
 
+# Put in each unfinished request's queue when shutdown's drain deadline passes.
+_CUT = RequestOutput("", [], True, "abort", 0, 0, error="shut down")
+
+
 # Prompts at least this long are hashed (chained block hashes, for the prefix cache) on a
 # worker thread before they reach the core: a 200K-token prompt takes ~28 ms to hash on
 # these machines, and on the core thread that delays every running stream's next token
@@ -80,6 +84,8 @@ class AsyncEngine:
         self.num_gpu_blocks = core.kv.pool.num_blocks
         self.device = device
         self.draining = False
+        self._cut_reason = ""  # why requests cut at the drain deadline end (shutdown)
+        self.max_tokens_limit = 0  # the most tokens one request generates (0: context limit)
         self.role = "both"  # both | prefill | decode (set by the builder; reported in /v1/models)
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -125,6 +131,8 @@ class AsyncEngine:
         try:
             while not finished:
                 out = q.get_nowait() if not q.empty() else await self._next(q, seq)
+                if out is _CUT:  # shutdown's drain deadline passed
+                    raise EngineDraining(self._cut_reason)
                 finished = out.finished
                 yield out
         finally:
@@ -219,13 +227,26 @@ class AsyncEngine:
     def num_inflight(self) -> int:
         return len(self._queues)
 
-    async def shutdown(self, drain_timeout: float = 30.0) -> None:
-        """Stop admitting, let in-flight requests finish (bounded), then stop the core."""
+    async def shutdown(self, drain_timeout: float = 30.0, stop_timeout: float = 10.0) -> None:
+        """Stop admitting; let in-flight requests finish for at most ``drain_timeout``; then
+        abort those left and answer each at once (``EngineDraining``: a 503, or an error
+        event in a stream), wherever it is stuck; then stop the core, waiting at most
+        ``stop_timeout`` for it (a core that hangs is left to the process exit)."""
         self.draining = True
-        deadline = asyncio.get_running_loop().time() + drain_timeout
-        while self._queues and asyncio.get_running_loop().time() < deadline:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_timeout
+        while self._queues and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        for rid in list(self._queues):
+        if self._queues:
+            log.warning("drain timeout (%.0f s): aborting %d unfinished requests",
+                        drain_timeout, len(self._queues))
+        self._cut_reason = (f"server shut down before the request finished (drain timeout "
+                            f"{drain_timeout:g} s); retry it on another replica")
+        for rid, q in list(self._queues.items()):
             self.core.abort(rid)
-        await asyncio.to_thread(self.core.stop)
+            q.put_nowait(_CUT)  # its generate() raises EngineDraining, even if the core is stuck
+        try:
+            await asyncio.wait_for(asyncio.to_thread(self.core.stop), stop_timeout)
+        except TimeoutError:
+            log.error("engine core did not stop within %.0f s; exiting without it", stop_timeout)
 

@@ -175,8 +175,22 @@ _SEED_MIN, _SEED_MAX = -(2**63), 2**63 - 1  # vLLM's bound (torch.long), what a 
 _PATH = re.compile(r"at `\$\.?(.*)`")
 
 
+def check_utf8(body: bytes) -> None:
+    """A 400 unless ``body`` is UTF-8 (RFC 8259's JSON). msgspec checks the strings it keeps,
+    but skips an unknown key unread, so a mangled ``"max_\\xff_tokens"`` would silently mean
+    "max_tokens unset" (generate to the context limit)."""
+    if body.isascii():  # (most bodies; no copy)
+        return
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"request body is not valid UTF-8 (byte {e.start}): JSON must be "
+                       "UTF-8 encoded") from None
+
+
 def decode(body: bytes, kind: type[T]) -> T:
     """JSON body -> request Struct; malformed JSON or wrong types become 400s."""
+    check_utf8(body)
     try:
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:

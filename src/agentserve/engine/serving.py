@@ -98,10 +98,13 @@ def response_format_grammar(req: _Sampling, tok: Tokenizer) -> str | None:
 
 
 def resolve_max_tokens(num_prompt: int, requested: int | None, default: int | None,
-                       max_model_len: int) -> int:
-    """Explicit max_tokens must fit the context; a default is clamped to the room left."""
+                       max_model_len: int, limit: int = 0) -> int:
+    """Explicit max_tokens must fit the context; a default is clamped to the room left
+    (no default: all of it, as vLLM). ``limit`` (the server's --max-tokens-limit, 0: none)
+    then lowers either, as vLLM's ``max_new_tokens`` in ``--generation-config`` does."""
     room = check_length(num_prompt, requested, max_model_len)
-    return room if requested is not None or default is None else min(default, room)
+    n = room if requested is not None or default is None else min(default, room)
+    return min(n, limit) if limit > 0 else n
 
 
 class Generation:

@@ -103,7 +103,8 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
                                 req.add_generation_prompt, req.continue_final_message)
     requested = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
     max_tokens = pd_max_tokens(req.kv_transfer_params,
-                               resolve_max_tokens(len(ids), requested, None, engine.max_model_len))
+                               resolve_max_tokens(len(ids), requested, None, engine.max_model_len,
+                                                  getattr(engine, "max_tokens_limit", 0)))
     if tools:
         if req.response_format is not None and req.response_format.type != "text":
             raise APIError(400, "response_format json_object / json_schema cannot be combined "

@@ -93,7 +93,8 @@ async def create_completion(request: web.Request, engine: EngineClient,
                  req.max_tokens == 0) if req.echo else None
     gens, n = [], req.n
     for i, ids in enumerate(prompts):
-        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len)
+        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, 16, engine.max_model_len,
+                                        getattr(engine, "max_tokens_limit", 0))
         max_tokens = max(pd_max_tokens(req.kv_transfer_params, max_tokens), 1)  # (echo: 0 -> 1)
         for j in range(n):  # choice i * n + j, as OpenAI orders them
             params = sampling_params(req, max_tokens, engine.tokenizer, j)
