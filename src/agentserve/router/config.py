@@ -125,6 +125,14 @@ class Options:
     queue_timeout_s: float = 30.0
     retry_after_s: int = 1
     max_body_mb: float = 64.0
+    # HTTP bounds (agentserve/httpbounds.py; `route` flags override them): a request head
+    # within header_timeout_s of connecting or of the last response, no body silent for
+    # body_timeout_s, at most max_connections open; on SIGTERM in-flight requests get
+    # drain_timeout_s to finish
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    max_connections: int = 2048
+    drain_timeout_s: float = 30.0
     prefill_tok_per_s: float = 20000.0  # for wait estimates before the engine tells us
     block_size: int = 16  # until an endpoint says otherwise
     tokenizer_cache_entries: int = 128
@@ -162,7 +170,8 @@ def _options(d: dict[str, Any]) -> Options:
     if unknown:
         raise ValueError(f"unknown router options: {sorted(unknown)}; known: {sorted(known)}")
     o = Options(**d)
-    for name in ("recent_requests_s", "session_active_s"):
+    for name in ("recent_requests_s", "session_active_s", "header_timeout_s", "body_timeout_s",
+                 "max_connections", "drain_timeout_s"):
         if not getattr(o, name) > 0:
             raise ValueError(f"router option {name} must be > 0, got {getattr(o, name)!r}")
     t = o.panic_threshold

@@ -6,6 +6,8 @@ API key, `POST /admin/endpoints` (add: an endpoint config mapping), `DELETE
 /admin/endpoints?url=...` and `POST /admin/reload` (re-read the config file, also on
 SIGHUP).
 
+With an API key every route but /health and /metrics needs it. Every request body is read
+before its handler, bounded in size (413) and silence (408; `agentserve.httpbounds`).
 Per request: authenticate, parse (400 without touching a backend), tokenize
 incrementally, admit (at most `max_inflight` in flight, `max_queue` waiting up to
 `queue_timeout_s`, else 503 + Retry-After), decide, forward; an endpoint that fails
@@ -27,6 +29,7 @@ import msgspec
 import yaml
 from aiohttp import web
 
+from agentserve.httpbounds import body_timeout_middleware
 from agentserve.router.config import EndpointConfig, RouterConfig, load_config
 from agentserve.router.core import NoEndpoint, RouteInput, Router
 from agentserve.router.endpoints import Endpoint, cancel, check_health, poll_loop, request_fault
@@ -41,6 +44,7 @@ from agentserve.router.requests import BadRequest, parse_request
 logger = logging.getLogger(__name__)
 REBUILD_WAIT_S = 5.0  # longest the start waits for the engines' replay sockets
 RELOAD_ERRORS = (OSError, ValueError, TypeError, yaml.YAMLError)  # a bad config file
+OPEN_PATHS = frozenset({"/health", "/metrics"})  # no API key: probes and scrapers
 
 
 class Gateway:
@@ -70,7 +74,9 @@ class Gateway:
     # ---- lifecycle --------------------------------------------------------------------
     def app(self) -> web.Application:
         app = web.Application(client_max_size=int(self.opts.max_body_mb * 2**20),
-                              middlewares=[anthropic_errors, internal_errors])
+                              middlewares=[anthropic_errors, internal_errors, self._auth_middleware(),
+                                           body_timeout_middleware(self.opts.body_timeout_s,
+                                                                   self._error_answer)])
         app.router.add_post("/v1/completions", self.handle_generate)
         app.router.add_post("/v1/chat/completions", self.handle_generate)
         app.router.add_post("/v1/responses", self.handle_generate)
@@ -93,7 +99,9 @@ class Gateway:
         import zmq.asyncio
 
         self.zctx = zmq.asyncio.Context()
-        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
+        # Idle pooled connections are dropped after 15 s, before an engine closes them (its
+        # --http-header-timeout, 30 s by default), so none is reused as the engine closes it.
+        conn = aiohttp.TCPConnector(limit=0, keepalive_timeout=15)
         self.session = aiohttp.ClientSession(connector=conn, auto_decompress=False)
         for ep in list(self.router.endpoints.values()):
             self._spawn(ep.cfg)
@@ -224,14 +232,22 @@ class Gateway:
         return (not key or request.headers.get("Authorization", "") == f"Bearer {key}"
                 or request.headers.get("x-api-key") == key)
 
+    def _auth_middleware(self) -> Any:
+        """With an API key, every route but the probes' needs it (before its body is read)."""
+        @web.middleware
+        async def auth(request: web.Request, handler: Any) -> web.StreamResponse:
+            if request.path not in OPEN_PATHS and not self._authorized(request):
+                return self._count(error(401, "invalid or missing API key",
+                                         "authentication_error"))
+            return await handler(request)
+        return auth
+
+    def _error_answer(self, request: web.Request, status: int, message: str) -> web.Response:
+        return self._count(error(status, message))  # (a body too large or stalled)
+
     # ---- handlers -------------------------------------------------------------------
     async def handle_generate(self, request: web.Request) -> web.StreamResponse:
-        if not self._authorized(request):
-            return self._count(error(401, "invalid or missing API key", "authentication_error"))
-        try:
-            body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            return self._count(error(413, f"body larger than {self.opts.max_body_mb} MB"))
+        body = await request.read()  # (read by body_timeout_middleware: at once)
         body = self.pd.trust.admit(request, body)  # a client's kv_transfer_params: removed
         try:
             route = parse_request(request.path, body, request.headers, self.tokenizer,
@@ -252,13 +268,9 @@ class Gateway:
         """/tokenize, /detokenize and /v1/messages/count_tokens: answered by the least busy
         available engine serving the body's model (engines of one model tokenize alike); a
         second one if it fails."""
-        if not self._authorized(request):
-            return self._count(error(401, "invalid or missing API key", "authentication_error"))
         try:
-            body = await request.read()
+            body = await request.read()  # (read by body_timeout_middleware: at once)
             model = msgspec.json.decode(body).get("model") if body else None
-        except web.HTTPRequestEntityTooLarge:
-            return self._count(error(413, f"body larger than {self.opts.max_body_mb} MB"))
         except (msgspec.DecodeError, AttributeError, RecursionError):
             return self._count(error(400, "request body is not a JSON object"))
         serving = [ep for ep in self.router.endpoints.values()
@@ -415,13 +427,3 @@ class Gateway:
         except RELOAD_ERRORS as e:  # the running configuration stays as it was
             return error(400, f"reload failed: {e}")
 
-
-def run(cfg: RouterConfig, host: str, port: int, config_path: str | None = None) -> None:
-    """Serve until interrupted."""
-    from agentserve.gcpause import freeze_startup_heap
-    from agentserve.router.requests import load_tokenizer
-
-    gw = Gateway(cfg, config_path, load_tokenizer(cfg))
-    freeze_startup_heap()  # full collections then skip the imports' objects (gcpause.py)
-    web.run_app(gw.app(), host=host, port=port, handler_cancellation=True,
-                access_log=None, print=lambda *a: logger.info(*a))
