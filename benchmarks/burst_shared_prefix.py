@@ -110,7 +110,8 @@ def main() -> None:
     ap.add_argument("--kv-cpu-gib", type=float, default=0.5, help="--mode restore only")
     ap.add_argument("--max-batched", type=int, default=2048, help="step token budget")
     ap.add_argument("--chunk-cap", type=int, default=0,
-                    help="--long-prefill-token-threshold (0: off, the engine's default)")
+                    help="--long-prefill-token-threshold (0: off, as the recorded runs; the "
+                    "engine's own default is half of --max-batched)")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--label", default="", help="names this run in the JSON (e.g. the checkout)")
