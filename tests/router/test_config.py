@@ -54,3 +54,13 @@ def test_default_preset_moves_sessions_only_to_balance():
     c = build_config({"scorers": {"session_tokens": 0.5}})
     assert c.scorers["session_tokens"] == 0.5 and c.scorers["balance"] == 0.5
     assert any(type(s).__name__ == "SessionTokensScorer" for _, s in build_scorers(c.scorers))
+
+
+@pytest.mark.parametrize("name,value", [("header_timeout_s", 0), ("body_timeout_s", -1),
+                                        ("max_connections", "many"), ("drain_timeout_s", True)])
+def test_http_bounds_must_be_positive_numbers(name, value):
+    with pytest.raises(ValueError, match=f"router option {name} must be a number > 0"):
+        build_config({"options": {name: value}})
+    o = build_config({}).options
+    assert (o.header_timeout_s, o.body_timeout_s, o.max_connections, o.drain_timeout_s) == \
+        (30.0, 60.0, 2048, 30.0)

@@ -172,8 +172,9 @@ def _options(d: dict[str, Any]) -> Options:
     o = Options(**d)
     for name in ("recent_requests_s", "session_active_s", "header_timeout_s", "body_timeout_s",
                  "max_connections", "drain_timeout_s"):
-        if not getattr(o, name) > 0:
-            raise ValueError(f"router option {name} must be > 0, got {getattr(o, name)!r}")
+        v = getattr(o, name)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ValueError(f"router option {name} must be a number > 0, got {v!r}")
     t = o.panic_threshold
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t <= 1:
         raise ValueError(f"router option panic_threshold must be in [0, 1], got {o.panic_threshold!r}")
