@@ -120,6 +120,9 @@ async def test_threshold_decides_and_params_pass_through(pd_stack) -> None:
     gw, s, (p, d) = await pd_stack(["prefill", "decode"], threshold=64)
     async with s.post("/v1/completions", json=body(20)) as r:  # below the threshold
         assert r.status == 200 and "x-agentserve-pd" not in r.headers
+        # computed on the decode engine alone: its cached tokens are predicted (0: nothing
+        # stored there yet); a pulled prompt's are not (pulled tokens count as cached)
+        assert r.headers["x-agentserve-predicted-cached"] == "0"
     assert p.calls == [] and "kv_transfer_params" not in d.calls[-1]
 
     async with s.post("/v1/completions", json=body(200, stream=True,
@@ -127,6 +130,7 @@ async def test_threshold_decides_and_params_pass_through(pd_stack) -> None:
         assert r.status == 200
         text = await r.text()
         pd_header = r.headers["x-agentserve-pd"]
+        assert "x-agentserve-predicted-cached" not in r.headers
     assert "[DONE]" in text and "prefill_ms=" in pd_header
     leg = p.calls[-1]  # the prefill leg: vLLM's request shape
     assert leg["max_tokens"] == 1 and leg["stream"] is False and "stream_options" not in leg
@@ -288,6 +292,7 @@ async def test_prefill_failure_falls_back_to_local_prefill(pd_stack, failure: st
     async with s.post("/v1/completions", json=body(200)) as r:
         assert r.status == 200
         assert r.headers["x-agentserve-pd"].startswith("fallback=")
+        assert r.headers["x-agentserve-predicted-cached"] == "0"  # computed there alone
         assert (await r.json())["choices"][0]["text"] == "decode1"
     assert "kv_transfer_params" not in d.calls[-1]  # the decode engine prefills locally
     m = await metrics(s)

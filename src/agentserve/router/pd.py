@@ -112,6 +112,9 @@ class PDOrchestrator:
                 raise  # the prompt fits no decode endpoint: the client's error, not a reason to split
             return None
         headers: dict[str, str] = {"x-agentserve-endpoint": d.url, "x-agentserve-reason": d.reason}
+        # computed on the decode engine alone, its cached tokens are its own prefix hit, as
+        # predicted; a pulled prompt's are not (pulled tokens count as cached there, as in vLLM)
+        predicted = {"x-agentserve-predicted-cached": str(d.predicted_cached)}
         req: Any = None
         try:
             req = msgspec.json.decode(body)
@@ -121,7 +124,7 @@ class PDOrchestrator:
             if (d.uncached < self.threshold or not isinstance(req, dict)
                     or req.get("kv_transfer_params") or route.samples > 1 or _scores_prompt(req)):
                 self.legs.labels("aggregated").inc()
-                return await self._decode_leg(request, d, body, headers)
+                return await self._decode_leg(request, d, body, {**headers, **predicted})
             try:
                 params, info, prefill_url = await self._prefill_leg(request, route, req)
             except TransferRefused as e:  # the cluster's tokens disagree: say so, loudly
@@ -130,7 +133,7 @@ class PDOrchestrator:
             if params is None:
                 self.legs.labels("fallback").inc()
                 self.trust.sign(request, None)
-                return await self._decode_leg(request, d, body, headers)
+                return await self._decode_leg(request, d, body, {**headers, **predicted})
             self.legs.labels("disaggregated").inc()
             headers["x-agentserve-pd"] = f"{info};decode_route_ms={d.seconds * 1e3:.2f}"
             return await self._pulling_leg(request, d, req, params, prefill_url, headers)
