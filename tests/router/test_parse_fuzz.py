@@ -14,7 +14,7 @@ from agentserve.engine.tokenizer import Tokenizer
 from agentserve.router.rawprompt import RawPromptCache
 from agentserve.router.requests import BadRequest, parse_request
 from agentserve.router.tokenize import IncrementalTokenizer
-from tests.engine.test_fuzz_api import _bodies, _json
+from tests.fuzzing import bodies, json_values
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,7 @@ def test_any_body_parses_or_is_a_bad_request(tok, path: str) -> None:
 
     @settings(max_examples=300, deadline=None, derandomize=True,
               suppress_health_check=list(HealthCheck))
-    @given(st.one_of(_bodies(path), _json))
+    @given(st.one_of(bodies(path), json_values))
     def check(body) -> None:
         data = json.dumps(body).encode()
         try:
