@@ -34,6 +34,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 log = logging.getLogger("agentserve.http")
 
@@ -109,7 +111,8 @@ ErrorAnswer = Callable[[web.Request, int, str], web.StreamResponse]
 
 def body_timeout_middleware(idle_s: float, answer: ErrorAnswer) -> Any:
     """A middleware that reads every request body first, bounded by ``idle_s`` of silence
-    (408) and by the app's ``client_max_size`` (413); ``answer(request, status, message)``
+    (408) and by the app's ``client_max_size`` (413), a body that cannot be decoded (a
+    bogus Content-Encoding) answered 400; ``answer(request, status, message)``
     makes (or raises) the server's own error answer. Put it after authentication, so an
     unauthenticated client's body is never buffered."""
     @web.middleware
@@ -124,8 +127,17 @@ def body_timeout_middleware(idle_s: float, answer: ErrorAnswer) -> Any:
             except web.HTTPRequestEntityTooLarge:
                 return answer(request, 413, "request body too large: the limit is "
                               f"{request.client_max_size} bytes")
+            except RequestPayloadError as e:  # the client's framing or encoding: a 400
+                return answer(request, 400, f"request body could not be read: {_why(e)}")
         return await handler(request)
     return middleware
+
+
+def _why(e: RequestPayloadError) -> str:
+    """What aiohttp's parser found wrong with a body (e.g. a Content-Encoding it is not)."""
+    cause = e.__cause__
+    text = cause.message if isinstance(cause, HttpProcessingError) else str(e)
+    return " ".join(str(text).split()) or "malformed body"
 
 
 def _busy_response(max_connections: int) -> bytes:

@@ -258,3 +258,22 @@ def test_every_non_probe_route_needs_the_api_key(served: ServerThread, path: str
     for probe in ("/health", "/metrics"):  # open to probes and scrapers
         with urllib.request.urlopen(served.url + probe, timeout=10) as r:
             assert r.status == 200
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+def test_a_body_that_is_not_its_content_encoding_is_a_400(served: ServerThread, path: str,
+                                                          encoding: str) -> None:
+    """A plain body sent as gzip/deflate: aiohttp's decode error escaped as a 500 before
+    (found by benchmarks/harden_fuzz.py)."""
+    req = urllib.request.Request(served.url + path, b'{"prompt": "hi", "tokens": [5]}',
+                                 {"Content-Type": "application/json", "Content-Encoding": encoding,
+                                  "Authorization": f"Bearer {API_KEY}"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            status, answer = r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        status, answer = e.code, json.loads(e.read())
+    assert status == 400, answer
+    assert f"content-encoding: {encoding}" in answer["error"]["message"]
+    assert post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200

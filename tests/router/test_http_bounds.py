@@ -202,3 +202,17 @@ async def test_sigterm_drain_ends_in_time(tmp_path) -> None:
         await engine.close()
     assert proc.returncode == 0 and took < 1 + 15, (proc.returncode, took,
                                                      (tmp_path / "router.log").read_text()[-2000:])
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_body_that_is_not_its_content_encoding_is_a_400(routed, encoding: str) -> None:
+    """A plain body sent as gzip/deflate: a 500 before (found by benchmarks/harden_fuzz.py)."""
+    make, engine = routed
+    base, _ = await make()
+    async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {KEY}"}) as s:
+        async with s.post(base + "/v1/completions", data=b'{"prompt": [1, 2], "max_tokens": 2}',
+                          headers={"Content-Type": "application/json",
+                                   "Content-Encoding": encoding}) as r:
+            assert r.status == 400, await r.text()
+            assert f"content-encoding: {encoding}" in (await r.json())["error"]["message"]
+    assert engine.calls == []
