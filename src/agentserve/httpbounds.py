@@ -111,8 +111,8 @@ ErrorAnswer = Callable[[web.Request, int, str], web.StreamResponse]
 
 def body_timeout_middleware(idle_s: float, answer: ErrorAnswer) -> Any:
     """A middleware that reads every request body first, bounded by ``idle_s`` of silence
-    (408) and by the app's ``client_max_size`` (413), a body that cannot be decoded (a
-    bogus Content-Encoding) answered 400; ``answer(request, status, message)``
+    (408) and by the app's ``client_max_size`` (413); a compressed body is refused (415)
+    and one aiohttp cannot read answered 400; ``answer(request, status, message)``
     makes (or raises) the server's own error answer. Put it after authentication, so an
     unauthenticated client's body is never buffered."""
     @web.middleware
@@ -120,6 +120,14 @@ def body_timeout_middleware(idle_s: float, answer: ErrorAnswer) -> Any:
                          handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                          ) -> web.StreamResponse:
         if request.body_exists:
+            coding = request.headers.get("Content-Encoding", "").strip().lower()
+            if coding not in ("", "identity"):
+                # A compressed request body is refused before it is read: no API client
+                # sends one (vLLM's server does not decode them), and aiohttp's decoder can
+                # fail a complete body without ending the read (a raw deflate stream cut
+                # short waited for the body timeout).
+                return answer(request, 415, f"Content-Encoding {coding!r} is not accepted "
+                              "on requests: send the body uncompressed")
             try:
                 await read_body(request, idle_s)
             except BodyTimeout as e:
