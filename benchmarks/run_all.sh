@@ -28,6 +28,7 @@ run benchmarks/serve_overhead.py --out bench-out/serve_overhead.json
 run benchmarks/long_prompt_stall.py --out bench-out/long_prompt_stall.json
 run benchmarks/harden_fuzz.py --out bench-out/harden_fuzz.json     # 10,000 fuzzed requests (~10 min)
 run benchmarks/harden_soak.py --out bench-out/harden_soak.json     # 30 min of mixed load
+run benchmarks/harden_chaos.py --out bench-out/harden_chaos.json   # 2P1D, a kill -9 every 30 s for 10 min (~11 min)
 run benchmarks/sim_speed.py --out bench-out/sim_speed.json
 run benchmarks/sim_calibration.py --duration 900 --out bench-out/sim_calibration.json
 run benchmarks/sim_published.py --duration 900 --out bench-out/sim_published.json
