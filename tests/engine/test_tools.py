@@ -6,6 +6,7 @@ import json
 import random
 from typing import Any
 
+import msgspec
 import pytest
 import torch
 
@@ -86,6 +87,22 @@ def test_streaming_reassembles_exactly(text: str, sizes: list[int]) -> None:
     want = [(c.name, c.arguments) for c in ref_calls]
     assert [(c["name"], c["arguments"]) for c in calls] == want
     assert (content.strip() or None) == ref_content.strip() if ref_content else not content.strip()
+
+
+LONE_SURROGATES = '<tool_call>{"name": "f\\ud83d", "arguments": "\\udc00x"}</tool_call>'
+
+
+@pytest.mark.parametrize("sizes", [[1], [1000]])
+def test_a_model_written_lone_surrogate_can_be_encoded(sizes: list[int]) -> None:
+    """The model may write "\\ud83d" alone, which json.loads accepts; the name and string
+    arguments must still encode as UTF-8 (a Responses answer was a 500; found by
+    benchmarks/harden_fuzz.py)."""
+    _, calls = parse_tool_calls(LONE_SURROGATES)
+    assert [c.name for c in calls] == ["f\ufffd\ufffd\ufffd"]
+    msgspec.json.encode([c.to_openai() for c in calls])
+    _, streamed = stream(LONE_SURROGATES, sizes)
+    msgspec.json.encode(streamed)
+    assert [c["name"] for c in streamed] == [calls[0].name]
 
 
 def test_streaming_name_before_arguments() -> None:

@@ -91,9 +91,25 @@ def _trim(body: str, start: int, end: int) -> tuple[int, int]:
     return start, end
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _utf8(value: Any) -> Any:
+    """``value`` (from json.loads) with lone surrogates replaced by U+FFFD: a model may write
+    ``"\\ud800"``, which json.loads accepts and no UTF-8 encoder (the response's) takes."""
+    if isinstance(value, str):
+        return (value.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+                if _SURROGATE.search(value) else value)
+    if isinstance(value, list):
+        return [_utf8(v) for v in value]
+    if isinstance(value, dict):
+        return {_utf8(k): _utf8(v) for k, v in value.items()}
+    return value
+
+
 def _loads_str(quoted: str) -> str:
     try:
-        value = json.loads(quoted)
+        value = _utf8(json.loads(quoted))
     except ValueError:
         return ""
     return value if isinstance(value, str) else ""
@@ -102,7 +118,7 @@ def _loads_str(quoted: str) -> str:
 def parse_block(body: str) -> ToolCall | None:
     """One call from the JSON between the markers, or None if it is not a call."""
     try:
-        obj = json.loads(body)
+        obj = _utf8(json.loads(body))
     except ValueError:
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
