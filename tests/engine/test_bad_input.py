@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import time
@@ -292,3 +293,32 @@ def test_a_compressed_body_is_a_415_at_once(served: ServerThread, path: str, enc
     assert got.startswith(b"HTTP/1.1 415"), got[:300]
     assert b"Content-Encoding" in got and encoding.encode() in got
     assert post(served, "/v1/completions", {"prompt": "hi", "max_tokens": 2})[0] == 200
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/responses", {"input": "hi", "max_output_tokens": 2}),
+    ("/v1/chat/completions", OK_CHAT),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 2}),
+    ("/v1/messages", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})])
+@pytest.mark.parametrize("rid", [b"*\xa8\xd0v#Xz&L", b"\x8c\xc9\\"])  # not UTF-8
+def test_an_x_request_id_that_is_not_printable_text_is_a_400(served: ServerThread, path: str,
+                                                             body: dict, rid: bytes) -> None:
+    """Bytes that are not UTF-8 in X-Request-Id made /v1/responses a 500 (the id in the
+    answer could not be encoded; found by benchmarks/harden_fuzz.py)."""
+    host, port = served.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        conn.putrequest("POST", path)
+        for k, v in (("Content-Type", b"application/json"), ("X-Request-Id", rid),
+                     ("Authorization", f"Bearer {API_KEY}".encode())):
+            conn.putheader(k, v)
+        data = json.dumps(body).encode()
+        conn.putheader("Content-Length", str(len(data)))
+        conn.endheaders(data)
+        resp = conn.getresponse()
+        status, answer = resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+    assert status == 400, answer
+    assert "X-Request-Id must be printable" in json.dumps(answer)
+    assert served.engine.stats().num_running == 0

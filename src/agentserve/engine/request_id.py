@@ -31,6 +31,9 @@ def request_ids(request: web.Request, prefix: str) -> tuple[str, str]:
     given = request.headers.get(REQUEST_ID_HEADER, "")
     if len(given) > REQUEST_ID_MAX:
         raise APIError(400, f"{REQUEST_ID_HEADER} is longer than {REQUEST_ID_MAX} characters")
+    if not given.isprintable():  # control characters, or bytes that are not UTF-8 (which
+        # aiohttp keeps as surrogates, and no answer carrying the id can encode)
+        raise APIError(400, f"{REQUEST_ID_HEADER} must be printable UTF-8 text, got {given!r}")
     if not given:
         cid = new_id(prefix)
         request[REQUEST_ID_KEY] = cid
