@@ -239,7 +239,10 @@ async def _stream(request: web.Request, resp: aiohttp.ClientResponse,
         logger.warning("upstream %s broke mid-stream (%s)", resp.url, broke)
         await out.write(dialect.error(tail, f"the engine's stream broke mid-answer ({broke}); "
                                       "the output above is incomplete"))
-    await out.write_eof()
+    try:
+        await out.write_eof()
+    except ConnectionResetError:  # the client left after the last event: it has it all
+        pass
     return out, usage_from_sse(tail, head)
 
 
