@@ -149,6 +149,7 @@ class Recorder:
         self.lock = threading.Lock()
         self.submitted = 0
         self.by: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+        self.by_signing: dict[str, Counter] = defaultdict(Counter)  # kv_transfer_params cases
         self.totals: Counter = Counter()
         self.statuses: Counter = Counter()
         self.samples: dict[str, list[dict[str, Any]]] = defaultdict(list)
@@ -158,6 +159,8 @@ class Recorder:
                else f"{res.status // 100}xx")
         with self.lock:
             self.by[case.target][case.api][cls] += 1
+            if case.signed is not None:
+                self.by_signing[f"{case.target} {case.signing}"][str(res.status)] += 1
             self.totals[cls] += 1
             self.statuses[str(res.status)] += 1
             kinds = [cls] if cls in ("5xx", "hang", "dropped") else []
@@ -180,6 +183,7 @@ class Recorder:
             return {"by_target_api": {k: {a: dict(c) for a, c in v.items()}
                                       for k, v in self.by.items()},
                     "statuses": dict(self.statuses), "status_5xx": t["5xx"],
+                    "kv_params_by_signing": {k: dict(c) for k, c in sorted(self.by_signing.items())},
                     "stream_5xx": t["stream_5xx"], "stream_4xx": t["stream_4xx"],
                     "hangs": t["hang"], "dropped": t["dropped"],
                     "first_5xx": s["5xx"], "first_stream_5xx": s["stream_5xx"],
