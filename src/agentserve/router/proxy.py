@@ -231,6 +231,9 @@ async def _stream(request: web.Request, resp: aiohttp.ClientResponse,
             if len(head) < _TAIL:
                 head = (head + chunk)[:_TAIL]
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        if _client_gone(request):  # our write failed (aiohttp's ClientConnectionResetError
+            resp.close()  # is a ClientError too), not the engine's stream: drop it (it aborts)
+            return out, None
         broke = f"{type(e).__name__}: {e}"
     except (ConnectionResetError, RuntimeError):
         resp.close()  # the client went away: drop the upstream connection (engine aborts)
@@ -244,6 +247,11 @@ async def _stream(request: web.Request, resp: aiohttp.ClientResponse,
     except ConnectionResetError:  # the client left after the last event: it has it all
         pass
     return out, usage_from_sse(tail, head)
+
+
+def _client_gone(request: web.Request) -> bool:
+    """The client's connection is closed or closing (nothing more can reach it)."""
+    return request.transport is None or request.transport.is_closing()
 
 
 def stream_error(tail: bytes, message: str) -> bytes:
