@@ -26,5 +26,13 @@ def _register() -> None:
 
 _register()
 
+
+@app.callback()
+def _main() -> None:
+    # a child of `agentserve up` dies with it, even when the launcher is killed with SIGKILL
+    from agentserve.procs import bind_to_parent
+
+    bind_to_parent()
+
 if __name__ == "__main__":
     app()

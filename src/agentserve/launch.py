@@ -121,7 +121,8 @@ class Cluster:
             args += ["--model", self.model]
         env = {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token, "OMP_NUM_THREADS": self.threads}
         return start_process(spec.name, agentserve_cmd(*args, *self.engine_args),
-                             self.run_dir / f"{spec.name}.log", spec.url, env)
+                             self.run_dir / f"{spec.name}.log", spec.url, env,
+                             die_with_parent=True)
 
     def start_router(self) -> ManagedProcess:
         """Start (or restart) the router on `router.yaml`; not waited for. It signs P/D
@@ -131,7 +132,8 @@ class Cluster:
                              "--tokenizer", self.model or _tiny_dir())
         return start_process("router", cmd, self.run_dir / "router.log",
                              f"http://{self.host}:{self.port}",
-                             {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token})
+                             {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token},
+                             die_with_parent=True)
 
     def write_router_config(self) -> Path:
         eps = []

@@ -21,6 +21,26 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
+PARENT_ENV = "AGENTSERVE_DIE_WITH_PARENT"  # set by start_process(die_with_parent=True)
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def bind_to_parent() -> None:
+    """In a child started with ``die_with_parent``: SIGTERM this process when its parent
+    dies (Linux ``prctl(PR_SET_PDEATHSIG)``; the process then drains and exits as on any
+    SIGTERM), and exit at once if the parent is already gone. A no-op elsewhere."""
+    want = os.environ.pop(PARENT_ENV, None)
+    if not want or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) != 0:
+        return  # (not fatal: the launcher's own stop still ends the child)
+    if str(os.getppid()) != want:  # the parent died before the prctl took effect
+        sys.exit(f"agentserve: parent process {want} is gone; exiting")
+
+
 def free_port() -> int:
     """An ephemeral TCP port on 127.0.0.1 that was free a moment ago."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -93,12 +113,21 @@ def _signal_group(pid: int, sig: int) -> None:
 
 
 def start_process(name: str, cmd: list[str], log_path: Path, url: str | None = None,
-                  env: dict[str, str] | None = None, cwd: str | None = None) -> ManagedProcess:
-    """Start `cmd` in a new session (own process group), stdout+stderr to `log_path`."""
+                  env: dict[str, str] | None = None, cwd: str | None = None,
+                  die_with_parent: bool = False) -> ManagedProcess:
+    """Start `cmd` in a new session (own process group), stdout+stderr to `log_path`.
+
+    ``die_with_parent``: the child (an `agentserve` command) asks the kernel for a SIGTERM
+    when this process dies (`bind_to_parent`), so that a launcher killed with SIGKILL, which
+    cannot stop its children, leaves no orphans. Call it from a thread that lives as long as
+    the child should: Linux signals the child when the thread that forked it exits."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     full_env = dict(os.environ)
+    full_env.pop(PARENT_ENV, None)
     full_env.update(env or {})
     full_env.setdefault("PYTHONUNBUFFERED", "1")
+    if die_with_parent:
+        full_env[PARENT_ENV] = str(os.getpid())
     with open(log_path, "ab") as log:
         popen = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=cwd,
                                  start_new_session=True, stdin=subprocess.DEVNULL)

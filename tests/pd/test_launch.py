@@ -265,3 +265,18 @@ def test_supervisor_restarts_with_backoff_then_gives_up(tmp_path: Path) -> None:
     finally:
         for p in procs:
             p.stop()
+
+
+def test_up_killed_with_sigkill_leaves_no_orphans(tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL cannot stop its children: they stop themselves (the
+    kernel's parent-death signal, `procs.bind_to_parent`), engine and router alike."""
+    with _up(tmp_path, "1") as (up, state, pids):
+        st = _state(state, up, lambda st: True)
+        children = [st["router_pid"]] + [e["pid"] for e in st["engines"]]
+        pids.update(children)
+        up.kill()
+        up.wait(10)
+        deadline = time.monotonic() + 45
+        while any(_alive(p) for p in children):
+            assert time.monotonic() < deadline, "children outlived their launcher"
+            time.sleep(0.2)
