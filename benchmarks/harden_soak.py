@@ -44,7 +44,10 @@ FD_SLACK, THREAD_SLACK = 16, 8  # "flat": pooled keep-alive sockets and worker t
 
 def sample(cluster: UpCluster, t0: float) -> dict[str, Any]:
     """One reading of every process and engine, stamped with seconds since the start."""
-    procs = {name: proc_stats(pid) for name, pid in cluster.pids().items()}
+    procs: dict[str, Any] = {}
+    for name, pid in cluster.pids().items():
+        st = proc_stats(pid)
+        procs[name] = None if st is None else {**st, "pid": pid}
     kv: dict[str, Any] = {}
     for e in cluster.engines():
         try:
@@ -55,18 +58,19 @@ def sample(cluster: UpCluster, t0: float) -> dict[str, Any]:
 
 
 def summarize(samples: list[dict[str, Any]], warm_t: float) -> dict[str, Any]:
-    """Per process: RSS growth from the end of warm-up to the end; fds and threads."""
-    warm = next((s for s in samples if s["t"] >= warm_t), samples[0])
-    last = samples[-1]
+    """Per process: RSS growth from the end of warm-up to the end; fds and threads. A
+    process that was restarted is judged from its last incarnation's first sample at or
+    after warm-up (and marked `restarted`)."""
     out: dict[str, Any] = {}
-    for name in last["procs"]:
-        series = [s["procs"].get(name) for s in samples if s["t"] >= warm["t"]]
-        series = [x for x in series if x]
-        a, b = warm["procs"].get(name), last["procs"].get(name)
-        if not (a and b and series):
+    for name, b in samples[-1]["procs"].items():
+        mine = [s["procs"][name] for s in samples if s["t"] >= warm_t and s["procs"].get(name)
+                and b and s["procs"][name]["pid"] == b["pid"]]
+        if not (b and mine):
             out[name] = {"error": "not sampled (process gone?)"}
             continue
-        out[name] = {"rss_mib_warm": round(a["rss_kib"] / 1024, 1),
+        a, series = mine[0], mine
+        pids = {s["procs"][name]["pid"] for s in samples if s["procs"].get(name)}
+        out[name] = {"restarted": len(pids) > 1, "rss_mib_warm": round(a["rss_kib"] / 1024, 1),
                      "rss_mib_end": round(b["rss_kib"] / 1024, 1),
                      "rss_growth_pct": round(100 * (b["rss_kib"] - a["rss_kib"]) / a["rss_kib"], 2),
                      "rss_mib_max": round(max(x["rss_kib"] for x in series) / 1024, 1),
@@ -131,13 +135,15 @@ def table(r: dict[str, Any]) -> str:
         if "error" in p:
             lines.append(f"{name:10} {p['error']}")
             continue
+        name += "*" if p["restarted"] else ""
         lines.append(f"{name:10} {p['rss_mib_warm']:>12} {p['rss_mib_end']:>7} "
                      f"{p['rss_growth_pct']:>7}% {'/'.join(map(str, p['fds'])):>19} "
                      f"{'/'.join(map(str, p['threads'])):>14}")
     lines += [f"{r['minutes']} min, {r['clients']} clients, {r['samples']} samples every "
               f"{r['sample_s']:g} s; requests {r['requests']}",
               f"RSS growth max {r['rss_growth_pct_max']}% (engines, router); fds/threads flat: "
-              f"{r['fds_threads_flat']}; crashes {r['crashes']}",
+              f"{r['fds_threads_flat']}; crashes {r['crashes']} (*: restarted, judged from its "
+              "last start)",
               "KV after: " + ", ".join(f"{u}: {m}" for u, m in r["kv_after"].items()),
               "PASS" if r["ok"] else "FAIL"]
     lines += [f"  failure: {json.dumps(f)[:400]}" for f in r["first_failures"][:3]]
