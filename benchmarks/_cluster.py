@@ -9,13 +9,16 @@ whether it is idle and holds KV. Everything here waits with a bound.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from agentserve.procs import agentserve_cmd, free_port
@@ -173,3 +176,19 @@ def wait_idle(urls: list[str], timeout: float = 60.0) -> dict[str, dict[str, flo
                 or time.monotonic() > deadline:
             return seen
         time.sleep(0.5)
+
+
+def run_suite(args: argparse.Namespace, run: Callable[[argparse.Namespace, Path], dict],
+              table: Callable[[dict], str], prefix: str) -> int:
+    """A suite's main: ``run(args, work)`` in ``args.work`` (or a temporary folder), its
+    result to ``args.out`` as JSON, its table printed; exit code 0 when ``result["ok"]``."""
+    if args.work is not None:
+        result = run(args, args.work)
+    else:
+        with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+            result = run(args, Path(tmp))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(table(result))
+    print(f"wrote {args.out}")
+    return 0 if result["ok"] else 1

@@ -32,7 +32,6 @@ import argparse
 import json
 import secrets
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import seed as hseed  # noqa: E402
 
-from _cluster import UpCluster, wait_idle  # noqa: E402
+from _cluster import UpCluster, run_suite, wait_idle  # noqa: E402
 from _fuzzcases import Case, Recorder, Sentinel, cases, prefill_leg  # noqa: E402
 from _rawhttp import send  # noqa: E402
 
@@ -158,17 +157,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/harden_fuzz.json")
     ap.add_argument("--work", type=Path, default=None,
                     help="keep the cluster's state and logs here (default: a temporary folder)")
-    args = ap.parse_args()
-    if args.work is not None:
-        result = fuzz(args, args.work)
-    else:
-        with tempfile.TemporaryDirectory(prefix="harden-fuzz-") as tmp:
-            result = fuzz(args, Path(tmp))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    print(f"wrote {args.out}")
-    return 0 if result["ok"] else 1
+    return run_suite(ap.parse_args(), fuzz, table, "harden-fuzz-")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -35,7 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
-from _cluster import UpCluster, engine_metrics, proc_stats, wait_idle  # noqa: E402
+from _cluster import UpCluster, run_suite, engine_metrics, proc_stats, wait_idle  # noqa: E402
 from _soakload import Client  # noqa: E402
 
 ENGINE_ARGS = "--kv-cache-tokens 32768 --max-model-len 4096 --max-tokens-limit 64"
@@ -162,17 +161,7 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/harden_soak.json")
     ap.add_argument("--work", type=Path, default=None,
                     help="keep the cluster's state and logs here (default: a temporary folder)")
-    args = ap.parse_args()
-    if args.work is not None:
-        result = soak(args, args.work)
-    else:
-        with tempfile.TemporaryDirectory(prefix="harden-soak-") as tmp:
-            result = soak(args, Path(tmp))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(table(result))
-    print(f"wrote {args.out}")
-    return 0 if result["ok"] else 1
+    return run_suite(ap.parse_args(), soak, table, "harden-soak-")
 
 
 if __name__ == "__main__":
