@@ -21,7 +21,7 @@ from pathlib import Path
 from collections.abc import Callable
 from typing import Any
 
-from agentserve.procs import agentserve_cmd, free_port
+from agentserve.cluster.procs import agentserve_cmd, free_port
 
 # what `engine_metrics` returns, by Prometheus name
 GAUGES = ("vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting")

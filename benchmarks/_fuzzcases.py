@@ -19,7 +19,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from _rawhttp import Result, send
-from agentserve.engine.transfer_params import AUTH_HEADER, RELEASE, sign
+from agentserve.api.kv_transfer import AUTH_HEADER, RELEASE, sign
 from tests.fuzzing import ENDPOINTS, GENERATE, bodies, kv_params, odd_headers, raw_bodies
 
 OPERATOR_HEADER = "x-agentserve-operator-key"

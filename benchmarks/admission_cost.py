@@ -23,9 +23,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
-from agentserve.engine.sequence import Sequence
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
+from agentserve.engine.core.sequence import Sequence
 
 
 def main() -> None:

@@ -27,9 +27,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
-from agentserve.engine.sequence import Sequence
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
+from agentserve.engine.core.sequence import Sequence
 
 
 def _run(core, rid: str, prompt: list[int], max_tokens: int) -> tuple[Sequence, float, list[float]]:
@@ -66,7 +66,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="turns per (ctx, new); medians reported")
     ap.add_argument("--out", default="bench-out/agent_turn_speed.json")
     args = ap.parse_args()
-    from agentserve.engine.tiny import make_tiny
+    from agentserve.engine.model.tiny import make_tiny
 
     ctxs = [int(x) for x in args.ctx.split(",")]
     news = [int(x) for x in args.new.split(",")]

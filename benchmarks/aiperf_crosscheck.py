@@ -50,7 +50,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _load import fire, model_id, random_prompts
-from agentserve.procs import agentserve_cmd, start_engine
+from agentserve.cluster.procs import agentserve_cmd, start_engine
 from agentserve.workload.replay_http import parse_prometheus
 
 REPO = Path(__file__).resolve().parents[1]
@@ -288,7 +288,7 @@ def main() -> None:
     args = ap.parse_args()
     isl = tuple(int(x) for x in args.isl.split(","))
     osl = tuple(int(x) for x in args.osl.split(","))
-    from agentserve.engine.tiny import default_model_dir
+    from agentserve.engine.model.tiny import default_model_dir
 
     aiperf = ensure_aiperf()
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="aiperf-crosscheck-"))

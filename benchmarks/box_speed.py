@@ -39,7 +39,7 @@ def engine_worker(args: argparse.Namespace) -> None:
     """Decode windows aligned to `args.t0`; one JSON line a window to `args.worker_out`."""
     import torch
 
-    from agentserve.engine.engine import AsyncEngine
+    from agentserve.engine.core.engine import AsyncEngine
     from sim_calibrate_cpu import _add
 
     torch.set_num_threads(1)

@@ -45,7 +45,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pd_itl import loadavg, prompt, scrape
 
-from agentserve.procs import agentserve_cmd, free_port, running, start_process
+from agentserve.cluster.procs import agentserve_cmd, free_port, running, start_process
 
 RESTORED = "agentserve:kv_restore_bytes_total"
 JOINED = "agentserve:kv_restore_joined_blocks_total"

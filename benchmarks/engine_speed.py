@@ -21,10 +21,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
-from agentserve.engine.sampler import make_generator
-from agentserve.engine.sequence import Sequence
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
+from agentserve.engine.model.sampler import make_generator
+from agentserve.engine.core.sequence import Sequence
 
 
 def _sync(device: str) -> None:
@@ -110,7 +110,7 @@ def main() -> None:
         ap.error("--repeats must be at least 1")
     global TEMPERATURE
     TEMPERATURE = args.temperature
-    from agentserve.engine.tiny import make_tiny
+    from agentserve.engine.model.tiny import make_tiny
 
     model = make_tiny(Path(tempfile.mkdtemp(prefix="engine-speed-")) / args.preset, preset=args.preset)
     eng = AsyncEngine.from_args(model=str(model), device=args.device, dtype=args.dtype,

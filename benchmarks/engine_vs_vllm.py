@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 from _load import fire, model_id, random_prompts
-from agentserve.procs import start_engine, start_vllm
+from agentserve.cluster.procs import start_engine, start_vllm
 
 
 def peak_rss_mib(pgid: int) -> float:
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench-out/engine_vs_vllm.json")
     ap.add_argument("--no-vllm", action="store_true", help="measure our engine only")
     args = ap.parse_args()
-    from agentserve.engine.tiny import default_model_dir
+    from agentserve.engine.model.tiny import default_model_dir
 
     model_dir = default_model_dir()
     logs = Path(tempfile.mkdtemp(prefix="bench-logs-"))

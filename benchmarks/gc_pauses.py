@@ -33,7 +33,7 @@ from rich.table import Table
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pd_itl import loadavg, prompt, quantile, stream
 
-from agentserve.procs import ManagedProcess, agentserve_cmd, free_port, running, start_process
+from agentserve.cluster.procs import ManagedProcess, agentserve_cmd, free_port, running, start_process
 
 ENGINES = {"frozen": {}, "unfrozen": {"AGENTSERVE_GC_FREEZE": "0"}}
 

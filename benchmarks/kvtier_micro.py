@@ -21,8 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -132,7 +132,7 @@ def main() -> None:
     a = ap.parse_args()
     model = a.model
     if model is None and a.preset != "tiny":
-        from agentserve.engine.tiny import make_tiny
+        from agentserve.engine.model.tiny import make_tiny
         model = str(make_tiny(Path(tempfile.mkdtemp(prefix="kvtier-micro-")) / a.preset, preset=a.preset))
     dev = dict(device=a.device, dtype=a.dtype, kv_offload_block_tokens=a.offload_block_tokens)
     only = set(a.only.split(","))

@@ -197,7 +197,7 @@ def run_one(name: str, kv_tokens: int, cpu_gib: float, a: argparse.Namespace, tr
         if name.endswith("-wb"):
             serve += ["--kv-store-on", "evict"]
     env = dict(os.environ)
-    if a.kv_trace:  # debug: the engine's admission/eviction trace (see kv/restore_audit.py)
+    if a.kv_trace:  # debug: the engine's admission/eviction trace (see kv/offload/audit.py)
         env["AGENTSERVE_KV_TRACE"] = str(out_dir.parent / (out_dir.name + ".kvtrace.jsonl"))
         Path(env["AGENTSERVE_KV_TRACE"]).unlink(missing_ok=True)
     proc = subprocess.Popen(serve, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)

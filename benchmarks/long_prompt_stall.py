@@ -26,7 +26,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.procs import start_engine
+from agentserve.cluster.procs import start_engine
 
 STREAM_TOKENS = 20_000  # per decoding stream: outlasts the run (~7 ms a token here)
 

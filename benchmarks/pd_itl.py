@@ -1,6 +1,6 @@
 """Decode ITL of streaming users while long prefills arrive: aggregated vs 1P1D, same cores.
 
-Each round starts a real cluster with `agentserve.launch.Cluster` (what `agentserve up`
+Each round starts a real cluster with `agentserve.cluster.launch.Cluster` (what `agentserve up`
 runs): ``--topology 2`` (two ``both`` engines behind the router) or ``--topology 1P1D``
 (one prefill + one decode engine). Both get the same machine and the same OMP thread split
 (``cpu_count // engines`` each), so P/D adds no compute here; the claim under test is only
@@ -47,8 +47,8 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.launch import Cluster, parse_topology
-from agentserve.procs import free_port
+from agentserve.cluster.launch import Cluster, parse_topology
+from agentserve.cluster.procs import free_port
 
 
 # ---- shared with pd_ttft.py ---------------------------------------------------------------

@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gc_pauses import gc_stats
 from pd_itl import loadavg, prompt, scrape
 
-from agentserve.engine.transfer_params import signed_headers
-from agentserve.procs import ManagedProcess, agentserve_cmd, free_port, running, start_process
+from agentserve.api.kv_transfer import signed_headers
+from agentserve.cluster.procs import ManagedProcess, agentserve_cmd, free_port, running, start_process
 
 PULL_B = "agentserve:kv_transfer_received_bytes_total"
 RESTORE_B = "agentserve:kv_restore_bytes_total"

@@ -52,10 +52,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.engine.transfer_api import PullSpec
-from agentserve.engine.transfer_frames import block_sums
-from agentserve.engine.transfer_wire import TcpBackend
-from agentserve.kv.transfer import gather_blocks
+from agentserve.kv.remote.backend import PullSpec
+from agentserve.kv.remote.frames import block_sums
+from agentserve.kv.remote.wire import TcpBackend
+from agentserve.kv.offload.copy import gather_blocks
 
 
 class Source:

@@ -1,6 +1,6 @@
 """TTFT breakdown of disaggregated requests (1P1D): router, prefill, KV transfer, first decode step.
 
-Starts one ``--topology 1P1D`` cluster (`agentserve.launch.Cluster`, what `agentserve up`
+Starts one ``--topology 1P1D`` cluster (`agentserve.cluster.launch.Cluster`, what `agentserve up`
 runs), warms it, then sends one streamed request at a time (nothing else running, so
 engine metric deltas belong to that request) for each prompt length (distinct random
 token ids: no prefix-cache hits), ``--reps`` times. Per request:

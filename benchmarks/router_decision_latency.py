@@ -70,7 +70,7 @@ def bench_tokens(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
 def bench_tokens_json(n_eps: int, tokens: int, turns: int, sessions: int) -> dict:
     import msgspec
 
-    from agentserve.router.rawprompt import RawPromptCache
+    from agentserve.prompt.rawprompt import RawPromptCache
     from agentserve.router.requests import parse_request
 
     r, rng, cache = make_router(n_eps), random.Random(0), RawPromptCache()
@@ -131,10 +131,10 @@ API_BODIES = {  # the conversation (a system message first) as each API's body
 def bench_chat(n_eps: int, tokens: int, turns: int, sessions: int, api: str = "chat") -> dict:
     import msgspec
 
-    from agentserve.engine.tiny import default_model_dir
-    from agentserve.engine.tokenizer import Tokenizer
+    from agentserve.engine.model.tiny import default_model_dir
+    from agentserve.prompt.tokenizer import Tokenizer
     from agentserve.router.requests import parse_request
-    from agentserve.router.tokenize import IncrementalTokenizer
+    from agentserve.prompt.incremental import IncrementalTokenizer
 
     r, rng = make_router(n_eps), random.Random(1)
     hasher = BlockHasher("sha256_cbor", 16)

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from agentserve.engine import runner as runner_mod
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
-from agentserve.engine.sequence import Sequence
+from agentserve.engine.model import runner as runner_mod
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
+from agentserve.engine.core.sequence import Sequence
 
 
 class Timers:

@@ -39,9 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _load import random_prompts
 from engine_speed import decode_tok_s, prefill_tok_s
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.tiny import make_tiny
-from agentserve.procs import agentserve_cmd, free_port, start_process
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.model.tiny import make_tiny
+from agentserve.cluster.procs import agentserve_cmd, free_port, start_process
 
 MAX_TOKENS = 160
 

@@ -16,7 +16,7 @@ linear step-time model `perf.PerfModel` uses for a measured profile:
   attention terms are apart because the engine runs two kernels: every chunk takes SDPA's
   plain causal path over its own tokens (the lower triangle of its scores), and a chunk over
   a cached prefix adds an unmasked pass over the prefix, read in place (the rectangle of its
-  queries by the prefix; engine/paged_prefix.py). Before that kernel the cached pass was a
+  queries by the prefix; engine/model/paged_prefix.py). Before that kernel the cached pass was a
   masked one over a gathered copy, and one causal term fitted on it put a 554-token cold
   chunk at 27 ms against 33 ms measured; fitted apart, the two came out at about the same
   cost per computed score (3.3-4.0e-8 s; this machine, idle cluster);
@@ -75,9 +75,9 @@ from pathlib import Path
 
 import torch
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
-from agentserve.engine.sequence import Sequence
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
+from agentserve.engine.core.sequence import Sequence
 from agentserve.sim.constants import CACHED_PREFILL_KERNEL
 from agentserve.sim.specs import model_spec
 
@@ -139,7 +139,7 @@ def fit_cached(step: float, chunk: int, fixed: float, tok: float, attn_c: float,
     """`attn_prefill_s` from one step that computes a `chunk`-token chunk over a cached
     `chunk`-token prefix: step = fixed + tok x chunk + attn_cold x chunk^2 / 2 (the chunk over
     itself, causal) + attn_prefill x chunk x chunk (its queries by the prefix, which the
-    engine reads in place, unmasked: engine/paged_prefix.py) + attn_decode x chunk (the
+    engine reads in place, unmasked: engine/model/paged_prefix.py) + attn_decode x chunk (the
     prefix's K and V streamed once, as a decode reads its context)."""
     return max((step - fixed - tok * chunk - attn_c * chunk * chunk / 2 - attn_d * chunk)
                / (chunk * chunk), 0.0)
@@ -446,7 +446,7 @@ STRETCH_NEAR_S = 0.3  # a probe's steps are priced by its engine's steady steps 
 
 def read_traces(trace: Path) -> tuple[dict[str, list[dict]], list[dict]]:
     """The step traces by engine (pid) and the request records under the prefix `trace`
-    (engine/steptrace.py): each request's core and API lines merged, with its engine request
+    (engine/core/steptrace.py): each request's core and API lines merged, with its engine request
     id (`id`) and its engine's pid (`engine`); those with both lines only."""
     steps: dict[str, list[dict]] = {}
     for f in trace.parent.glob(f"{trace.name}.*.jsonl"):
@@ -566,7 +566,7 @@ def main() -> None:
     if args.through_server:
         import tempfile
 
-        from agentserve.launch import Cluster, parse_topology
+        from agentserve.cluster.launch import Cluster, parse_topology
 
         work = Path(tempfile.mkdtemp(prefix="sim_calibrate_"))
         cluster = Cluster(work, port=args.port,

@@ -2,7 +2,7 @@
 
 Runs the small-scale check's bench once (`sim_vs_bench.py`'s cluster: 2 aggregated tiny
 engines behind the router; closed loop at `--concurrency`, or `--mode schedule`: the mooncake
-trace at its recorded times) with the engines' request trace on (engine/steptrace.py), joins
+trace at its recorded times) with the engines' request trace on (engine/core/steptrace.py), joins
 each answered request's client record to the engine's stamps by its `X-Request-Id`, and splits
 its TTFT into what happened between them (one clock: CLOCK_MONOTONIC, shared by the client,
 the router and the engines on this machine):
@@ -69,7 +69,7 @@ STANDS_FOR = {"path": ("to engine", "handler", "to loop", "to client"),
 
 def engine_id_to_client(eid: str) -> str:
     """The client's X-Request-Id in an engine request id: ``cmpl-{id}-{8 hex}-{choice}``
-    (engine/request_id.py, serving_completions.py)."""
+    (api/request_id.py, serving_completions.py)."""
     body = eid.split("-", 1)[1]
     return body.rsplit("-", 2)[0]
 

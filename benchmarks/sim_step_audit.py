@@ -2,7 +2,7 @@
 
 Runs the small-scale check's bench (`sim_vs_bench.py`: 2 aggregated tiny engines behind the
 router, a synthesized `sweep` corpus, one concurrency) with the engines' step trace on
-(`AGENTSERVE_STEP_TRACE`, engine/steptrace.py), then the simulator on the same corpus with
+(`AGENTSERVE_STEP_TRACE`, engine/core/steptrace.py), then the simulator on the same corpus with
 its aggregated engines' steps recorded, and compares, by kind of step (decode-only by batch
 size, prefill beside decodes, prefill alone):
 
@@ -154,7 +154,7 @@ def main() -> None:
                  "or benchmarks/sim_calibrate_cpu.py first")
     os.environ["AGENTSERVE_SIM_CPU_PROFILE"] = str(Path(a.cpu_profile).resolve())
 
-    from agentserve.engine.decode_groups import padded_keys
+    from agentserve.kv.decode_groups import padded_keys
     from agentserve.sim.memory import Topology
     from agentserve.sim.perf import PerfModel
     from agentserve.sim.run import Simulation

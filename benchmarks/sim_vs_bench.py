@@ -265,7 +265,7 @@ def step_drift(steps: list[dict], profile: Path) -> dict | None:
     than a run where they agree), which is how a miss that is the box's drift shows."""
     import statistics
 
-    from agentserve.engine.decode_groups import padded_keys
+    from agentserve.kv.decode_groups import padded_keys
     from agentserve.sim.memory import Topology
     from agentserve.sim.perf import PerfModel
     from agentserve.sim.specs import cpu_local, model_spec
@@ -325,7 +325,7 @@ def corpus(args: argparse.Namespace, work: Path) -> tuple[Path, list]:
 
 def start_cluster(args: argparse.Namespace, run_dir: Path):
     """`agentserve up --topology 2` with this check's KV size and chunk budget."""
-    from agentserve.launch import Cluster, parse_topology
+    from agentserve.cluster.launch import Cluster, parse_topology
 
     run_dir.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(getattr(args, "engine_args", "") or "")
@@ -540,7 +540,7 @@ def bench_run(args: argparse.Namespace, sessions: list, conc: list[int], run_dir
 
 def start_traced(args: argparse.Namespace, run_dir: Path, name: str):
     """`start_cluster` in `run_dir / name` with the engines tracing their steps and requests
-    under the prefix `run_dir / "steps"` (engine/steptrace.py: a JSON line a step, ~15 us
+    under the prefix `run_dir / "steps"` (engine/core/steptrace.py: a JSON line a step, ~15 us
     against steps of 5-50 ms), for `step_drift` and the calibration's arrival stretch."""
     os.environ["AGENTSERVE_STEP_TRACE"] = str(run_dir / "steps")
     try:

@@ -25,7 +25,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.procs import start_engine
+from agentserve.cluster.procs import start_engine
 from long_prompt_stall import post, stream  # benchmarks/: the same completions client
 from sim_vs_bench import _attn_reads  # benchmarks/: the engines' attention read counters
 

@@ -31,8 +31,8 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from agentserve.engine.tiny import default_model_dir
-from agentserve.procs import start_vllm
+from agentserve.engine.model.tiny import default_model_dir
+from agentserve.cluster.procs import start_vllm
 
 
 def text_of(words: int, seed: int) -> str:

@@ -54,15 +54,15 @@ def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer(tok_dir: Path):
-    from agentserve.engine.tokenizer import Tokenizer as AsTokenizer
+    from agentserve.prompt.tokenizer import Tokenizer as AsTokenizer
     return AsTokenizer.from_dir(tok_dir)
 
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """The tokenizer of the built-in tiny checkpoint (built on first use, then cached)."""
-    from agentserve.engine.tiny import default_model_dir
-    from agentserve.engine.tokenizer import Tokenizer as AsTokenizer
+    from agentserve.engine.model.tiny import default_model_dir
+    from agentserve.prompt.tokenizer import Tokenizer as AsTokenizer
     return AsTokenizer.from_dir(default_model_dir())
 
 
@@ -92,8 +92,8 @@ class ServerThread:
     async def _main(self) -> None:
         from aiohttp import web
 
-        from agentserve.engine.engine import AsyncEngine
-        from agentserve.engine.server import build_app
+        from agentserve.engine.core.engine import AsyncEngine
+        from agentserve.engine.http.server import build_app
 
         self.engine = await asyncio.to_thread(AsyncEngine.from_args, **self.engine_kwargs)
         await self.engine.start()

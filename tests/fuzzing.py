@@ -18,9 +18,9 @@ from typing import Any
 import msgspec
 from hypothesis import strategies as st
 
-from agentserve.engine.messages_protocol import CountTokensRequest, MessagesRequest
-from agentserve.engine.protocol import ChatRequest, CompletionRequest
-from agentserve.engine.responses_protocol import ResponsesRequest
+from agentserve.api.anthropic import CountTokensRequest, MessagesRequest
+from agentserve.api.openai import ChatRequest, CompletionRequest
+from agentserve.api.responses import ResponsesRequest
 
 _scalars = st.one_of(st.none(), st.booleans(), st.integers(-3, 12), st.integers(-2**70, 2**70),
                      st.floats(-5, 5), st.text(max_size=6))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from agentserve.demo import _agent_apis
+from agentserve.cluster.demo import _agent_apis
 from tests.conftest import TEST_DEVICE, ServerThread
 
 

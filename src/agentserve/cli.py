@@ -11,13 +11,15 @@ app = typer.Typer(help="agentserve: serving stack for agentic LLM workloads.", n
 def _register() -> None:
     # Each part contributes its commands; heavy imports (torch) stay inside the
     # commands themselves so `agentserve --help` is fast.
-    from agentserve import launch_cli
+    from agentserve.cluster import cli as launch_cli
+    from agentserve.cluster.demo import demo
     from agentserve.engine import cli as engine_cli
     from agentserve.router import cli as router_cli
     from agentserve.sim import cli as sim_cli
     from agentserve.workload import cli as workload_cli
 
     engine_cli.register(app)
+    app.command("demo")(demo)  # the main job: a cluster on the embedded model (cluster/demo.py)
     workload_cli.register(app)
     router_cli.register(app)
     sim_cli.register(app)
@@ -30,7 +32,7 @@ _register()
 @app.callback()
 def _main() -> None:
     # a child of `agentserve up` dies with it, even when the launcher is killed with SIGKILL
-    from agentserve.procs import bind_to_parent
+    from agentserve.cluster.procs import bind_to_parent
 
     bind_to_parent()
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentserve.engine.checkpoint import load_model
-from agentserve.engine.tiny import make_tiny
+from agentserve.engine.model.checkpoint import load_model
+from agentserve.engine.model.tiny import make_tiny
 from tests.engine.reference import DenseLlama
 
 

@@ -7,8 +7,8 @@ import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import RequestOutput, SamplingParams
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import RequestOutput, SamplingParams
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 

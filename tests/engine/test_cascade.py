@@ -1,5 +1,5 @@
-"""Decodes that share a cached prefix read it once (cascade attention, engine/attention.py
-with the clustering of engine/decode_groups.py) and still equal the dense model."""
+"""Decodes that share a cached prefix read it once (cascade attention, engine/model/attention.py
+with the clustering of kv/decode_groups.py) and still equal the dense model."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.engine import attention, decode_groups, paged_prefix
-from agentserve.engine.attention import prepare_batch
-from agentserve.engine.decode_groups import padded_keys, read_keys, shared_prefixes
+from agentserve.engine.model import attention, decode_groups, paged_prefix
+from agentserve.engine.model.attention import prepare_batch
+from agentserve.kv.decode_groups import padded_keys, read_keys, shared_prefixes
 from tests.engine.test_model import ATOL, Seq, _cache, _step, _tokens
 
 BS = 4
@@ -122,10 +122,10 @@ def test_metrics_count_a_prefix_two_decodes_share():
     """Two requests for one 2,400-token prompt decode together: each step reads their shared
     blocks once (149: the second request recomputes the prompt's last block, into a block of
     its own), and /metrics counts the 2,384 tokens not read again."""
-    from agentserve.engine.engine import AsyncEngine
-    from agentserve.engine.metrics import ServerMetrics
-    from agentserve.engine.request import SamplingParams
-    from agentserve.engine.sequence import Sequence
+    from agentserve.engine.core.engine import AsyncEngine
+    from agentserve.engine.http.metrics import ServerMetrics
+    from agentserve.engine.core.request import SamplingParams
+    from agentserve.engine.core.sequence import Sequence
 
     eng = AsyncEngine.from_args(kv_cache_tokens=8192)
     core = eng.core

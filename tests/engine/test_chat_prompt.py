@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from agentserve.engine.chat_prompt import ChatPrompts, chat_messages
-from agentserve.engine.protocol import FunctionCall, Message, MessageToolCall
-from agentserve.engine.tiny import default_model_dir
-from agentserve.engine.tokenizer import Tokenizer, continue_final
+from agentserve.prompt.chat import ChatPrompts, chat_messages
+from agentserve.api.openai import FunctionCall, Message, MessageToolCall
+from agentserve.engine.model.tiny import default_model_dir
+from agentserve.prompt.tokenizer import Tokenizer, continue_final
 
 TOOLS = [{"type": "function", "function": {"name": "bash", "parameters": {
     "type": "object", "properties": {"cmd": {"type": "string"}}}}}]

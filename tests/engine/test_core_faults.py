@@ -112,7 +112,7 @@ def test_a_stopped_core_fails_in_flight_requests_and_health(server: ServerThread
 def test_a_request_queued_as_the_core_stops_does_not_wait_forever(server: ServerThread,
                                                                    monkeypatch) -> None:
     """The window between generate()'s check and the core's end: the wait is bounded."""
-    from agentserve.engine import engine as engine_mod
+    from agentserve.engine.core import engine as engine_mod
 
     core = server.engine.core
     monkeypatch.setattr(core, "step", lambda failed: (_ for _ in ()).throw(_Crash()))
@@ -155,8 +155,8 @@ def test_a_request_whose_sampling_fails_ends_alone(where: str) -> None:
     requests of the same steps go on unchanged, and no block leaks."""
     import asyncio
 
-    from agentserve.engine.engine import AsyncEngine
-    from agentserve.engine.request import SamplingParams
+    from agentserve.engine.core.engine import AsyncEngine
+    from agentserve.engine.core.request import SamplingParams
 
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     if where == "draw":  # a NaN logit: the row's probabilities are not a distribution

@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from agentserve.engine import engine as engine_mod
-from agentserve.engine.engine import AsyncEngine, EngineDraining
+from agentserve.engine.core import engine as engine_mod
+from agentserve.engine.core.engine import AsyncEngine, EngineDraining
 from tests.conftest import TEST_DEVICE
 from tests.engine.isolation import assert_clean, collect, run_engine
 

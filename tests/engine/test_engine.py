@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
-from agentserve.engine.tiny import default_model_dir
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
+from agentserve.engine.model.tiny import default_model_dir
 from tests.conftest import TEST_DEVICE
 from tests.engine.reference import DenseLlama
 
@@ -151,7 +151,7 @@ def test_long_prompts_reach_the_core_hashed(monkeypatch) -> None:
     """A prompt of at least HASH_OFF_CORE_TOKENS arrives at the core with every full block
     hashed (done on a worker thread); a shorter one is hashed by the core. Both give the
     tokens and prefix hits of the plain path."""
-    from agentserve.engine import engine as engine_mod
+    from agentserve.engine.core import engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "HASH_OFF_CORE_TOKENS", 100)
     seen: dict[str, int] = {}

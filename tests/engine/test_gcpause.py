@@ -9,9 +9,9 @@ import subprocess
 import sys
 import urllib.request
 
-from agentserve.engine.metrics import ServerMetrics
+from agentserve.engine.http.metrics import ServerMetrics
 from agentserve.gcpause import pause_tracker
-from agentserve.procs import start_engine
+from agentserve.cluster.procs import start_engine
 from tests.engine.test_protocol import FakeEngine
 
 

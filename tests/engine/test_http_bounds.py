@@ -1,6 +1,6 @@
 """The engine's bounds on a real `agentserve serve` process: half-sent heads and stalled
 bodies are closed within their timeouts while other clients are served, connections over
-the cap are answered 503 (agentserve/httpbounds.py), and --max-tokens-limit bounds what
+the cap are answered 503 (agentserve/api/httpbounds.py), and --max-tokens-limit bounds what
 any request of the four APIs generates."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from agentserve.procs import ManagedProcess, start_engine
+from agentserve.cluster.procs import ManagedProcess, start_engine
 
 HEADER_S, BODY_S, CAP = 2.0, 2.0, 400
 LIMIT = 5  # --max-tokens-limit

@@ -1,13 +1,13 @@
-"""In-flight prefix sharing (engine/inflight.py): which waiting request waits for which
+"""In-flight prefix sharing (engine/core/inflight.py): which waiting request waits for which
 running one, and until when."""
 
 from __future__ import annotations
 
 import asyncio
 
-from agentserve.engine.inflight import MIN_JOIN_BLOCKS, InflightPrefill
-from agentserve.engine.request import RequestStatus, SamplingParams
-from agentserve.engine.sequence import Sequence
+from agentserve.engine.core.inflight import MIN_JOIN_BLOCKS, InflightPrefill
+from agentserve.engine.core.request import RequestStatus, SamplingParams
+from agentserve.engine.core.sequence import Sequence
 from tests.engine.test_engine import _greedy, _prompt, _run, _with_engine
 
 BS = 16

@@ -7,11 +7,11 @@ import json
 import pytest
 import torch
 
-from agentserve.engine.checkpoint import load_model
-from agentserve.engine.model import KVCache, SeqChunk, prepare_batch, rope_cos_sin
+from agentserve.engine.model.checkpoint import load_model
+from agentserve.engine.model.llama import KVCache, SeqChunk, prepare_batch, rope_cos_sin
 from safetensors.torch import load_file, save_file
 
-from agentserve.engine.tiny import make_tiny
+from agentserve.engine.model.tiny import make_tiny
 from tests.engine.reference import DenseLlama
 
 ATOL = 2e-4
@@ -186,8 +186,8 @@ def test_lower_right_causal_bias_reaches_every_layer(dtype):
     second layer a CausalBias without its lengths: every bf16 prefix hit failed on CUDA."""
     from torch.nn.attention.bias import causal_lower_right
 
-    from agentserve.engine.attention import PrefillMeta, _prefill_attention
-    from agentserve.engine.paged_prefix import Workspace
+    from agentserve.engine.model.attention import PrefillMeta, _prefill_attention
+    from agentserve.engine.model.paged_prefix import Workspace
 
     g = torch.Generator().manual_seed(0)
     start, n, heads, kv_heads, dim, bs = 20, 12, 4, 2, 16, 8
@@ -230,7 +230,7 @@ def test_decodes_of_very_different_contexts_attend_in_groups(tiny):
 
 
 def test_decode_groups_split_only_where_padding_costs():
-    from agentserve.engine.attention import decode_groups
+    from agentserve.engine.model.attention import decode_groups
 
     assert decode_groups([512] * 8) == [list(range(8))]
     assert decode_groups([100, 300, 40]) == [[1, 0, 2]]  # pads < 1,024 keys: one call

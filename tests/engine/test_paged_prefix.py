@@ -1,4 +1,4 @@
-"""Attention over a cached prefix read in place (engine/paged_prefix.py) == dense attention."""
+"""Attention over a cached prefix read in place (engine/model/paged_prefix.py) == dense attention."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.engine import attention, paged_prefix
-from agentserve.engine.attention import PrefillMeta, _prefill_attention, prepare_batch
-from agentserve.engine.paged_prefix import Workspace, attend_chunk, merge, prefix_layout
+from agentserve.engine.model import attention, paged_prefix
+from agentserve.engine.model.attention import PrefillMeta, _prefill_attention, prepare_batch
+from agentserve.engine.model.paged_prefix import Workspace, attend_chunk, merge, prefix_layout
 from tests.engine.test_model import ATOL, Seq, _cache, _step, _tokens
 
 BS = 8
@@ -150,10 +150,10 @@ def test_long_decodes_attend_in_place_beside_short_ones(tiny, monkeypatch, kind)
 def test_metrics_count_the_context_read_in_place_and_gathered():
     """A turn over a cached 2,400-token context (pool fresh: its blocks run consecutively)
     reads the prefix's whole blocks in place; its decodes, in groups, gather. /metrics says so."""
-    from agentserve.engine.engine import AsyncEngine
-    from agentserve.engine.metrics import ServerMetrics
-    from agentserve.engine.request import SamplingParams
-    from agentserve.engine.sequence import Sequence
+    from agentserve.engine.core.engine import AsyncEngine
+    from agentserve.engine.http.metrics import ServerMetrics
+    from agentserve.engine.core.request import SamplingParams
+    from agentserve.engine.core.sequence import Sequence
 
     eng = AsyncEngine.from_args(kv_cache_tokens=8192,
                                 long_prefill_token_threshold=0)  # chunks: the whole budget

@@ -9,8 +9,8 @@ import asyncio
 import time
 
 from agentserve.engine.builder import EngineArgs, chunk_cap
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
 from tests.conftest import TEST_DEVICE
 
 LONG = 8_000  # tokens: 8 steps of prefill at the default cap

@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from agentserve.engine.metrics import RequestTimer, ServerMetrics
-from agentserve.engine.protocol import (APIError, ChatRequest, CompletionRequest, NamedToolChoice,
+from agentserve.engine.http.metrics import RequestTimer, ServerMetrics
+from agentserve.api.openai import (APIError, ChatRequest, CompletionRequest, NamedToolChoice,
                                         check_chat, check_completion, check_length, decode)
-from agentserve.engine.serving import resolve_max_tokens, sampling_params
-from agentserve.engine.serving_completions import completion_prompts
-from agentserve.engine.chat_prompt import chat_messages
+from agentserve.engine.http.serving import resolve_max_tokens, sampling_params
+from agentserve.engine.http.completions import completion_prompts
+from agentserve.prompt.chat import chat_messages
 
 
 def bad(fn, *args) -> APIError:
@@ -177,8 +177,8 @@ def test_text_prompts_get_the_tokenizers_special_tokens_as_the_router_adds_them(
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers.processors import TemplateProcessing
 
-    from agentserve.engine.tokenizer import Tokenizer
-    from agentserve.router.tokenize import IncrementalTokenizer
+    from agentserve.prompt.tokenizer import Tokenizer
+    from agentserve.prompt.incremental import IncrementalTokenizer
 
     d = tmp_path / "bos"
     shutil.copytree(tok_dir, d)

@@ -12,10 +12,10 @@ import openai
 import pytest
 import torch
 
-from agentserve.engine.request import SamplingParams
-from agentserve.engine.sampler import apply_penalties, logits_to_probs, sample
-from agentserve.engine.sequence import Sequence
-from agentserve.engine.tokenizer import IncrementalDetokenizer
+from agentserve.engine.core.request import SamplingParams
+from agentserve.engine.model.sampler import apply_penalties, logits_to_probs, sample
+from agentserve.engine.core.sequence import Sequence
+from agentserve.prompt.tokenizer import IncrementalDetokenizer
 from tests.conftest import API_KEY, ServerThread
 from tests.engine.test_tools import check_schema
 
@@ -180,7 +180,7 @@ def test_logprobs_are_the_models_raw_distribution() -> None:
     """Each sampled token's logprob and its top 5 are log_softmax of the model's own logits
     at that position (the dense reference), also when a bias, a penalty and a temperature
     changed what was sampled (vLLM's raw_logprobs)."""
-    from agentserve.engine.tiny import default_model_dir
+    from agentserve.engine.model.tiny import default_model_dir
     from tests.engine.reference import DenseLlama
     from tests.engine.test_engine import _prompt, _with_engine
 
@@ -219,7 +219,7 @@ def test_logprobs_are_the_models_raw_distribution() -> None:
 def test_batched_draw_follows_the_distribution_and_seeds_ignore_the_batch() -> None:
     """The batched draw (inverse CDF) samples each row from its own tempered, filtered
     distribution; a seeded row draws the same tokens alone or beside other rows."""
-    from agentserve.engine.sampler import make_generator
+    from agentserve.engine.model.sampler import make_generator
 
     logits = torch.tensor([0.0, 1.0, 2.0, -1.0, float("-inf")])
 
@@ -252,7 +252,7 @@ def test_batched_draw_follows_the_distribution_and_seeds_ignore_the_batch() -> N
 def test_top_k_on_candidates_equals_masking_the_vocabulary(top_k, top_p, min_p) -> None:
     """The candidate path (topk, then softmax / min-p / top-p over k values) gives what masking
     every other logit to -inf and filtering the whole vocabulary gives."""
-    from agentserve.engine import sampler
+    from agentserve.engine.model import sampler
 
     g = torch.Generator().manual_seed(top_k)
     for _ in range(5):
@@ -303,7 +303,7 @@ def test_prompt_logprobs_score_every_prompt_token_even_when_cached() -> None:
     None at 0; handed out once, with the first token. Also when the prompt is computed in
     several chunks, and when its prefix is cached: the request then reads no cached prefix
     (as vLLM), so every position is scored."""
-    from agentserve.engine.tiny import default_model_dir
+    from agentserve.engine.model.tiny import default_model_dir
     from tests.engine.reference import DenseLlama
     from tests.engine.test_engine import _prompt, _with_engine
 

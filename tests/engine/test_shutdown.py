@@ -13,7 +13,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from agentserve.procs import start_engine
+from agentserve.cluster.procs import start_engine
 
 
 def _stream(url: str, out: dict) -> None:
@@ -115,7 +115,7 @@ def test_hard_exit_backstop_ends_a_process_something_holds() -> None:
     """`hard_exit_after` ends the process at its deadline even though a non-daemon thread
     would keep it alive for ten minutes (as a worker thread stuck in a stop routine)."""
     code = ("import threading, time\n"
-            "from agentserve.httpbounds import hard_exit_after\n"
+            "from agentserve.api.httpbounds import hard_exit_after\n"
             "hard_exit_after(1.0, 'test shutdown')\n"
             "threading.Thread(target=time.sleep, args=(600,)).start()\n")
     t0 = time.monotonic()

@@ -1,13 +1,13 @@
-"""The engine core's opt-in step trace (engine/steptrace.py) records what each step ran."""
+"""The engine core's opt-in step trace (engine/core/steptrace.py) records what each step ran."""
 
 from __future__ import annotations
 
 import json
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
-from agentserve.engine.sequence import Sequence
-from agentserve.engine.steptrace import ENV
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
+from agentserve.engine.core.sequence import Sequence
+from agentserve.engine.core.steptrace import ENV
 
 
 def test_steps_are_traced_only_when_asked(tmp_path, monkeypatch):
@@ -36,7 +36,7 @@ def test_steps_are_traced_only_when_asked(tmp_path, monkeypatch):
 
 
 def test_a_trace_that_cannot_be_written_turns_itself_off(tmp_path, caplog):
-    from agentserve.engine.steptrace import StepTrace
+    from agentserve.engine.core.steptrace import StepTrace
 
     tr = StepTrace(str(tmp_path / "steps"))
     tr._f.close()  # as if the disk had gone away under it

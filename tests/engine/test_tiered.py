@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.request import SamplingParams
-from agentserve.kv.disk import FILE_HDR, FILE_HDR_SIZE, REC_HDR_SIZE, _parse_header
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.core.request import SamplingParams
+from agentserve.kv.offload.disk import FILE_HDR, FILE_HDR_SIZE, REC_HDR_SIZE, _parse_header
 from agentserve.kv.events import BlockRemoved, BlockStored
 from agentserve.kv.hashing import to_external
 from tests.conftest import TEST_DEVICE, ServerThread
@@ -145,8 +145,8 @@ def test_a_request_aborted_while_waiting_on_another_restore_leaks_nothing(refere
 
     """A failed load, an aborted one, a block the device still held, a block restored twice
     for one request (after a preemption) and a preemption before the first token."""
-    from agentserve.engine.sequence import Sequence
-    from agentserve.kv.connector import RestorePlan
+    from agentserve.engine.core.sequence import Sequence
+    from agentserve.kv.offload.connector import RestorePlan
 
     async def noop(eng: AsyncEngine):
         return None

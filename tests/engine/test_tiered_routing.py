@@ -8,7 +8,7 @@ import asyncio
 import socket
 import time
 
-from agentserve.engine.engine import AsyncEngine
+from agentserve.engine.core.engine import AsyncEngine
 from agentserve.kv.events import KVEventBatch
 from agentserve.router.config import build_config
 from agentserve.router.core import RouteInput, Router

@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer
 
-from agentserve.engine.checkpoint import CheckpointError, ModelConfig, load_config, load_model
-from agentserve.engine.model import KVCache, SeqChunk, prepare_batch
-from agentserve.engine.tiny import SPECIAL_TOKENS, default_model_dir, make_tiny
+from agentserve.engine.model.checkpoint import CheckpointError, ModelConfig, load_config, load_model
+from agentserve.engine.model.llama import KVCache, SeqChunk, prepare_batch
+from agentserve.engine.model.tiny import SPECIAL_TOKENS, default_model_dir, make_tiny
 
 
 @pytest.fixture(scope="module")

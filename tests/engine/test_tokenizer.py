@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentserve.engine.tokenizer import IncrementalDetokenizer, Tokenizer
+from agentserve.prompt.tokenizer import IncrementalDetokenizer, Tokenizer
 
 TEXTS = ["hello world", "héllo naïve café", "日本語のテキスト 🙂🚀", "a🙂b🚀c 日本"]
 

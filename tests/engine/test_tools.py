@@ -10,9 +10,9 @@ import msgspec
 import pytest
 import torch
 
-from agentserve.engine.constrained import (GrammarError, GrammarConstraint,
+from agentserve.engine.model.constrained import (GrammarError, GrammarConstraint,
                                            compile_tool_grammar, tool_call_schema)
-from agentserve.engine.tools import StreamingToolParser, parse_tool_calls, top_level_spans
+from agentserve.engine.model.tools import StreamingToolParser, parse_tool_calls, top_level_spans
 
 ONE = ('Let me check.<tool_call>{"name": "get_weather", '
        '"arguments": {"city": "Paris", "n": [1, {"x": "}"}]}}</tool_call>')

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.engine.protocol import APIError
-from agentserve.engine.transfer_params import (
+from agentserve.api.openai import APIError
+from agentserve.api.kv_transfer import (
     AUTH_HEADER,
     TransferPolicy,
     admit,

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from agentserve.engine.request import SamplingParams
-from agentserve.kv.policies import BlockInfo
-from agentserve.kv.writeback import EvictionStore
+from agentserve.engine.core.request import SamplingParams
+from agentserve.kv.offload.policies import BlockInfo
+from agentserve.kv.offload.writeback import EvictionStore
 from tests.engine.test_tiered import A, B, _evict_and_resume, _run, _with
 
 

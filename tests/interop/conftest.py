@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentserve.procs import vllm_python
+from agentserve.cluster.procs import vllm_python
 
 
 @pytest.fixture(scope="session")
@@ -20,6 +20,6 @@ def vllm_available() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir():
-    from agentserve.engine.tiny import default_model_dir
+    from agentserve.engine.model.tiny import default_model_dir
 
     return default_model_dir()

@@ -10,7 +10,7 @@ import pytest
 
 from agentserve.kv.events import BlockStored
 from agentserve.kv.zmq_events import KVEventSubscriber
-from agentserve.procs import free_port, start_engine, start_vllm
+from agentserve.cluster.procs import free_port, start_engine, start_vllm
 
 pytestmark = pytest.mark.interop
 

@@ -10,7 +10,7 @@ import random
 import openai
 import pytest
 
-from agentserve.procs import start_engine, start_vllm
+from agentserve.cluster.procs import start_engine, start_vllm
 
 pytestmark = pytest.mark.interop
 

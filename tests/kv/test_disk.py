@@ -9,10 +9,10 @@ import zlib
 
 import torch
 
-from agentserve.kv.disk import FILE_HDR_SIZE, REC_HDR, REC_HDR_SIZE, REC_MAGIC, DiskTier
-from agentserve.kv.offload import OffloadManager
-from agentserve.kv.policies import LRUPolicy
-from agentserve.kv.tiers import CPUTier
+from agentserve.kv.offload.disk import FILE_HDR_SIZE, REC_HDR, REC_HDR_SIZE, REC_MAGIC, DiskTier
+from agentserve.kv.offload.manager import OffloadManager
+from agentserve.kv.offload.policies import LRUPolicy
+from agentserve.kv.offload.tiers import CPUTier
 
 
 def K(i: int) -> bytes:
@@ -50,7 +50,7 @@ def test_scan_skips_damaged_foreign_unreadable_and_stray_segments(tmp_path, capl
     (tmp_path / "notes.txt").write_text("not ours")
 
     d2 = _disk(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="agentserve.kv.disk"):
+    with caplog.at_level(logging.WARNING, logger="agentserve.kv.offload.disk"):
         assert d2.scan() == [K(0), K(1), K(2)]
     assert d2.skipped == {"damaged": 3, "foreign": 1, "unreadable": 1, "stray": 1}
     for n in ("00000005", "00000006", "00000007", "00000008", "00000009"):  # once, with the path

@@ -7,10 +7,10 @@ import resource
 
 import torch
 
-from agentserve.kv.disk import FILE_HDR_SIZE, REC_HDR_SIZE, DiskTier
-from agentserve.kv.offload import OffloadManager
-from agentserve.kv.policies import ARCPolicy, BlockInfo, LRUPolicy, SessionPolicy
-from agentserve.kv.tiers import CPUTier, RestoreEstimator
+from agentserve.kv.offload.disk import FILE_HDR_SIZE, REC_HDR_SIZE, DiskTier
+from agentserve.kv.offload.manager import OffloadManager
+from agentserve.kv.offload.policies import ARCPolicy, BlockInfo, LRUPolicy, SessionPolicy
+from agentserve.kv.offload.tiers import CPUTier, RestoreEstimator
 
 
 def K(i: int) -> bytes:

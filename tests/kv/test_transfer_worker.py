@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentserve.kv import transfer
-from agentserve.kv.transfer import TransferWorker
+from agentserve.kv.offload import copy as transfer
+from agentserve.kv.offload.copy import TransferWorker
 
 L, NB, BS, H, D, PER = 3, 40, 4, 2, 8, 2  # PER device blocks per offload block
 

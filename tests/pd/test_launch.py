@@ -18,9 +18,9 @@ from typing import Any
 
 import pytest
 
-from agentserve.launch import Topology, parse_topology
-from agentserve.procs import agentserve_cmd, free_port, start_process
-from agentserve.supervisor import RestartPolicy, Supervised
+from agentserve.cluster.launch import Topology, parse_topology
+from agentserve.cluster.procs import agentserve_cmd, free_port, start_process
+from agentserve.cluster.supervisor import RestartPolicy, Supervised
 from tests.pd.test_pd_engine import TOKEN, post
 
 

@@ -36,7 +36,7 @@ def pd() -> Iterator[tuple[ServerThread, ServerThread]]:
 
 def signed(params: dict[str, Any], purpose: str = "kv_transfer_params") -> dict[str, str]:
     """The headers of a request carrying ``params``, signed as the router signs them."""
-    from agentserve.engine.transfer_params import signed_headers
+    from agentserve.api.kv_transfer import signed_headers
 
     return {"Content-Type": "application/json", **signed_headers(TOKEN, params, purpose)}
 
@@ -217,8 +217,8 @@ def test_prefill_engine_counts_prompt_tokens(pd: tuple[ServerThread, ServerThrea
 
 def _truncating_server(nbytes: int) -> tuple[int, threading.Thread]:
     """A fake prefill transfer server that dies after sending part of a payload."""
-    from agentserve.engine.transfer_auth import server_handshake
-    from agentserve.engine.transfer_frames import recv_header, send_frame
+    from agentserve.kv.remote.auth import server_handshake
+    from agentserve.kv.remote.frames import recv_header, send_frame
 
     lst = socket.create_server(("127.0.0.1", 0))
 
@@ -248,7 +248,7 @@ def pinned_sums(p: ServerThread, rid: str, timeout: float = 10.0) -> list[int]:
 
 
 def test_pins_are_checksummed_once_off_the_pull_path(pd: tuple[ServerThread, ServerThread]) -> None:
-    from agentserve.engine.transfer_frames import block_sums
+    from agentserve.kv.remote.frames import block_sums
 
     p, d = pd
     prompt = [random.Random(7).randint(3, 500) for _ in range(200)]
@@ -325,9 +325,9 @@ def test_unpulled_pins_expire() -> None:
 
 
 def test_bad_token_is_refused(pd: tuple[ServerThread, ServerThread]) -> None:
-    from agentserve.engine.transfer_api import PullSpec
-    from agentserve.engine.transfer_frames import TransferError
-    from agentserve.engine.transfer_wire import TcpBackend
+    from agentserve.kv.remote.backend import PullSpec
+    from agentserve.kv.remote.frames import TransferError
+    from agentserve.kv.remote.wire import TcpBackend
 
     p, _ = pd
     spec = PullSpec("127.0.0.1", p.engine.core.remote.port, "nope", [0], [b"x"])

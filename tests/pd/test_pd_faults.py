@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from agentserve.engine.engine import AsyncEngine
+from agentserve.engine.core.engine import AsyncEngine
 from tests.conftest import TEST_DEVICE
 from tests.engine.isolation import assert_clean, collect, run_engine
 

@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from agentserve.engine.transfer_params import AUTH_HEADER, sign, verify
+from agentserve.api.kv_transfer import AUTH_HEADER, sign, verify
 from agentserve.router.config import build_config
 from agentserve.router.pd import PREFILL_PARAMS
 from agentserve.router.gateway import Gateway

@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from agentserve.engine.transfer_params import AUTH_HEADER, sign
+from agentserve.api.kv_transfer import AUTH_HEADER, sign
 from tests.conftest import ServerThread
 from tests.pd.test_pd_engine import KW, TOKEN, prefill_leg, signed, transfer, wait_clean
 
@@ -48,8 +48,8 @@ class Listener:
         threading.Thread(target=self._run, daemon=True).start()
 
     def _run(self) -> None:
-        from agentserve.engine.transfer_auth import server_handshake
-        from agentserve.engine.transfer_frames import recv_header, send_frame
+        from agentserve.kv.remote.auth import server_handshake
+        from agentserve.kv.remote.frames import recv_header, send_frame
 
         while True:
             try:

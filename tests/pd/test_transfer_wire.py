@@ -9,11 +9,11 @@ import time
 import pytest
 import torch
 
-from agentserve.engine.transfer_api import PullSpec
-from agentserve.engine.transfer_auth import client_handshake, server_handshake
-from agentserve.engine.transfer_frames import TransferError, block_shape, block_sums
-from agentserve.engine.transfer_wire import TcpBackend
-from agentserve.kv.transfer import StagingBuffer, block_views, gather_blocks
+from agentserve.kv.remote.backend import PullSpec
+from agentserve.kv.remote.auth import client_handshake, server_handshake
+from agentserve.kv.remote.frames import TransferError, block_shape, block_sums
+from agentserve.kv.remote.wire import TcpBackend
+from agentserve.kv.offload.copy import StagingBuffer, block_views, gather_blocks
 from tests.conftest import TEST_DEVICE
 
 
@@ -103,7 +103,7 @@ def test_refused_and_size_mismatch_raise() -> None:
 
 def test_corrupted_chunk_sum_is_detected() -> None:
     """A peer whose payload does not match its sums: the pull fails (the caller recomputes)."""
-    from agentserve.engine.transfer_frames import recv_header, send_frame
+    from agentserve.kv.remote.frames import recv_header, send_frame
 
     k, v = cache(blocks=4)
     lst = socket.create_server(("127.0.0.1", 0))
@@ -185,7 +185,7 @@ def test_pinned_sums_are_sent_and_every_byte_is_checked(staged: bool) -> None:
                                          (torch.float16, (3, 40, 3, 1, 1)),  # 6-byte units
                                          (torch.bfloat16, (2, 40, 3, 1, 4))])
 def test_block_sums_agree_with_every_cut(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
-    from agentserve.engine.transfer_frames import (
+    from agentserve.kv.remote.frames import (
         MASK,
         _block_sums_torch,
         block_sums,
@@ -214,7 +214,7 @@ def test_block_sums_agree_with_every_cut(dtype: torch.dtype, shape: tuple[int, .
 def test_receive_in_small_groups_and_sum_tasks(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
                                                shape: tuple[int, ...]) -> None:
     """Receive groups and sum tasks that cut layers and runs every which way still add up."""
-    import agentserve.engine.transfer_wire as wire
+    import agentserve.kv.remote.wire as wire
 
     monkeypatch.setattr(wire, "RECV_GROUP_BYTES", 200)
     monkeypatch.setattr(wire, "SUM_CALL_BYTES", 300)
@@ -238,7 +238,7 @@ def test_receive_in_small_groups_and_sum_tasks(monkeypatch: pytest.MonkeyPatch, 
 def test_stalled_reader_frees_the_pins() -> None:
     """A decode side that asks for blocks and stops reading: the server's send times out
     and checks the pin back in (it would otherwise be held forever)."""
-    from agentserve.engine.transfer_frames import send_frame
+    from agentserve.kv.remote.frames import send_frame
 
     k, v = torch.randn(2, 32, 16, 8, 128), torch.randn(2, 32, 16, 8, 128)  # 256 KiB blocks
     src = Source(k, v)
@@ -260,7 +260,7 @@ def test_stalled_reader_frees_the_pins() -> None:
 
 def test_stalled_sender_times_out() -> None:
     """A prefill side that stops mid-payload (alive, silent): the pull fails in time."""
-    from agentserve.engine.transfer_frames import recv_header, send_frame
+    from agentserve.kv.remote.frames import recv_header, send_frame
 
     k, v = cache(blocks=4)
     lst = socket.create_server(("127.0.0.1", 0))
@@ -307,7 +307,7 @@ def test_malformed_requests_get_an_error_frame_and_the_server_keeps_serving() ->
     """A peer with the token sending a request of the wrong shape gets ``ok: false`` with
     the reason (not a dropped connection and a traceback), nothing is checked out, and the
     next pull is served."""
-    from agentserve.engine.transfer_frames import recv_header, send_frame
+    from agentserve.kv.remote.frames import recv_header, send_frame
 
     k, v = cache()
     src = Source(k, v)
@@ -411,7 +411,7 @@ def test_the_token_never_crosses_the_wire_and_a_wrong_one_is_refused() -> None:
     got = bytearray()
 
     def fake() -> None:
-        from agentserve.engine.transfer_frames import recv_header, send_frame
+        from agentserve.kv.remote.frames import recv_header, send_frame
 
         conn, _ = lst.accept()
         with conn, lst:
@@ -454,7 +454,7 @@ def _threads(prefix: str) -> int:
 def test_idle_unauthenticated_connections_are_capped_and_closed() -> None:
     """200 connections that never authenticate: at most max_conns get a thread, the rest a
     refusal at once; each thread ends by the auth timeout; then a real client is served."""
-    from agentserve.engine.transfer_frames import recv_header
+    from agentserve.kv.remote.frames import recv_header
 
     k, v = cache()
     srv = TcpBackend("t", auth_timeout=0.5, max_conns=16)
@@ -488,7 +488,7 @@ def test_idle_unauthenticated_connections_are_capped_and_closed() -> None:
 def test_a_drip_fed_handshake_is_cut_at_its_deadline() -> None:
     """A peer sending its auth frame a byte at a time (each within the socket timeout)
     still loses the connection at about the auth timeout."""
-    from agentserve.engine.transfer_frames import recv_header
+    from agentserve.kv.remote.frames import recv_header
 
     k, v = cache(blocks=4)
     srv = TcpBackend("t", auth_timeout=0.6)

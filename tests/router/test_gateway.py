@@ -148,7 +148,7 @@ async def test_prompt_over_every_context_limit_is_a_400_from_the_router(stack):
         err = (await r.json())["error"]
     assert err["type"] == "invalid_request_error"
     assert "maximum context length is 64 tokens" in err["message"]
-    # the engine's error object for the same mistake (engine/protocol.py check_length)
+    # the engine's error object for the same mistake (api/openai.py check_length)
     assert (err["code"], err["param"]) == ("context_length_exceeded", "prompt")
     assert len(engines[0].calls) == 3 and not engines[1].calls
     async with s.get("/metrics") as r:
@@ -181,7 +181,7 @@ async def test_unknown_model_404(stack):
     async with s.post("/v1/completions", json=prompt(model="other")) as r:
         assert r.status == 404
         err = (await r.json())["error"]
-    # as the engine answers it (engine/server.py check_model), not an HTTP status as `code`
+    # as the engine answers it (engine/http/server.py check_model), not an HTTP status as `code`
     assert (err["type"], err["param"], err["code"]) == (
         "invalid_request_error", "model", "model_not_found")
 

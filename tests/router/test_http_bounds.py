@@ -15,7 +15,7 @@ import time
 import aiohttp
 import pytest
 
-from agentserve.httpbounds import listen_socket
+from agentserve.api.httpbounds import listen_socket
 from agentserve.router.config import build_config
 from agentserve.router.gateway import Gateway
 from agentserve.router.serve import serve

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentserve.engine.tiny import default_model_dir
+from agentserve.engine.model.tiny import default_model_dir
 
 from tests.conftest import API_KEY
 

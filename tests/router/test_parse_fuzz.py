@@ -9,11 +9,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from agentserve.engine.tiny import default_model_dir
-from agentserve.engine.tokenizer import Tokenizer
-from agentserve.router.rawprompt import RawPromptCache
+from agentserve.engine.model.tiny import default_model_dir
+from agentserve.prompt.tokenizer import Tokenizer
+from agentserve.prompt.rawprompt import RawPromptCache
 from agentserve.router.requests import BadRequest, parse_request
-from agentserve.router.tokenize import IncrementalTokenizer
+from agentserve.prompt.incremental import IncrementalTokenizer
 from tests.fuzzing import bodies, json_values
 
 

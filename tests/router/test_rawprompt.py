@@ -15,7 +15,7 @@ from agentserve.kv.hashing import BlockHasher
 from agentserve.router.config import build_config
 from agentserve.router.core import Router
 from agentserve.router.index import block_key
-from agentserve.router.rawprompt import RawPromptCache, common_prefix
+from agentserve.prompt.rawprompt import RawPromptCache, common_prefix
 from agentserve.router.requests import BadRequest, parse_request
 
 HDR = {"x-session-id": "s1"}

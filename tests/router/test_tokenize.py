@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from agentserve.engine.tiny import default_model_dir
-from agentserve.engine.tokenizer import Tokenizer
-from agentserve.router.tokenize import IncrementalTokenizer, common_prefix_len
+from agentserve.engine.model.tiny import default_model_dir
+from agentserve.prompt.tokenizer import Tokenizer
+from agentserve.prompt.incremental import IncrementalTokenizer, common_prefix_len
 
 
 @pytest.fixture(scope="module")
@@ -19,7 +19,7 @@ def test_common_prefix_len():
     assert common_prefix_len(a, a + "d") == len(a)
     assert common_prefix_len(a, "x" * 20000 + "abd") == 20002
     assert common_prefix_len("", "a") == 0
-    from agentserve.router.segments import Rope
+    from agentserve.prompt.segments import Rope
     r = Rope(["x" * 20000, "abc"])
     assert common_prefix_len(r, Rope(["x" * 20000, "abd"]), lo=19990) == 20002
     assert common_prefix_len(r, "x" * 20000 + "abc!", lo=5) == len(r)
@@ -117,7 +117,7 @@ def test_incremental_render_skips_the_whole_conversation(tok):
 def test_non_append_only_template_falls_back(tok):
     import copy
 
-    from agentserve.engine.tokenizer import compile_chat_template
+    from agentserve.prompt.tokenizer import compile_chat_template
 
     bad = copy.copy(tok)
     bad._template = compile_chat_template(
@@ -149,7 +149,7 @@ def test_seq_shares_segments_and_behaves_like_an_array():
     from array import array
     from bisect import bisect_right
 
-    from agentserve.router.segments import Seq
+    from agentserve.prompt.segments import Seq
 
     rng = random.Random(3)
     ref = sorted(rng.randrange(1000) for _ in range(50))
@@ -171,7 +171,7 @@ def test_seq_shares_segments_and_behaves_like_an_array():
 
 
 def test_rope_slices_and_shares_segments():
-    from agentserve.router.segments import Rope
+    from agentserve.prompt.segments import Rope
     a = Rope(["hello ", "world"])
     assert len(a) == 11 and str(a) == "hello world" and a[3:8] == "lo wo" and a[6:] == "world"
     for suffix, start, end in [("lo wo", 0, 8), ("lo w", 0, 8), ("world", 0, None),

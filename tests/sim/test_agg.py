@@ -96,7 +96,7 @@ def test_decode_attention_reads_each_group_padded_to_its_longest_context(tmp_pat
                                                                           short, keys) -> None:
     """The engine's decode SDPA runs per group of similar contexts, over a block table padded
     to the group's longest: 2,500 beside 3,000 share a call (2 x 3,000 keys read); 100 beside
-    3,000 get their own (3,100), as engine/decode_groups.py groups them."""
+    3,000 get their own (3,100), as kv/decode_groups.py groups them."""
     step = _decode_step(tmp_path, monkeypatch, 16, [([], short), ([], 3_000)])
     assert step == pytest.approx(keys * 1e-6)
 
@@ -132,7 +132,7 @@ def _decode_step(tmp_path, monkeypatch, block_size: int, decodes: list[tuple[lis
 def test_decodes_sharing_a_prefix_read_it_once(tmp_path, monkeypatch, head, engine_block, keys
                                                 ) -> None:
     """Two decodes whose inputs start with the same block hashes (a sub-agent burst) read that
-    prefix once, as the engine's cascade attention does (engine/decode_groups.py), in whole
+    prefix once, as the engine's cascade attention does (kv/decode_groups.py), in whole
     engine blocks and only from MIN_SHARED_TOKENS up."""
     n_in = head + 500
     decodes = [((list(range(head // 4)) + [10_000 * (i + 1) + j for j in range(125)])[: n_in // 4],
@@ -174,7 +174,7 @@ def test_closed_clients_send_a_session_in_the_bench_order() -> None:
     """An aggregated closed client replays a session as `agentserve bench --mode concurrency`
     does: each sub-agent's calls back to back before the next sub-agent's, not interleaved by
     time as `flatten` orders them for xPyD closed clients."""
-    from agentserve.sim.workload import bench_order, flatten
+    from agentserve.sim.sessions import bench_order, flatten
     from agentserve.workload.replay_plan import session_jobs
     from agentserve.workload.schema import Subagent
 
@@ -218,7 +218,7 @@ def test_queue_lengths_are_sampled_over_the_window(tmp_path, monkeypatch) -> Non
 
 
 def test_requests_over_a_head_being_computed_wait_for_it(tmp_path, monkeypatch) -> None:
-    """As the engine (engine/inflight.py): three requests over one uncached 320-token head,
+    """As the engine (engine/core/inflight.py): three requests over one uncached 320-token head,
     admitted together, compute it once; the two that waited hit it in the cache."""
     _hw(tmp_path, monkeypatch)
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))

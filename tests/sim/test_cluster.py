@@ -14,7 +14,7 @@ from agentserve.kv.manager import cdiv
 from agentserve.sim.fastpool import SimBlockPool
 from agentserve.sim import cli as sim_cli
 from agentserve.sim import run as sim_run
-from agentserve.sim import workload as sim_workload
+from agentserve.sim import sessions as sim_workload
 from agentserve.sim.cluster import Clock, mtp_accepted, store_cpu
 from agentserve.sim.config import request_path
 from agentserve.sim.run import SimConfig, parse_topology, simulate
@@ -311,7 +311,7 @@ def test_cli_bad_trace_files_are_one_line_errors_naming_the_file(tmp_path) -> No
 def test_a_trace_is_parsed_once_per_process_until_the_file_changes(tmp_path) -> None:
     """plan checks its trace, then forks workers that simulate ~100 stages of it: they reuse
     the parsed sessions; a rewritten file is read again, and a missing one is a clear error."""
-    from agentserve.sim import workload as wl
+    from agentserve.sim import sessions as wl
 
     f = tmp_path / "t.jsonl"
     req = {"t": 0, "type": "n", "in": 128, "out": 8, "hash_ids": [1, 2]}
@@ -815,7 +815,7 @@ def test_pull_posting_holds_the_lockstep_decode_step(monkeypatch: pytest.MonkeyP
     starts a pull cannot end before the posting does, and the lockstep instance waits for its
     slowest rank. With a posting cost far above the step time, decode slows and the stall is
     counted; without one nothing is."""
-    import agentserve.sim.transfer as transfer
+    import agentserve.sim.linkcost as transfer
 
     def run(post: float) -> tuple[dict, float]:
         monkeypatch.setattr(transfer, "NIXL_POST_S", post)

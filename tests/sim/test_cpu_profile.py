@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from agentserve.sim import cli as sim_cli
 from agentserve.sim import specs
-from agentserve.sim import workload as sim_workload
+from agentserve.sim import sessions as sim_workload
 from tests.sim.test_agg import PROFILE
 from tests.sim.test_seeds import _sessions
 

@@ -99,7 +99,7 @@ def test_pull_posting_counts_blocks_times_regions() -> None:
     """The decode worker posts a descriptor per pulled block per registered KV region: GLM-5.2's
     78 layers' latent caches, the MTP layer's and the 21 indexer-key caches (~100, vllm#55434
     counts 101 for GLM-5.3); a partial block is one block, nothing pulled posts nothing."""
-    from agentserve.sim.transfer import NIXL_POST_S
+    from agentserve.sim.linkcost import NIXL_POST_S
 
     assert DEC.kv_regions() == 78 + 1 + 21
     assert DEC.kv_post_time(100_000, 64) == pytest.approx(1563 * 100 * NIXL_POST_S)

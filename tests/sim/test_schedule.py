@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from agentserve.sim import workload as wl
+from agentserve.sim import sessions as wl
 from agentserve.sim.run import SimConfig, Simulation, simulate
 from agentserve.sim.schedule import scheduled
 from agentserve.workload.replay_load import mooncake_jobs

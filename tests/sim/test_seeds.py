@@ -9,7 +9,7 @@ import typer
 from typer.testing import CliRunner
 
 from agentserve.sim import cli as sim_cli
-from agentserve.sim import workload as sim_workload
+from agentserve.sim import sessions as sim_workload
 from agentserve.sim.run import SimConfig, simulate
 from agentserve.sim.seeds import simulate_seeds
 from agentserve.workload.schema import Session, TraceRequest

@@ -8,7 +8,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from agentserve.sim import workload as wl
+from agentserve.sim import sessions as wl
 from agentserve.sim.run import SimConfig, simulate
 
 # r1 extends r0's two 512-token blocks; r2 shares nothing. No session ids: each record is its

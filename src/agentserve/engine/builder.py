@@ -11,24 +11,24 @@ from pathlib import Path
 
 import torch
 
-from agentserve.engine.checkpoint import CheckpointError, load_model
-from agentserve.engine.core import EngineCore
-from agentserve.engine.engine import AsyncEngine
-from agentserve.engine.model import KVCache
-from agentserve.engine.runner import ModelRunner
-from agentserve.engine.scheduler import Scheduler
-from agentserve.engine.tokenizer import Tokenizer
-from agentserve.engine.transfer import RemoteConfig, RemoteKV
-from agentserve.engine.transfer_params import TransferPolicy, parse_peers
-from agentserve.engine.transfer_wire import TcpBackend
-from agentserve.kv.connector import TierConnector
-from agentserve.kv.factory import make_connector
+from agentserve.engine.model.checkpoint import CheckpointError, load_model
+from agentserve.engine.core.loop import EngineCore
+from agentserve.engine.core.engine import AsyncEngine
+from agentserve.engine.model.llama import KVCache
+from agentserve.engine.model.runner import ModelRunner
+from agentserve.engine.core.scheduler import Scheduler
+from agentserve.prompt.tokenizer import Tokenizer
+from agentserve.kv.remote.client import RemoteConfig, RemoteKV
+from agentserve.api.kv_transfer import TransferPolicy, parse_peers
+from agentserve.kv.remote.wire import TcpBackend
+from agentserve.kv.offload.connector import TierConnector
+from agentserve.kv.offload.factory import make_connector
 from agentserve.kv.events import KVEventQueue
 from agentserve.kv.zmq_events import KVEventPublisher
 from agentserve.kv.hashing import BlockHasher
 from agentserve.kv.manager import KVCacheManager
 from agentserve.kv.pool import BlockPool
-from agentserve.kv.tiers import TierConfig
+from agentserve.kv.offload.tiers import TierConfig
 
 log = logging.getLogger("agentserve.engine")
 
@@ -75,7 +75,7 @@ class EngineArgs:
     kv_max_loads: int = 4
     kv_session_ttl: float = 600.0
     kv_restore_mode: str = "auto"
-    # Prefill/decode disaggregation (engine/transfer.py).
+    # Prefill/decode disaggregation (kv/remote/client.py).
     role: str = "both"  # both | prefill | decode
     kv_transfer_port: int | None = None  # None: any free port; -1: transfer off (role both only)
     kv_transfer_host: str = "127.0.0.1"  # advertised in remote_host (and bound)
@@ -249,7 +249,7 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
         raise EngineConfigError("--device cuda requested but torch sees no CUDA device")
     auth = _transfer_auth(args) if _transfer_on(args) else None
     if args.model is None:
-        from agentserve.engine.tiny import default_model_dir
+        from agentserve.engine.model.tiny import default_model_dir
 
         model_dir = default_model_dir()
     else:

@@ -1,4 +1,4 @@
-"""Engine commands: `agentserve serve`, `agentserve model make-tiny`, `agentserve demo`."""
+"""Engine commands: `agentserve serve`, `agentserve model make-tiny`."""
 
 from __future__ import annotations
 
@@ -90,9 +90,9 @@ def serve(
 ) -> None:
     """Serve a model over the OpenAI API with paged KV, prefix caching and KV events."""
     from agentserve.engine.builder import EngineArgs, EngineConfigError
-    from agentserve.engine.checkpoint import CheckpointError
-    from agentserve.engine.serve import run_server
-    from agentserve.httpbounds import HttpLimits
+    from agentserve.engine.model.checkpoint import CheckpointError
+    from agentserve.engine.http.serve import run_server
+    from agentserve.api.httpbounds import HttpLimits
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = EngineArgs(model=model, served_model_name=served_model_name, dtype=dtype, device=device,
@@ -138,7 +138,7 @@ def make_tiny_cmd(
     seed: int = typer.Option(0, help="Weight seed."),
 ) -> None:
     """Build a deterministic random-weight Llama checkpoint with a BPE tokenizer, offline."""
-    from agentserve.engine.tiny import make_tiny
+    from agentserve.engine.model.tiny import make_tiny
 
     try:
         path = make_tiny(out, preset=preset, seed=seed)
@@ -150,6 +150,3 @@ def make_tiny_cmd(
 def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.add_typer(model_app, name="model")
-    from agentserve.demo import demo
-
-    app.command("demo")(demo)

@@ -132,7 +132,7 @@ class BlockPool:
         self.on_evict: Callable[[BlockHash], None] | None = None
         # Called once per ``allocate`` with the (hash, block id) of every block it evicted,
         # before anyone receives the blocks: the last moment their contents can be read
-        # (write-back offload, kv/writeback.py). None: nobody listens.
+        # (write-back offload, kv/offload/writeback.py). None: nobody listens.
         self.on_evict_blocks: Callable[[list[tuple[BlockHash, int]]], None] | None = None
 
     # -- queries -----------------------------------------------------------------

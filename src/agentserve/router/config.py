@@ -125,7 +125,7 @@ class Options:
     queue_timeout_s: float = 30.0
     retry_after_s: int = 1
     max_body_mb: float = 64.0
-    # HTTP bounds (agentserve/httpbounds.py; `route` flags override them): a request head
+    # HTTP bounds (agentserve/api/httpbounds.py; `route` flags override them): a request head
     # within header_timeout_s of connecting or of the last response, no body silent for
     # body_timeout_s, at most max_connections open; on SIGTERM in-flight requests get
     # drain_timeout_s to finish

@@ -34,7 +34,7 @@ from agentserve.router.picker import build_picker
 from agentserve.router.prefix import HashCache
 from agentserve.router.scorers import (Candidate, ModelFilter, RoleFilter, build_scorers,
                                        weighted_scores)
-from agentserve.router.tokenize import Tokenized
+from agentserve.prompt.incremental import Tokenized
 
 HasherId = tuple[str, int, "str | None"]
 

@@ -9,8 +9,8 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from agentserve.engine.messages_protocol import anthropic_error
-from agentserve.engine.protocol import APIError
+from agentserve.api.anthropic import anthropic_error
+from agentserve.api.openai import APIError
 
 logger = logging.getLogger("agentserve.router.gateway")
 

@@ -7,7 +7,7 @@ API key, `POST /admin/endpoints` (add: an endpoint config mapping), `DELETE
 SIGHUP).
 
 With an API key every route but /health and /metrics needs it. Every request body is read
-before its handler, bounded in size (413) and silence (408; `agentserve.httpbounds`).
+before its handler, bounded in size (413) and silence (408; `agentserve.api.httpbounds`).
 Per request: authenticate, parse (400 without touching a backend), tokenize
 incrementally, admit (at most `max_inflight` in flight, `max_queue` waiting up to
 `queue_timeout_s`, else 503 + Retry-After), decide, forward; an endpoint that fails
@@ -29,7 +29,7 @@ import msgspec
 import yaml
 from aiohttp import web
 
-from agentserve.httpbounds import body_timeout_middleware
+from agentserve.api.httpbounds import body_timeout_middleware
 from agentserve.router.config import EndpointConfig, RouterConfig, load_config
 from agentserve.router.core import NoEndpoint, RouteInput, Router
 from agentserve.router.endpoints import Endpoint, cancel, check_health, poll_loop, request_fault
@@ -38,7 +38,7 @@ from agentserve.router.events import EventApplier, rebuild, subscribe
 from agentserve.router.metrics import RouterMetrics
 from agentserve.router.pd import DecodeUnreachable
 from agentserve.router.proxy import Upstream, echo_request_id, forward
-from agentserve.router.rawprompt import RawPromptCache
+from agentserve.prompt.rawprompt import RawPromptCache
 from agentserve.router.requests import BadRequest, parse_request
 
 logger = logging.getLogger(__name__)

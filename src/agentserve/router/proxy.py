@@ -25,7 +25,7 @@ import aiohttp
 import msgspec
 from aiohttp import web
 
-from agentserve.engine.transfer_params import AUTH_HEADER
+from agentserve.api.kv_transfer import AUTH_HEADER
 
 logger = logging.getLogger(__name__)
 

@@ -20,17 +20,17 @@ from typing import Any
 
 import msgspec
 
-from agentserve.engine.messages_protocol import MessagesRequest
-from agentserve.engine.messages_protocol import to_chat as messages_to_chat
-from agentserve.engine.chat_prompt import chat_messages
-from agentserve.engine.protocol import MAX_N, APIError, decode
-from agentserve.engine.responses_protocol import ResponsesRequest
-from agentserve.engine.responses_protocol import to_chat as responses_to_chat
-from agentserve.engine.tokenizer import continue_final
+from agentserve.api.anthropic import MessagesRequest
+from agentserve.api.anthropic import to_chat as messages_to_chat
+from agentserve.prompt.chat import chat_messages
+from agentserve.api.openai import MAX_N, APIError, decode
+from agentserve.api.responses import ResponsesRequest
+from agentserve.api.responses import to_chat as responses_to_chat
+from agentserve.prompt.tokenizer import continue_final
 from agentserve.router.config import RouterConfig
 from agentserve.router.core import RouteInput
-from agentserve.router.rawprompt import RawParse, RawPromptCache
-from agentserve.router.tokenize import IncrementalTokenizer, Tokenized
+from agentserve.prompt.rawprompt import RawParse, RawPromptCache
+from agentserve.prompt.incremental import IncrementalTokenizer, Tokenized
 
 logger = logging.getLogger(__name__)
 _DECODER = msgspec.json.Decoder()
@@ -221,7 +221,7 @@ def load_tokenizer(cfg: RouterConfig) -> IncrementalTokenizer | None:
                                  and (Path(e.model) / "tokenizer.json").exists()), None)
     if not src:
         return None
-    from agentserve.engine.tokenizer import Tokenizer
+    from agentserve.prompt.tokenizer import Tokenizer
 
     d = Path(src)
     if not (d / "tokenizer.json").exists():

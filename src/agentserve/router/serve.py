@@ -1,4 +1,4 @@
-"""Run the router's HTTP server in the foreground, bounded (``agentserve.httpbounds``).
+"""Run the router's HTTP server in the foreground, bounded (``agentserve.api.httpbounds``).
 
 Header and body timeouts and a connection cap from the router options; SIGTERM/SIGINT stop
 listening, give in-flight requests ``drain_timeout_s`` to finish, cancel the rest and exit,
@@ -14,7 +14,7 @@ import socket
 
 from aiohttp import web
 
-from agentserve.httpbounds import (CappedSite, HttpLimits, hard_exit_after, listen_socket,
+from agentserve.api.httpbounds import (CappedSite, HttpLimits, hard_exit_after, listen_socket,
                                    raise_open_files_limit)
 from agentserve.router.config import Options, RouterConfig
 from agentserve.router.gateway import Gateway

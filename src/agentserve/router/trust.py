@@ -26,7 +26,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from agentserve.engine.transfer_params import AUTH_HEADER, RELEASE, sign
+from agentserve.api.kv_transfer import AUTH_HEADER, RELEASE, sign
 from agentserve.router.errors import error
 from agentserve.router.proxy import OPERATOR_HEADER, TRANSFER_AUTH
 from agentserve.router.requests import strip_internal

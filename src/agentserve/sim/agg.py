@@ -1,6 +1,6 @@
 """Aggregated engines ("both" role, `agentserve up --topology N`): prefill and decode in one step.
 
-Mirrors our engine's scheduler (engine/scheduler.py, vLLM V1 style): each step first serves
+Mirrors our engine's scheduler (engine/core/scheduler.py, vLLM V1 style): each step first serves
 the running requests in order (a decoding request takes 1 token, a prefilling one the rest of
 its prompt up to the budget), then admits waiting requests FCFS while the
 `max_num_batched_tokens` budget and `max_num_seqs` last; a new request starts after its GPU
@@ -8,7 +8,7 @@ prefix hit. The step that computes a prompt's last token also samples its first 
 (TTFT). Blocks come from the real pool; when a decoding request needs a block and none is
 free, the newest running request is preempted (freed, back to the queue head, recomputed).
 A waiting head whose next uncached blocks a running request is computing waits for them
-(the engine's in-flight prefix sharing, engine/inflight.py: same minimum run, same release:
+(the engine's in-flight prefix sharing, engine/core/inflight.py: same minimum run, same release:
 once the leader has computed them or left the running list).
 
 Stepped per step (one event per step), which is cheap at the scale this is used for (one or
@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from agentserve.engine.decode_groups import read_keys
-from agentserve.engine.inflight import MIN_JOIN_BLOCKS
+from agentserve.kv.decode_groups import read_keys
+from agentserve.engine.core.inflight import MIN_JOIN_BLOCKS
 from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
 from agentserve.sim.config import arrival_stretch, busy_path
@@ -49,7 +49,7 @@ class AggInstance(Instance):
         self.min_join = cdiv(MIN_JOIN_BLOCKS * self.engine_block, bs)  # in pool blocks
         self._owner: dict[int, SimRequest] = {}  # block hash -> running request computing it
         self._keys: dict[int, list[int]] = {}  # id(request) -> the hashes it registered
-        # steps as the engine's step trace records them, when a list (engine/steptrace.py)
+        # steps as the engine's step trace records them, when a list (engine/core/steptrace.py)
         self.trace: list[dict] | None = None
         # when a dict: request id -> its path's stamps, as the engine's request trace has
         # them (`route`: reached this engine, `adm`: queued after any busy wait, `sched`: its
@@ -94,7 +94,7 @@ class AggInstance(Instance):
 
     def _joins(self, req: SimRequest, hit_blocks: int) -> tuple[SimRequest, int] | None:
         """(leader, prompt tokens it must have computed) when the blocks right past the
-        head's hit are being computed by one running request (engine/inflight.py)."""
+        head's hit are being computed by one running request (engine/core/inflight.py)."""
         if not self._owner:
             return None
         bs = self.rank.pool.block_size
@@ -207,7 +207,7 @@ class AggInstance(Instance):
         pre = [(n, q.computed) for q, n in plan if q.computed < q.n_in]
         dec = [q for q, n in plan if q.computed >= q.n_in]
         # Our engine's decode attention runs one SDPA per group of similar contexts, each over
-        # a block table padded to the group's longest (engine/decode_groups.py): it reads
+        # a block table padded to the group's longest (kv/decode_groups.py): it reads
         # sum(group size x its longest), not the sum of contexts; decodes that share a prefix
         # (same block hashes: a sub-agent burst) read it once first, in whole engine blocks.
         # Calibration decodes equal contexts sharing nothing (one group), where all agree.

@@ -15,7 +15,7 @@ from agentserve.sim.config import (IDLE_GAP_CAP_S, LIMITS, ROUTE_MISS, check_cli
                                    check_efficiency, parse_efficiency, parse_idle_gap_cap)
 from agentserve.sim.run import SimConfig, parse_topology, simulate_records
 from agentserve.sim.specs import CPU_PROFILE_ENV, cpu_profile_path
-from agentserve.sim.workload import SYNTH, load_workload
+from agentserve.sim.sessions import SYNTH, load_workload
 
 KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_s_per_user",
         "gpus", "cost_per_m_input", "cost_per_m_output", "cpu_restore_gib", "prefill_gpu_hit_rate",

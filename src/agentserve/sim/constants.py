@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # What a calibrated cpu-local profile's `attn_prefill_s` measures: the engine's prefill over a
-# cached prefix reads the prefix in place, unmasked (engine/paged_prefix.py). A profile
+# cached prefix reads the prefix in place, unmasked (engine/model/paged_prefix.py). A profile
 # fitted to an earlier kernel (masked, over a gathered copy) is refused, not misread.
 CACHED_PREFILL_KERNEL = "in_place"
 

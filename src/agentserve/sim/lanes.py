@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from agentserve.sim.workload import GLOBAL_NS
+from agentserve.sim.sessions import GLOBAL_NS
 from agentserve.workload.schema import Session, Subagent, TraceRequest
 
 

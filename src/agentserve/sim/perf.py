@@ -32,7 +32,7 @@ from agentserve.sim.constants import (CACHED_PREFILL_KERNEL, LOGIT_BYTES, MQA_LO
                                       MTP_ACCEPT, Efficiency)
 from agentserve.sim.memory import Topology
 from agentserve.sim.specs import HardwareSpec, ModelSpec
-from agentserve.sim.transfer import TransferModel
+from agentserve.sim.linkcost import TransferModel
 
 def interp(points: list[tuple[int, float]], x: float) -> float:
     """Piecewise-linear through sorted (x, y) points; the end segments extend beyond them."""
@@ -350,7 +350,7 @@ class PerfModel(TransferModel):
         profile has no short-context curve); without measured points,
         the line `step_overhead_s + (per_seq_s + tok_s) x decode_n + attn_decode_s x decode_ctx`.
         Each prefill chunk adds `per_seq_s + tok_s x new` and its attention as the engine runs
-        it on CPU (engine/attention.py, paged_prefix.py): over its own tokens the plain causal
+        it on CPU (engine/model/attention.py, paged_prefix.py): over its own tokens the plain causal
         kernel, `attn_cold_s x new^2 / 2`; over a cached prefix an unmasked kernel that reads
         the prefix's blocks in place: its scores, `attn_prefill_s x new x prefix`, and its
         reads of the prefix's K and V, `attn_decode_s x prefix` as a decode's (measured, one

@@ -66,7 +66,7 @@ class Instance(abc.ABC):
 class PrefillInstance(Instance):
     """Chunked prefill with prefix hits from GPU, restores from CPU, and stores to CPU:
     write-through (each block as it is computed; the engine's `--kv-store-on fill`) or
-    write-back (each block the device evicts; `--kv-store-on evict`, kv/writeback.py)."""
+    write-back (each block the device evicts; `--kv-store-on evict`, kv/offload/writeback.py)."""
 
     def __init__(self, clock: Clock, perf: PerfModel, ranks: list[Rank], chunk: int,
                  handoff: Callable[[SimRequest], None], write_back: bool = False) -> None:

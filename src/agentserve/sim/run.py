@@ -33,7 +33,7 @@ from agentserve.sim.specs import GiB, model_spec
 from agentserve.sim.summary import REJECTED, counted_records, stage_summary
 from agentserve.workload.prompts import scaled_length
 from agentserve.workload.record import RequestRecord
-from agentserve.sim.workload import (GLOBAL_NS, REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
+from agentserve.sim.sessions import (GLOBAL_NS, REFERENCE_OUTPUT_MEAN, REPLAY_RUN, SYNTH, WARMUP_S,
                                      RunSampler, bench_order, flatten, load_workload, output_scale,
                                      session_stream)
 from agentserve.workload.schema import Session, TraceRequest

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from agentserve.sim.workload import GLOBAL_NS
+from agentserve.sim.sessions import GLOBAL_NS
 from agentserve.workload.replay_plan import Job, session_jobs, session_starts
 from agentserve.workload.schema import Session, TraceRequest
 

@@ -17,7 +17,7 @@ from agentserve.sim.lanes import Replay, trees
 from agentserve.sim.queues import sample_queues
 from agentserve.sim.schedule import Schedule
 from agentserve.sim.summary import pool_counters
-from agentserve.sim.workload import SYNTH
+from agentserve.sim.sessions import SYNTH
 
 if TYPE_CHECKING:  # run.py imports this module
     from agentserve.sim.run import Simulation
