@@ -25,6 +25,7 @@ demo: install
 
 lint: install
 	$(VENV)/bin/ruff check -q src tests benchmarks scripts
+	$(VENV)/bin/lint-imports --no-cache  # the layer rule (pyproject.toml [tool.importlinter])
 
 test: install vllm-venv lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider
