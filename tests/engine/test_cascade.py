@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agentserve.engine.model import attention, decode_groups, paged_prefix
+from agentserve.engine.model import attention, paged_prefix
+from agentserve.kv import decode_groups
 from agentserve.engine.model.attention import prepare_batch
 from agentserve.kv.decode_groups import padded_keys, read_keys, shared_prefixes
 from tests.engine.test_model import ATOL, Seq, _cache, _step, _tokens
