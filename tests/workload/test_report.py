@@ -52,6 +52,17 @@ def test_summarize_hand_checked() -> None:
     assert empty["ttft_s"]["p50"] is None and empty["cached_token_ratio"] is None
 
 
+def test_captured_reuse_counts_cached_up_to_reusable() -> None:
+    # A P/D decode leg counts the KV it pulled as cached (as vLLM does): 1,990 of 2,000 tokens
+    # cached, 1,500 reusable. Its surplus is not reuse; the other request fell short of its own.
+    records = [rec(0, 1.0, 2.0, 5, 2000, 1990, 1500), rec(1, 1.0, 2.0, 5, 1000, 300, 500)]
+    s = summarize(records, duration=10.0)
+    assert s["captured_reuse"] == pytest.approx((1500 + 300) / 2000)
+    assert s["cached_token_ratio"] == pytest.approx(2290 / 3000)  # uncapped: what servers said
+    pulled = summarize([rec(0, 1.0, 2.0, 5, 2000, 1990, 0), rec(1, 1.0, 2.0, 5, 2000, 1990, 1500)], 10.0)
+    assert pulled["captured_reuse"] == pytest.approx(1.0)
+
+
 def test_write_outputs_files(tmp_path: Path) -> None:
     records = [rec(0, 1.0, 3.0, 11, 1000, 0, 0), rec(1, 2.0, 4.0, 21, 2000, 1500, 1800)]
     stages = [dict(summarize(records, 10.0, {"concurrency": c, "stage": 0}), stage=0) for c in (4, 8)]

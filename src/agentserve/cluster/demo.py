@@ -72,7 +72,7 @@ def demo(
         # vLLM's convention, which we follow: KV pulled from the prefill engine counts as
         # cached on the decode engine, so a turn's first prefill shows up as cached too.
         console.print("(cached tokens include KV pulled from the prefill engine, as vLLM reports "
-                      "them; captured reuse can therefore exceed 100%)")
+                      "them; captured reuse counts a request's cached tokens up to its reusable ones)")
     console.print(agents)
     if s["requests_failed"] or agents.startswith("agent APIs failed"):
         # a demo that lost requests failed, whatever else it shows

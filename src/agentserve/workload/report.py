@@ -9,7 +9,10 @@ Definitions (per stage, over successful requests unless noted):
 - `output_tok_s_per_user`: output tokens over E2E, per request (mean and p50).
 - `cached_token_ratio` = cached / input; `reusable_ceiling_ratio` = reusable / input, where
   reusable is what an infinite cache could have served given the order requests were sent;
-  `captured_reuse` = cached / reusable (the reference reports 96-97%).
+  `captured_reuse` = the share of the reusable tokens served cached, each request's cached
+  tokens counted up to its reusable ones, so it never exceeds 1 (the reference reports
+  96-97%). The cap matters for P/D: a decode engine counts KV pulled from the prefill engine
+  as cached (as vLLM does), so a turn's cached tokens there cover its new tokens too.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def summarize(records: list[RequestRecord], duration: float, label: dict | None 
     in_tok = sum(r.input_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     reusable = sum(r.reusable_tokens for r in ok)
+    captured = sum(min(r.cached_tokens, r.reusable_tokens) for r in ok)
     itl = [x for r in ok if (x := r.itl_mean()) is not None]
     per_user = [r.output_tokens / r.e2e for r in ok if r.e2e]
     output_tok_s = out_tok / duration if duration > 0 else 0.0
@@ -98,7 +102,7 @@ def summarize(records: list[RequestRecord], duration: float, label: dict | None 
         "gpus": gpus, "output_tok_s_per_gpu": output_tok_s / gpus,
         "cached_token_ratio": _ratio(cached, in_tok),
         "reusable_ceiling_ratio": _ratio(reusable, in_tok),
-        "captured_reuse": _ratio(cached, reusable),
+        "captured_reuse": _ratio(captured, reusable),
         "server_metrics": metrics or {},
     })
     if sessions is not None:
