@@ -1,16 +1,22 @@
-"""In-flight prefix sharing (engine/core/inflight.py): which waiting request waits for which
+"""In-flight prefix sharing (kv/inflight.py) over the engine's sequences: which waiting request waits for which
 running one, and until when."""
 
 from __future__ import annotations
 
 import asyncio
 
-from agentserve.engine.core.inflight import MIN_JOIN_BLOCKS, InflightPrefill
 from agentserve.engine.core.request import RequestStatus, SamplingParams
 from agentserve.engine.core.sequence import Sequence
+from agentserve.kv.inflight import MIN_JOIN_BLOCKS
+from agentserve.kv.inflight import InflightPrefill as _Inflight
 from tests.engine.test_engine import _greedy, _prompt, _run, _with_engine
 
 BS = 16
+
+
+def InflightPrefill(bs: int) -> _Inflight[Sequence]:
+    """The scheduler's: a sequence computes while it is RUNNING."""
+    return _Inflight(bs, computing=lambda s: s.status == RequestStatus.RUNNING)
 
 
 def seq(rid: str, blocks: list[bytes], extra: int = 5) -> Sequence:

@@ -218,7 +218,7 @@ def test_queue_lengths_are_sampled_over_the_window(tmp_path, monkeypatch) -> Non
 
 
 def test_requests_over_a_head_being_computed_wait_for_it(tmp_path, monkeypatch) -> None:
-    """As the engine (engine/core/inflight.py): three requests over one uncached 320-token head,
+    """As the engine (kv/inflight.py, the same class): three requests over one uncached 320-token head,
     admitted together, compute it once; the two that waited hit it in the cache."""
     _hw(tmp_path, monkeypatch)
     perf = PerfModel(model_spec("tiny"), cpu_local(), Topology("dep", 1, "decode"))
@@ -234,7 +234,7 @@ def test_requests_over_a_head_being_computed_wait_for_it(tmp_path, monkeypatch) 
     inst.kick()
     clock.run(100.0)
     assert len(done) == 3 and sorted(r.cached for r in done) == [0, 320, 320]
-    assert inst.joined_tokens == 2 * 320 and not inst._parked and not inst._owner
+    assert inst.joined_tokens == 2 * 320 and not inst._parked and not inst.inflight.owner
 
 
 def test_cold_and_cached_chunks_cost_their_own_attention(tmp_path, monkeypatch) -> None:

@@ -8,8 +8,8 @@ prefix hit. The step that computes a prompt's last token also samples its first 
 (TTFT). Blocks come from the real pool; when a decoding request needs a block and none is
 free, the newest running request is preempted (freed, back to the queue head, recomputed).
 A waiting head whose next uncached blocks a running request is computing waits for them
-(the engine's in-flight prefix sharing, engine/core/inflight.py: same minimum run, same release:
-once the leader has computed them or left the running list).
+(the engine's in-flight prefix sharing: the same `kv.inflight.InflightPrefill`, the same
+minimum run, the same release: once the leader has computed them or left the running list).
 
 Stepped per step (one event per step), which is cheap at the scale this is used for (one or
 a few engines, tiny models on a CPU). Step time: `PerfModel.measured_step` when the hardware
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from agentserve.kv.decode_groups import read_keys
-from agentserve.engine.core.inflight import MIN_JOIN_BLOCKS
+from agentserve.kv.inflight import MIN_JOIN_BLOCKS, InflightPrefill
 from agentserve.kv.manager import cdiv
 from agentserve.sim.cluster import Clock, Rank, SimRequest, cache_computed, fits
 from agentserve.sim.config import arrival_stretch, busy_path
@@ -46,9 +46,10 @@ class AggInstance(Instance):
         self._owed = 0.0  # what arrivals during the step in flight added to it so far
         self.hit_tokens = self.prompt_tokens = self.joined_tokens = 0
         bs = rank.pool.block_size
-        self.min_join = cdiv(MIN_JOIN_BLOCKS * self.engine_block, bs)  # in pool blocks
-        self._owner: dict[int, SimRequest] = {}  # block hash -> running request computing it
-        self._keys: dict[int, list[int]] = {}  # id(request) -> the hashes it registered
+        # block hash -> the running request computing it; the engine's minimum run, in pool blocks
+        self.inflight: InflightPrefill[SimRequest] = InflightPrefill(
+            bs, computing=lambda q: q.rank is rank and q in rank.running,
+            min_blocks=cdiv(MIN_JOIN_BLOCKS * self.engine_block, bs))
         # steps as the engine's step trace records them, when a list (engine/core/steptrace.py)
         self.trace: list[dict] | None = None
         # when a dict: request id -> its path's stamps, as the engine's request trace has
@@ -56,7 +57,7 @@ class AggInstance(Instance):
         # first step began, `tok`: its first token; `busy`: the engine was stepping at `route`)
         self.req_trace: dict[str, dict] | None = None
         self.on_first: Callable[[SimRequest], None] | None = None  # a request's first token
-        self._parked: list[tuple[SimRequest, SimRequest, int]] = []  # (request, leader, need)
+        self._parked: list[tuple[SimRequest, int, int]] = []  # (request, leader's id, need)
         self._join_base: dict[int, int] = {}  # id(parked request) -> its hit when it first parked
 
     @property
@@ -92,43 +93,17 @@ class AggInstance(Instance):
             hits = hits[: len(hits) * bs // self.engine_block * self.engine_block // bs]
         return hits
 
-    def _joins(self, req: SimRequest, hit_blocks: int) -> tuple[SimRequest, int] | None:
-        """(leader, prompt tokens it must have computed) when the blocks right past the
-        head's hit are being computed by one running request (engine/core/inflight.py)."""
-        if not self._owner:
-            return None
-        bs = self.rank.pool.block_size
-        leader, n = None, 0
-        for h in req.hashes[hit_blocks:max(hit_blocks, req.head_blocks(bs))]:
-            owner = self._owner.get(h)
-            if owner is None or owner is req or (leader is not None and owner is not leader):
-                break
-            leader, n = owner, n + 1
-        if leader is None or n < self.min_join:
-            return None
-        return leader, (hit_blocks + n) * bs
-
-    def _register(self, req: SimRequest, first_block: int) -> None:
-        end = min(len(req.hashes), req.n_in // self.rank.pool.block_size)
-        if end - first_block < self.min_join:
-            return
-        keys = req.hashes[first_block:end]
-        self._keys[id(req)] = keys
-        for h in keys:
-            self._owner.setdefault(h, req)
-
-    def _unregister(self, req: SimRequest) -> None:
-        for h in self._keys.pop(id(req), ()):
-            if self._owner.get(h) is req:
-                del self._owner[h]
+    def _joins(self, req: SimRequest, hit_blocks: int) -> tuple[int, int] | None:
+        """(leader's id, prompt tokens it must have computed) when the blocks right past the
+        head's hit are being computed by one running request (kv/inflight.py)."""
+        return self.inflight.joins(req, hit_blocks)  # type: ignore[return-value]
 
     def _release_parked(self) -> None:
         """Back to the queue head, in order: those whose leader computed their shared blocks
         or left the running list."""
-        r, keep, back = self.rank, [], []
+        r, keep, back, ready = self.rank, [], [], self.inflight.ready
         for f, leader, need in self._parked:
-            done = leader.computed >= need or leader.rank is not r or leader not in r.running
-            (back if done else keep).append((f, leader, need))
+            (back if ready(leader, need) else keep).append((f, leader, need))
         self._parked = keep
         for f, _, _ in reversed(back):
             r.waiting.appendleft(f)
@@ -145,13 +120,13 @@ class AggInstance(Instance):
         if req.out_done == 0:  # count a prompt once, as the engine does
             self.hit_tokens += req.cached
             self.prompt_tokens += req.n_in
-        self._register(req, len(hits))
+        self.inflight.add(req, len(hits))
         return True
 
     def _preempt(self) -> SimRequest:
         r = self.rank
         victim = r.running.pop()
-        self._unregister(victim)
+        self.inflight.drop(victim.uid)
         r.pool.free(list(reversed(victim.blocks)))
         victim.blocks, victim.computed = [], 0
         r.waiting.appendleft(victim)
@@ -253,7 +228,7 @@ class AggInstance(Instance):
                 cache_computed(r.pool, req, before, req.computed // bs)
                 if req.computed < req.n_in:
                     continue
-                self._unregister(req)
+                self.inflight.drop(req.uid)
             req.out_done += 1
             rec.chunk_times.append(now - rec.start)
             rec.chunk_tokens.append(1)

@@ -84,6 +84,24 @@ class SimRequest:
     t_arrive: float = 0.0
     t_dadmit: float = -1.0
     preempted: bool = False  # its decode KV was freed: re-admission recomputes it (decode.py)
+    uid: int = field(default_factory=itertools.count().__next__)  # unique, never reused
+
+    # what in-flight prefix sharing (kv/inflight.py, `Prefilling`) reads of a request
+    @property
+    def request_id(self) -> int:
+        return self.uid
+
+    @property
+    def block_hashes(self) -> list[int]:
+        return self.hashes
+
+    @property
+    def num_tokens(self) -> int:
+        return self.n_in
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.computed
 
     def head_blocks(self, block_size: int) -> int:
         """Full blocks of the prompt but its last token's: what a prefix lookup may match

@@ -182,8 +182,8 @@ GLM_5_2_FP8 = ModelSpec(
 
 
 def _engine_preset(name: str) -> ModelSpec:
-    """Our engine's tiny/small Llama presets (engine/model/tiny.py), fp32 weights on CPU."""
-    from agentserve.engine.model.tiny import PRESETS, VOCAB_SIZE
+    """Our engine's tiny/small Llama presets (api/models.py), fp32 weights on CPU."""
+    from agentserve.api.models import PRESETS, VOCAB_SIZE
 
     p = PRESETS[name]
     return ModelSpec(

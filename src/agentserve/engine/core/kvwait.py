@@ -12,7 +12,7 @@ the ``kv-pull`` thread copies the blocks it lacks; a failed pull recomputes. Wit
 decode leg restores its own tiers' hit first, then pulls only what lies past it.
 
 A head whose next uncached blocks another request is bringing in right now (computing
-them: ``engine/core/inflight.py``; restoring or pulling them: ``TierConnector.joins``,
+them: ``kv/inflight.py``; restoring or pulling them: ``TierConnector.joins``,
 ``RemoteKV.joins``) parks in ``joined`` until that is done, then hits them in the prefix
 cache instead of computing, restoring or pulling the same blocks a second time.
 """
@@ -23,9 +23,9 @@ from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from agentserve.engine.core.inflight import InflightPrefill
 from agentserve.engine.core.request import RequestStatus
 from agentserve.engine.core.sequence import Sequence
+from agentserve.kv.inflight import InflightPrefill
 from agentserve.kv.remote.client import PullDone, RemoteKV
 from agentserve.kv.offload.connector import TierConnector
 from agentserve.kv.manager import KVCacheManager

@@ -19,10 +19,10 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from agentserve.engine.core.inflight import InflightPrefill
 from agentserve.engine.core.kvwait import KVWaits
 from agentserve.engine.core.request import RequestStatus
 from agentserve.engine.core.sequence import Sequence
+from agentserve.kv.inflight import InflightPrefill
 from agentserve.kv.remote.client import RemoteKV
 from agentserve.kv.offload.connector import TierConnector
 from agentserve.kv.manager import KVCacheManager
@@ -62,7 +62,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     restored_tokens: int = 0
     # prompt tokens a request did not compute because it waited for another request in
-    # flight that was computing the same prefix (``engine/core/inflight.py``)
+    # flight that was computing the same prefix (``kv/inflight.py``)
     prefix_joined_tokens: int = 0
 
 
@@ -82,7 +82,8 @@ class Scheduler(KVWaits):
         self.joined: dict[str, list[Sequence]] = {}
         self._join_need: dict[str, int] = {}  # parked behind a computation: tokens it needs
         self._join_base: dict[str, int] = {}  # parked so: its device hit when it first parked
-        self.inflight = InflightPrefill(kv.block_size)
+        self.inflight: InflightPrefill[Sequence] = InflightPrefill(
+            kv.block_size, computing=lambda s: s.status == RequestStatus.RUNNING)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # vLLM's long_prefill_token_threshold: a prefill chunk is at most this many tokens,
