@@ -1,28 +1,40 @@
-"""llm-d's approximate prefix records (sim/approx_prefix.py): head-only, LRU by routing, blind
-to evictions; and the simulator run with them."""
+"""llm-d's approximate prefix records (sim/cluster.py `ApproxRouter`, each record the router's
+own `ApproxTracker` over a `PrefixIndex`): head-only, LRU by routing, blind to evictions; and
+the simulator run with them."""
 
 from __future__ import annotations
 
 import pytest
 
-from agentserve.sim.approx_prefix import ApproxIndex, ApproxRouter
-from agentserve.sim.cluster import Rank, SimRequest
+from agentserve.sim.cluster import ApproxRecord, ApproxRouter, Rank, SimRequest
 from agentserve.sim.run import SimConfig, Simulation
 from agentserve.workload.record import RequestRecord
 from agentserve.workload.schema import Session, TraceRequest
 
 
 def test_index_matches_the_leading_run_of_the_head_only() -> None:
-    idx = ApproxIndex(ranks=2, capacity=100, head=4)
+    idx = ApproxRecord(ranks=2, capacity=100, head=4)
     idx.add(0, [1, 2, 3, 4, 5, 6])  # only the head (4 hashes) is recorded
     assert idx.match(0, [1, 2, 3, 4, 5, 6]) == 4
     assert idx.match(0, [1, 2, 9, 4]) == 2  # a hole ends the run
     assert idx.match(1, [1, 2, 3, 4]) == 0
     assert idx.match(0, [5, 6]) == 0  # beyond the head: never recorded
+    assert idx.runs([1, 2, 3]) == [3, 0]  # every rank's run in one lookup
+
+
+def test_a_record_that_is_not_a_prefix_run_still_matches_exactly() -> None:
+    """An LRU may hold a later block of a head without an earlier one (the earlier one routed
+    long ago and aged out): the match is the leading run, the later block alone counts nothing."""
+    idx = ApproxRecord(ranks=1, capacity=3, head=3)
+    idx.add(0, [1, 2, 3])
+    idx.add(0, [2, 3])  # refreshed: 1 is now the oldest
+    idx.add(0, [7])  # over capacity: 1 leaves, 2 and 3 stay
+    assert idx.match(0, [1, 2, 3]) == 0 and idx.match(0, [2, 3]) == 2
+    assert idx.match(0, [7, 2]) == 2 and idx.match(0, [2, 9, 3]) == 1
 
 
 def test_index_forgets_the_least_recently_routed_heads_first() -> None:
-    idx = ApproxIndex(ranks=1, capacity=4, head=2)
+    idx = ApproxRecord(ranks=1, capacity=4, head=2)
     idx.add(0, [1, 2])
     idx.add(0, [3, 4])
     idx.add(0, [1, 2])  # routed again: most recent
@@ -30,7 +42,7 @@ def test_index_forgets_the_least_recently_routed_heads_first() -> None:
     assert idx.match(0, [1, 2]) == 2 and idx.match(0, [5, 6]) == 2
     assert idx.match(0, [3, 4]) == 0
     with pytest.raises(ValueError):
-        ApproxIndex(ranks=1, capacity=0, head=2)
+        ApproxRecord(ranks=1, capacity=0, head=2)
 
 
 def _req(hashes: list[int]) -> SimRequest:

@@ -87,7 +87,7 @@ class SimConfig:
     # How the prefill profile's two prefix scorers see the ranks. "precise": the pools' actual
     # contents (GPU, then GPU or CPU). "approx": llm-d's approx-prefix-cache-producers, which the
     # reference's router overrides configure: the picker's own records of the prompt heads it
-    # routed, per rank, blind to evictions (approx_prefix.py).
+    # routed, per rank, blind to evictions (cluster.ApproxRouter over router/approx.py).
     prefix_index: str = "precise"
     # P/D: share of requests the prefill profile routes on load alone (`ROUTE_MISS`; 0: the
     # picker always sees the prefixes).

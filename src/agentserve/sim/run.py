@@ -20,8 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 import numpy as np
 
 from agentserve.kv.manager import cdiv
-from agentserve.sim.approx_prefix import ApproxRouter
-from agentserve.sim.cluster import Clock, Rank, Router, SimRequest, _bisect_prefix
+from agentserve.sim.cluster import ApproxRouter, Clock, Rank, Router, SimRequest, _bisect_prefix
 from agentserve.sim.config import SimConfig, check_config, efficiency, parse_topology, request_path
 from agentserve.sim.decode import DecodeInstance
 from agentserve.sim.memory import Topology, plan_memory
