@@ -1,7 +1,7 @@
 """The published DEP8 points under what other sources measured of a DEP8 prefill rank, together.
 
 The simulator misses the limited sweep's DEP8 prefill pools (P8/D16 c128: output +75%, TTFT
-p50 4.6 s against 20.9 s; sim/NOTEBOOK.md, stops 37-44). Three facts about the reference's DEP8
+p50 4.6 s against 20.9 s; docs/sim/notebook.md, stops 37-44). Three facts about the reference's DEP8
 prefill ranks that disagree with what the model takes from SPEC were each tried alone before
 (stops 42-43, a sixth to a twelfth of the gap each): a third party's campaign of the same
 manifests measured vLLM's KV footprint for GLM-5.2 at 54.6 KB a token (the model: 48,276 B, the

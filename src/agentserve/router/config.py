@@ -46,7 +46,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                                    "kv_util": 0.25},
                        "picker": {"type": "max"}, "index": "precise",
                        "options": {"speculative_ttl_s": 0.0}},
-    # The best on benchmarks/router_captured_reuse.py (see the router README): precise
+    # The best on benchmarks/router_captured_reuse.py (see docs/router.md): precise
     # prefix with speculative entries; "sticky until saturated" (keep the prefix holder
     # unless its estimated wait exceeds another's by more than penalty_s, and that other
     # has at least two fewer active sessions, so that moves balance and cannot cascade;

@@ -182,7 +182,7 @@ class Clock:
 # 10) every allocation burst triggers young collections and, ~10 times a stage, full ones that
 # walk all of them: 20-30% of a stage's CPU time, for nothing (blocks live as long as their
 # pool; short-lived event objects are freed by reference counting). Young collections every
-# 50,000 allocations and no scheduled full one save most of it (sim/NOTEBOOK.md, stop 35);
+# 50,000 allocations and no scheduled full one save most of it (docs/sim/notebook.md, stop 35);
 # memory is unchanged (maxrss 1.04 GB either way for 10 simulated minutes of 3P1D c128).
 RELAXED_GC_THRESHOLD = (50_000, 20, 100)
 

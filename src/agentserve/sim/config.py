@@ -21,7 +21,7 @@ CLIENTS = ("agentx", "closed", "schedule")
 # 10`), the replay's default. Which rule the reference's AIPerf image applied is not known; with
 # this one the synthesized corpus's lanes hold a request in flight as much of the time as the
 # reference's and every other published AgentX run at hand (~1, `benchmarks/sim_lane_duty.py`);
-# uncapped, 0.67-0.85 of the time (sim NOTEBOOK.md, "Stop 30"). The synthesized think times come
+# uncapped, 0.67-0.85 of the time (docs/sim/notebook.md, stop 30). The synthesized think times come
 # from SPEC's study of production sessions, whose idle tail (p99 11.4 min) the replayed corpus
 # does not show.
 IDLE_GAP_CAP_S = 10.0
@@ -32,7 +32,7 @@ IDLE_GAP_CAP_S = 10.0
 # simulator's picker, with an exact view, captured 99.8%. Why the reference's picker misses is
 # not published. 4% reproduces the published capture (0.957-0.960 on the calibration run, GPU
 # hits 0.913-0.925 on the four limited DEP16 points; 3 seeds); it was set from that statistic,
-# not from a latency (sim NOTEBOOK.md, "Stop 31"). With stop 32's sweep (more new input a turn):
+# not from a latency (docs/sim/notebook.md, stop 31). With stop 32's sweep (more new input a turn):
 # capture 0.949-0.961, those hits 0.897-0.904.
 ROUTE_MISS = 0.04
 # Bounds of one simulation's flags, far beyond any deployment or stage studied: they keep a typo
@@ -63,7 +63,7 @@ class SimConfig:
     # The stage, simulated s after the warm-up: the reference's (its aiperf command passes
     # `--benchmark-duration 900`). A shorter window answers fewer of the long outputs (AIPerf
     # counts a request only when it was sent in the window and answered within the grace):
-    # 600 s stages read output 3-4% lower at c64-c128 (sim README, "The calibration run").
+    # 600 s stages read output 3-4% lower at c64-c128 (docs/sim.md, "The calibration run").
     duration: float = 900.0
     seed: int = 0
     # Prefill max_num_batched_tokens per rank: the reference's prefill manifest passes
@@ -155,14 +155,14 @@ class SimConfig:
     request_overhead_per_token_s: float | None = None
     # CPU -> GPU restore time per GB of a rank's CPU tier; None: the hardware spec's (H200:
     # SPEC's ~26 ms per GB). A deployment whose tier is slower to reach under load (pageable
-    # memory, eight ranks sharing a host) sets its own (sim NOTEBOOK.md, stop 42).
+    # memory, eight ranks sharing a host) sets its own (docs/sim/notebook.md, stop 42).
     cpu_restore_s_per_gb: float | None = None
     # cpu-local's calibration profile (`specs.cpu_profile_path`: None, the environment's or the
     # checkout's committed one).
     cpu_profile: str | None = None
     # Overrides of the step model's global factors (`constants.Efficiency`), e.g. {"hbm": 0.5}:
     # what-if runs, such as kernels that stream weights at what PyTorch's FP8 GEMMs reached on
-    # an H200 (`benchmarks/sim_gpu_rank.py`; sim README, "Checked on an H200"). None: the
+    # an H200 (`benchmarks/sim_gpu_rank.py`; docs/sim.md, "Checked on an H200"). None: the
     # defaults. Not with cpu-local, whose profile measured its own rates.
     efficiency: dict[str, float] | None = None
 
@@ -204,7 +204,7 @@ def arrival_stretch(hw: HardwareSpec) -> tuple[float, float]:
     cpu-local profile's `arrival_stretch_s` and `arrival_stretch_per_token_s`, which the server
     calibration measures on the engines' own traces but records only as
     `arrival_stretch_measured_*` (`sim_calibrate_cpu.with_arrival_stretch`; applied, it moved
-    the open-loop check out of band, sim NOTEBOOK stop 51); 0 for a profile without them and
+    the open-loop check out of band, docs/sim/notebook.md, stop 51); 0 for a profile without them and
     for other hardware (vLLM's API servers are their own processes)."""
     m = hw.measured or {}
     return (float(m.get("arrival_stretch_s", 0.0)),

@@ -1,7 +1,7 @@
 """The step-time model's constants, each with where it comes from: the global efficiency
 factors (`Efficiency`), MTP's acceptance by draft position, vLLM's request path outside engine
 steps, the indexer kernels' limits, and the cpu-local profile's kernel tag. `perf.py` turns
-them into step times; the sim README's "Constants" table lists them with their sources.
+them into step times; docs/sim.md's "Constants" table lists them with their sources.
 """
 
 from __future__ import annotations

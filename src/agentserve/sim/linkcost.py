@@ -22,7 +22,7 @@
   on other hardware, put it 1.5-4x higher: on IB `rc_x` posting took ~15% of a transfer
   (vllm#55434), 1.1-1.3 us per block and region at `NIXL_TRANSFER_BW`; vllm#50913 posted at
   3.75 us a descriptor, 2.1-2.8 us per block and region at that fragmentation. The held-back
-  configurations check it (sim NOTEBOOK.md, "Stop 30").
+  configurations check it (docs/sim/notebook.md, stop 30).
 """
 
 from __future__ import annotations

@@ -67,7 +67,7 @@ def candidates(model: str, gpu: str, gpus: int, widths: tuple[int, ...] = (8, 16
 
 # Where the model is known to be optimistic against the reference's published runs, by
 # (model, gpu, prefill width): the planner marks those points, so that a frontier row the
-# published comparison says is too good is not read as a plain prediction (sim README, "Open
+# published comparison says is too good is not read as a plain prediction (docs/sim.md, "Open
 # gaps"; `benchmarks/sim_published.py`, `benchmarks/sim_dep8_factors.py`).
 KNOWN_OPTIMISTIC: dict[tuple[str, str, int], str] = {
     ("glm-5.2-fp8", "h200", 8): (

@@ -39,7 +39,7 @@ REFERENCE_OUTPUT_MEAN = 1040
 # the corpus itself reuses (96% of main-agent turns reuse >= 90% of their input). Replaying to
 # the session's end gives that ceiling (0.937 in the limited sweep at c64; runs of 8 turns, the
 # earlier fit to the ~5 TB of CPU-tier writes, give 0.785: 3.5x the uncached input the reference
-# measured; sim/NOTEBOOK.md, "The reference's own deployment and benchmark").
+# measured; docs/sim/notebook.md, stop 25).
 REPLAY_RUN: int | None = None
 
 

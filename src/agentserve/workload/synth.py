@@ -108,7 +108,7 @@ SPEC = {"input": (195_000, 521_000, 849_000), "output": (317, 1705, 7551),
 #   growth (turns (4.7, 0.6): p50 50K, mean 74K) it was 0.956, i.e. ~30% less new input a
 #   turn than the reference's 5.6-6.1%. The corpus AIPerf replays
 #   (`cc-traces-weka-with-subagents`, 393 traces at 062126) is not the study's 219 sessions,
-#   and the study's growth table covers main-agent turns only (sim/NOTEBOOK.md, "Stop 32").
+#   and the study's growth table covers main-agent turns only (docs/sim/notebook.md, stop 32).
 # Until stop 27 the turn count was bisected on the corpus's pooled median (mu 4.02, sigma
 # 0.93); AIPerf draws sessions, not requests, and joins each at a uniform instant, so that
 # corpus sent a stage of median ~33K.
