@@ -37,6 +37,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from agentserve.sim.specs import CPU_PROFILE_DEFAULT
 from sim_vs_bench import (  # benchmarks/: the same corpus, cluster and simulator set-up
     _engine_block,
     add_workload_args,
@@ -142,7 +144,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     add_workload_args(ap)
     ap.add_argument("--port", type=int, default=18_520)
-    ap.add_argument("--cpu-profile", default="benchmarks/results/sim_cpu_profile.json")
+    ap.add_argument("--cpu-profile", default=str(CPU_PROFILE_DEFAULT))
     ap.add_argument("--out", default="bench-out/sim_step_audit.json")
     ap.add_argument("--engine-args", default="",
                     help="more `agentserve serve` flags for both engines (\"--device cuda\" on a "
@@ -151,7 +153,7 @@ def main() -> None:
     a = ap.parse_args()
     if not Path(a.cpu_profile).is_file():
         ap.error(f"no calibrated profile at {a.cpu_profile}: run benchmarks/sim_vs_bench.py "
-                 "or benchmarks/sim_calibrate_cpu.py first")
+                 "or agentserve sim calibrate first")
     os.environ["AGENTSERVE_SIM_CPU_PROFILE"] = str(Path(a.cpu_profile).resolve())
 
     from agentserve.kv.decode_groups import padded_keys

@@ -70,9 +70,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from agentserve.runstats import mean_records
+from agentserve.sim.specs import CPU_PROFILE_DEFAULT
 
 HERE = Path(__file__).resolve().parent
-PROFILE = Path("benchmarks/results/sim_cpu_profile.json")  # the profile the simulator reads
+PROFILE = CPU_PROFILE_DEFAULT  # the profile the simulator reads (package data)
 
 
 @functools.cache

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from agentserve.sim.config import ROUTE_MISS
+from agentserve.sim.specs import CPU_PROFILE_DEFAULT
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -85,58 +86,13 @@ def test_subagent_burst_runs_and_reads_the_shared_prompt_once(tmp_path: Path) ->
     assert res["attn_read_shared_tokens"] > 0 and res["attn_read_shared_tokens"] % 1088 == 0
 
 
-def test_prefill_fits_recover_the_model_they_invert() -> None:
-    """`fit_cold` and `fit_cached` return the parameters that generated their inputs."""
-    import sim_calibrate_cpu as cal
-
-    tok, attn_c, attn_p, attn_d, fixed = 5e-5, 2.5e-8, 3e-8, 6e-7, 2.4e-3
-
-    def cold(n: int) -> float:
-        return tok * n + attn_c * n * n / 2
-
-    got = cal.fit_cold(16, (512, cold(512) - cold(16)), (2048, cold(2048) - cold(16)))
-    assert got == pytest.approx((tok, attn_c))
-    step = fixed + tok * 2048 + attn_c * 2048 * 2048 / 2 + attn_p * 2048 * 2048 + attn_d * 2048
-    assert cal.fit_cached(step, 2048, fixed, tok, attn_c, attn_d) == pytest.approx(attn_p)
-    # noise that makes the attention term negative leaves a linear fit, not a negative cost
-    assert cal.fit_cold(16, (512, 1.0), (2048, 1.0)) == (pytest.approx(1.0 / 2032), 0.0)
-
-
-def test_calibration_decode_waves_take_a_near_even_split() -> None:
-    """`_itl`: the step at batch b is each engine's mean gap while the whole wave decodes,
-    then their mean; a split of b + d : b - d counts when d <= b // 8, one further off or
-    onto one engine does not, and gaps after the wave's first stream ends (one engine
-    decoding alone, with the cores to itself) are left out."""
-    import sim_calibrate_cpu as cal
-
-    def streams(engine: str, n: int, gap: float, first: float, tokens: int) -> list:
-        return [(engine, [first + k * gap for k in range(tokens)]) for _ in range(n)]
-
-    even = streams("a", 8, 0.010, 0.1, 40) + streams("b", 8, 0.012, 0.1, 40)
-    step, done = cal._itl(even, 8)
-    assert step == pytest.approx(0.011) and 1 < done < 40
-    # 17 : 15 at batch 16: the mean of the two engines' steps, not weighted by their streams
-    step, _ = cal._itl(streams("a", 17, 0.017, 0.1, 60) + streams("b", 15, 0.015, 0.1, 60), 16)
-    assert step == pytest.approx(0.016)
-    assert cal._itl(streams("a", 9, 0.01, 0.1, 40) + streams("b", 7, 0.01, 0.1, 40), 8) is not None
-    assert cal._itl(streams("a", 10, 0.01, 0.1, 40) + streams("b", 6, 0.01, 0.1, 40), 8) is None
-    assert cal._itl(streams("a", 5, 0.01, 0.1, 40) + streams("b", 3, 0.01, 0.1, 40), 4) is None
-    assert cal._itl(streams("a", 8, 0.01, 0.1, 40), 4) is None
-    # engine b's streams end at 0.1 + 19 x 0.01 = 0.29 s; engine a's gaps turn to 50 ms after
-    # 0.3 s (decoding alone): those are outside the window
-    fast_then_alone = [("a", [0.1 + k * 0.01 for k in range(20)] + [0.3 + k * 0.05 for k in range(1, 20)])
-                       for _ in range(4)]
-    step, _ = cal._itl(fast_then_alone + streams("b", 4, 0.01, 0.1, 20), 4)
-    assert step == pytest.approx(0.01)
-
-
 def test_sim_vs_bench_reads_the_bench_window_and_gauges_drift(tmp_path: Path) -> None:
     """`read_steps` keeps the steps begun inside the bench's window and spans back-to-back
     steps to the next start; `step_drift` prices them with the calibrated profile, so the
     same batches run twice as fast read twice as high."""
     import sim_vs_bench as svb
 
-    profile = ROOT / "benchmarks/results/sim_cpu_profile.json"
+    profile = CPU_PROFILE_DEFAULT
 
     def trace(folder: Path, step_s: float) -> None:
         folder.mkdir()
@@ -348,7 +304,7 @@ def test_sim_step_audit_runs(tmp_path: Path) -> None:
     """A 6 s stage through `up --topology 2` with the engines' step trace on, then the
     simulator on the same corpus: both sides report steps, and the bench's are priced."""
     res = _run("sim_step_audit.py", "--concurrency", "2", "--stage", "6", "--sessions", "8",
-               "--port", "18590", "--cpu-profile", str(ROOT / "benchmarks/results/sim_cpu_profile.json"),
+               "--port", "18590", "--cpu-profile", str(CPU_PROFILE_DEFAULT),
                out=tmp_path / "audit.json")
     assert res["bench"]["steps"] > 0 and res["sim"]["steps"] > 0
     assert all("model_ms" in row for row in res["bench"]["by_kind"].values())
@@ -365,7 +321,7 @@ def test_sim_request_path_joins_client_and_engine_stamps(tmp_path: Path) -> None
 
     res = _run("sim_request_path.py", "--mode", "concurrency", "--concurrency", "2", "--stage", "6",
                "--sessions", "8", "--port", "18594",
-               "--cpu-profile", str(ROOT / "benchmarks/results/sim_cpu_profile.json"),
+               "--cpu-profile", str(CPU_PROFILE_DEFAULT),
                out=tmp_path / "path.json")
     assert res["answered"] > 0 and res["joined"] == res["answered"]
     for r in res["requests"]["bench"]:
@@ -467,7 +423,7 @@ def test_burst_probe_runs(tmp_path: Path) -> None:
     """Two cells once each on a fresh cluster: every burst answered whole, on both sides."""
     res = _run("sim_burst_probe.py", "--bursts", "2", "--background", "0,1", "--repeats", "1",
                "--port", "18598", "--cpu-profile",
-               str(ROOT / "benchmarks/results/sim_cpu_profile.json"), out=tmp_path / "burst.json")
+               str(CPU_PROFILE_DEFAULT), out=tmp_path / "burst.json")
     assert res["joined"] == res["answered"] == 2 + 3
     for side in ("bench", "sim"):
         assert {k: c["trials"] for k, c in res[side].items()} == {"0,2": 1, "1,2": 1}
@@ -507,61 +463,6 @@ def test_arrival_split_measures_the_stretch() -> None:
     assert row["excess_ms_median"] == pytest.approx(3 + 1e-3 * (500 + 100 * 20), abs=0.2)
     assert out["fit"]["excess_s"] == pytest.approx(0.003, abs=1e-4)
     assert out["fit"]["excess_per_token_s"] == pytest.approx(1e-6, rel=0.02)
-
-
-def test_calibration_reads_the_arrival_stretch_off_the_engines_traces(tmp_path: Path) -> None:
-    """Synthetic traces of one engine decoding 4 streams in 5 ms steps; a busy probe's
-    handling (16 tokens, or the cached 8,192) stretches the step it overlaps by 2 ms + 0.5 us a
-    prompt token. The calibration finds both from the traces, within its busy phases only
-    (the probes outside them stretch 10x as much and are not read), and records them; applied
-    (the model tried at stop 51), it also takes the stretch out of the busy request path it
-    measured through the client."""
-    from sim_calibrate_cpu import with_arrival_stretch
-
-    steps, reqs, t = [], [], 100.0
-    windows: list[list[float]] = []
-    for phase, n in enumerate((16, 16, 8192, 8192, 16)):
-        lo = t
-        for k in range(6):
-            for _ in range(8):  # steady steps
-                steps.append({"t": t, "sched_s": 0.0, "exec_s": 0.005, "post_s": 0.0,
-                              "dec": [300] * 4, "pre": []})
-                t += 0.005
-            stretch = (0.002 + 0.5e-6 * n) * (10 if phase == 4 else 1)
-            steps.append({"t": t, "sched_s": 0.0, "exec_s": 0.005 + stretch, "post_s": 0.0,
-                          "dec": [300] * 4, "pre": []})
-            reqs += [{"api": f"p{phase}-{k}", "recv": t + 0.001, "first": t + 0.05},
-                     {"core": f"p{phase}-{k}", "n": n, "hit": 0, "sub": t + 0.002,
-                      "adm": t + 0.006, "sched": t + 0.006, "tok": t + 0.01}]
-            t += 0.005 + stretch
-        if phase < 4:
-            windows.append([lo, t])
-    (tmp_path / "steps.7.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
-    (tmp_path / "steps-requests.7.jsonl").write_text("".join(json.dumps(x) + "\n" for x in reqs))
-    profile = {"chunk": 2048, "busy_probe_windows": windows, "request_overhead_busy_s": 0.003,
-               "request_overhead_busy_per_token_s": 1e-6}
-    measured = with_arrival_stretch(profile, tmp_path / "steps")
-    assert measured["arrival_stretch_measured_s"] == pytest.approx(0.002, abs=1e-6)
-    assert measured["arrival_stretch_measured_per_token_s"] == pytest.approx(0.5e-6, rel=1e-3)
-    # recorded only: the simulator's keys and the busy path are untouched
-    assert "arrival_stretch_s" not in measured and measured["request_overhead_busy_s"] == 0.003
-    out = with_arrival_stretch(profile, tmp_path / "steps", apply=True)
-    assert out["arrival_stretch_s"] == pytest.approx(0.002, abs=1e-6)
-    assert out["arrival_stretch_per_token_s"] == pytest.approx(0.5e-6, rel=1e-3)
-    assert out["request_overhead_busy_s"] == pytest.approx(0.003 - 0.002 - 16 * 0.5e-6, abs=1e-6)
-    assert out["request_overhead_busy_per_token_s"] == pytest.approx(0.5e-6, rel=1e-3)
-    assert out["request_overhead_busy_measured_s"] == 0.003
-    # once more on its own output: the same (it starts from what was measured)
-    assert with_arrival_stretch(out, tmp_path / "steps", apply=True)["request_overhead_busy_s"] == \
-        pytest.approx(out["request_overhead_busy_s"])
-    # no traces there: the profile as it was, and why
-    bare = with_arrival_stretch(profile, tmp_path / "nothing")
-    assert "arrival_stretch_measured_s" not in bare
-    assert "too few busy probes" in bare["arrival_stretch_error"]
-    # a torn trace line (an engine killed mid-write): the calibration stands, the error says why
-    (tmp_path / "torn.9.jsonl").write_text('{"t": 1.0, "sched_s"\n')
-    torn = with_arrival_stretch(profile, tmp_path / "torn")
-    assert "could not be read" in torn["arrival_stretch_error"] and torn["request_overhead_busy_s"] == 0.003
 
 
 def test_pause_signal_orders_bound_each_other() -> None:

@@ -1,4 +1,4 @@
-"""cpu-local's calibration profile: found from the checkout, never silently replaced."""
+"""cpu-local's calibration profile: package data, never silently replaced."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def quick(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_default_profile_is_the_checkout_s_wherever_the_command_runs(
         quick, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)  # the committed profile is not under the working directory
-    assert specs.cpu_profile_path() == ROOT / "benchmarks/results/sim_cpu_profile.json"
+    assert specs.cpu_profile_path() == ROOT / "src/agentserve/sim/data/cpu_profile.json"
     assert specs.cpu_local().measured == json.loads(specs.CPU_PROFILE_DEFAULT.read_text())
     assert specs.cpu_local(bare=True).measured is None
 

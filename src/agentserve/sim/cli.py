@@ -24,10 +24,14 @@ KEYS = ("output_tok_s", "input_tok_s", "ttft_s", "itl_ms", "e2e_s", "output_tok_
 
 
 def register(app: typer.Typer) -> None:
-    """Add `sim` to the `agentserve` app (wired by cli.py)."""
+    """Add `sim` (and `sim calibrate`) to the `agentserve` app (wired by cli.py)."""
+    sim_app = typer.Typer(add_completion=False)
+    app.add_typer(sim_app, name="sim")
+    register_calibrate(sim_app)
 
-    @app.command("sim")
+    @sim_app.callback(invoke_without_command=True)
     def sim(
+        ctx: typer.Context,
         model: str = typer.Option("glm-5.2-fp8", help="model spec: glm-5.2-fp8, tiny, small"),
         gpu: str = typer.Option("h200", help="hardware spec: h200, cpu-local"),
         topology: str = typer.Option("3P1D", help="xPyD (prefill and decode instances) or N aggregated engines"),
@@ -46,9 +50,9 @@ def register(app: typer.Typer) -> None:
                                                     "of a rank's CPU tier (default: the "
                                                     "hardware's; h200: SPEC's 26)"),
         cpu_profile: Path = typer.Option(None, help="--gpu cpu-local: the calibration profile "
-                                         "(benchmarks/sim_calibrate_cpu.py's JSON; default "
-                                         "$AGENTSERVE_SIM_CPU_PROFILE, else the checkout's "
-                                         "benchmarks/results/sim_cpu_profile.json)"),
+                                         "(`agentserve sim calibrate`'s JSON; default "
+                                         "$AGENTSERVE_SIM_CPU_PROFILE, else the package's "
+                                         "agentserve/sim/data/cpu_profile.json)"),
         workload: str = typer.Option("sweep-full", help="sweep-full, sweep-limited or a trace "
                                      "FILE (Weka sessions or AIPerf mooncake_trace)"),
         duration: float = typer.Option(900.0, help="stage length, simulated seconds (the "
@@ -97,6 +101,8 @@ def register(app: typer.Typer) -> None:
                                  "throughput plots and report.html, into this folder (one seed)"),
     ) -> None:
         """Predict throughput, latency and cost of a deployment with the real KV and router code."""
+        if ctx.invoked_subcommand is not None:  # `sim calibrate`: no simulation
+            return
         lim = LIMITS
         levels = _levels(concurrency)
         check_flags(prefill_width=(prefill_width, 1, lim["width"]),
@@ -263,10 +269,41 @@ def _cpu_profile(gpu: str, named: Path | None) -> str | None:
     path = cpu_profile_path(named)
     if path is None:
         typer.echo("warning: no cpu-local calibration profile (write one with "
-                   "benchmarks/sim_calibrate_cpu.py, or name it with --cpu-profile or "
+                   "`agentserve sim calibrate`, or name it with --cpu-profile or "
                    f"${CPU_PROFILE_ENV}): placeholder rates, not this machine's", err=True)
         return None
     return str(path.resolve())
+
+
+def register_calibrate(sim_app: typer.Typer) -> None:
+    """Add `sim calibrate`: fit the cpu-local profile on this machine (sim/calibrate.py)."""
+
+    @sim_app.command("calibrate")
+    def calibrate(
+        out: Path = typer.Option(None, help="where to write the profile (default: the one "
+                                 "`agentserve sim --gpu cpu-local` reads, the package's "
+                                 "agentserve/sim/data/cpu_profile.json)"),
+        prompt: int = typer.Option(1024, help="decode context, tokens"),
+        chunk: int = typer.Option(2048, help="prefill chunk (each engine's "
+                                  "--max-num-batched-tokens), tokens"),
+        kv_tokens: int = typer.Option(65_536, help="each engine's --kv-cache-tokens"),
+        port: int = typer.Option(18_490, help="the router's port"),
+    ) -> None:
+        """Fit the cpu-local step model through `agentserve up --topology 2` (two tiny engines
+        and the router on this machine, ~10 min) and write it as JSON."""
+        from agentserve.sim import calibrate as cal
+        from agentserve.sim.specs import CPU_PROFILE_DEFAULT
+
+        check_flags(prompt=(prompt, 16, 65_536), chunk=(chunk, 16, 65_536),
+                    kv_tokens=(kv_tokens, 4 * chunk), port=(port, 1, 65_535))
+        try:
+            profile = cal.calibrate_cluster(prompt, chunk, kv_tokens, port)
+        except RuntimeError as e:
+            fail(str(e))
+        path = cal.write_profile(profile, out or CPU_PROFILE_DEFAULT)
+        typer.echo(f"wrote {path}: a step {profile['step_overhead_s'] * 1e3:.2f} ms + "
+                   f"{profile['per_seq_s'] * 1e3:.3f} ms a sequence + "
+                   f"{profile['tok_s'] * 1e6:.1f} us a token")
 
 
 def register_plan(app: typer.Typer) -> None:

@@ -233,16 +233,14 @@ H200 = HardwareSpec(
 )
 
 CPU_PROFILE_ENV = "AGENTSERVE_SIM_CPU_PROFILE"
-# The checkout's committed profile, found from this file rather than the working directory
-# (src/agentserve/sim/specs.py -> the repository root), so `agentserve sim` run from elsewhere
-# reads the same one.
-CPU_PROFILE_DEFAULT = (Path(__file__).resolve().parents[3] / "benchmarks" / "results"
-                       / "sim_cpu_profile.json")
+# The committed profile, package data beside this file (`agentserve sim calibrate` writes
+# it), so `agentserve sim` run from anywhere, or installed, reads the same one.
+CPU_PROFILE_DEFAULT = Path(__file__).resolve().parent / "data" / "cpu_profile.json"
 
 
 def cpu_profile_path(profile: str | Path | None = None) -> Path | None:
     """The cpu-local profile to read: `profile`, else `$AGENTSERVE_SIM_CPU_PROFILE`, else the
-    checkout's committed one (None when that is absent: placeholder rates). A profile named by
+    committed one, package data (None when that is absent: placeholder rates). A profile named by
     either of the first two must exist: a typo must not turn into placeholder rates."""
     named = profile or os.environ.get(CPU_PROFILE_ENV)
     if named:
@@ -250,13 +248,13 @@ def cpu_profile_path(profile: str | Path | None = None) -> Path | None:
         if not path.is_file():
             origin = "--cpu-profile" if profile else f"${CPU_PROFILE_ENV}"
             raise ValueError(f"the cpu-local profile {path} ({origin}) is not a file; write one "
-                             "with benchmarks/sim_calibrate_cpu.py")
+                             "with `agentserve sim calibrate --out PATH`")
         return path
     return CPU_PROFILE_DEFAULT if CPU_PROFILE_DEFAULT.is_file() else None
 
 
 def cpu_local(profile: str | Path | None = None, *, bare: bool = False) -> HardwareSpec:
-    """This machine: placeholder rates, replaced by `benchmarks/sim_calibrate_cpu.py`'s JSON
+    """This machine: placeholder rates, replaced by `agentserve sim calibrate`'s JSON
     (`cpu_profile_path(profile)`); `bare`: the placeholders, no profile read."""
     path = None if bare else cpu_profile_path(profile)
     measured = json.loads(path.read_text()) if path is not None else None
