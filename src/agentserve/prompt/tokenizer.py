@@ -2,7 +2,9 @@
 
 `Tokenizer.from_dir` reads a Hugging Face model folder without `transformers`:
 `tokenizer.json` (the `tokenizers` library), `tokenizer_config.json` (special
-tokens, `chat_template`) and, if present, `generation_config.json` (EOS ids).
+tokens, `chat_template`; `chat_template.jinja` wins where present) and, if present,
+`generation_config.json` (EOS ids). `Tokenizer.from_gguf` reads the same from a GGUF file
+(prompt/gguf_vocab.py).
 
 `IncrementalDetokenizer` turns a stream of token ids into a stream of text
 deltas. It uses vLLM's prefix/read offset trick: decode a short window of
@@ -121,12 +123,27 @@ class Tokenizer:
         config: dict[str, Any] = {}
         if (d / "tokenizer_config.json").exists():
             config = json.loads((d / "tokenizer_config.json").read_text())
+        if (d / "chat_template.jinja").is_file():  # newer HF folders keep the template here
+            config["chat_template"] = (d / "chat_template.jinja").read_text()
         eos: list[int] = []
         if (d / "generation_config.json").exists():
             gen = json.loads((d / "generation_config.json").read_text())
             value = gen.get("eos_token_id")
             eos = [value] if isinstance(value, int) else list(value or [])
         return cls(hf, config, eos)
+
+    @classmethod
+    def from_gguf(cls, source: str | Path | Any) -> Tokenizer:
+        """The vocabulary, special tokens, EOS ids and chat template a GGUF file (or an open
+        `gguf.GGUFReader`) carries."""
+        from gguf import GGUFReader
+
+        from agentserve.prompt import gguf_vocab
+
+        reader = GGUFReader(str(source)) if isinstance(source, (str, Path)) else source
+        fields = reader.fields
+        return cls(gguf_vocab.build_tokenizer(fields), gguf_vocab.tokenizer_config(fields),
+                   gguf_vocab.eos_token_ids(fields))
 
     def token_id(self, token: str) -> int | None:
         """The id of one vocabulary entry (e.g. "<|im_end|>"), or None."""
