@@ -200,3 +200,19 @@ def test_engine_serves_a_gguf_with_the_folders_greedy_tokens(hf_dir, gguf_f32) -
             s.close()
     assert texts[1][0] == "tiny"  # a GGUF file serves under its name without .gguf
     assert texts[1][1] == texts[0][1] and texts[0][1]
+
+
+def test_cli_model_convert(gguf_f32, hf_dir, tmp_path) -> None:
+    from typer.testing import CliRunner
+
+    from agentserve.cli import app
+
+    res = CliRunner().invoke(app, ["model", "convert", str(gguf_f32), "--out",
+                                   str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    out = Path(res.output.strip().splitlines()[-1])
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+    assert Tokenizer.from_dir(out).encode(TEXTS[1]) == Tokenizer.from_dir(hf_dir).encode(TEXTS[1])
+    bad = write_gguf(hf_dir, tmp_path / "bad.gguf", arch="phi3")
+    res = CliRunner().invoke(app, ["model", "convert", str(bad), "--out", str(tmp_path / "b")])
+    assert res.exit_code != 0 and "'phi3'" in res.output and "Traceback" not in res.output
