@@ -11,7 +11,7 @@ import typer
 from typer.testing import CliRunner
 
 from agentserve.kv.manager import cdiv
-from agentserve.sim.fastpool import SimBlockPool
+from agentserve.kv.pool import LazyBlockPool
 from agentserve.sim import cli as sim_cli
 from agentserve.sim import run as sim_run
 from agentserve.sim import sessions as sim_workload
@@ -74,7 +74,7 @@ def test_mtp_acceptance_mean() -> None:
 
 
 def test_cpu_write_through_is_lru() -> None:
-    cpu = SimBlockPool(4, 64, medium="CPU")
+    cpu = LazyBlockPool(4, 64, medium="CPU")
     assert store_cpu(cpu, [1, 2, 3]) == 3
     assert store_cpu(cpu, [1, 4, 5]) == 2  # 1 refreshed, 4 and 5 evict 2 (oldest)
     assert set(cpu.cached) == {1, 3, 4, 5}
@@ -461,13 +461,13 @@ def test_prefill_admits_a_prompt_only_when_all_of_it_fits() -> None:
     rank does not take on more than it can finish and nothing is preempted. Two 5-block prompts
     on an 8-block rank: B's first chunk would fit beside A, but B waits until A's KV has been
     pulled and its blocks are free; each prompt is counted once."""
-    from agentserve.sim.fastpool import SimBlockPool
+    from agentserve.kv.pool import LazyBlockPool
 
     sim = sim_run.Simulation(_cfg(prefill_width=1, decode_width=1, chunk=256,
                                   request_overhead_s=0.0, request_overhead_per_token_s=0.0),
                              [_session(i, turns=1, blocks=5) for i in range(2)])
     (rank,) = sim.p_ranks
-    rank.pool, rank.cpu = SimBlockPool(8, 64), None  # room for one and a half prompts
+    rank.pool, rank.cpu = LazyBlockPool(8, 64), None  # room for one and a half prompts
     inst = sim.prefills[0]
     seen, handoff = [], inst.handoff
 
@@ -489,7 +489,7 @@ def test_prefill_under_pressure_finishes_everything_and_leaks_no_block() -> None
     yet every request finishes and at the end every prefill block is back in the free queue (none
     held, none pinned, no load outstanding). 40 random deployments; some of them restore (the
     path is exercised)."""
-    from agentserve.sim.fastpool import SimBlockPool
+    from agentserve.kv.pool import LazyBlockPool
 
     restored = 0
     for seed in range(40):
@@ -504,8 +504,8 @@ def test_prefill_under_pressure_finishes_everything_and_leaks_no_block() -> None
              for i in range(clients)])
         (rank,) = sim.p_ranks
         biggest = blocks + 8 * (turns - 1)  # the longest prompt, in blocks
-        rank.pool = SimBlockPool(int(biggest * rng.uniform(1.0, 1.5)) + 1, 64)
-        rank.cpu = SimBlockPool(4 * biggest, 64, medium="CPU") if rng.random() < 0.5 else None
+        rank.pool = LazyBlockPool(int(biggest * rng.uniform(1.0, 1.5)) + 1, 64)
+        rank.cpu = LazyBlockPool(4 * biggest, 64, medium="CPU") if rng.random() < 0.5 else None
         s = sim.run()
         assert s["requests_ok"] == clients * turns and s["requests_failed"] == 0, seed
         assert rank.pool.num_free_blocks == rank.pool.num_blocks and rank.pinned == 0, seed

@@ -24,12 +24,11 @@ from operator import attrgetter
 
 import numpy as np
 
-from agentserve.kv.pool import Block, BlockPool
+from agentserve.kv.pool import Block, BlockPool, LazyBlockPool
 from agentserve.router.approx import ApproxTracker
 from agentserve.router.index import Holder, PrefixIndex
 from agentserve.router.picker import MaxScorePicker
 from agentserve.router.scorers import Candidate, build_scorers, weighted_scores
-from agentserve.sim.fastpool import SimBlockPool
 from agentserve.sim.constants import MTP_ACCEPT
 from agentserve.workload.record import RequestRecord
 
@@ -116,8 +115,8 @@ class Rank:
 
     def __init__(self, idx: int, blocks: int, cpu_blocks: int, block_size: int) -> None:
         self.idx = idx
-        self.pool: BlockPool = SimBlockPool(blocks, block_size)
-        self.cpu: SimBlockPool | None = SimBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
+        self.pool: BlockPool = LazyBlockPool(blocks, block_size)
+        self.cpu: LazyBlockPool | None = LazyBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         # prefill ranks: requests holding blocks before they run (restoring from CPU, or
@@ -344,7 +343,7 @@ def cache_computed(pool: BlockPool, req: SimRequest, done: int, full: int) -> No
         pool.cache_blocks(req.blocks[done:full], req.hashes[done:full], range(req.n_in), done, parent)
 
 
-def store_cpu(cpu: SimBlockPool | None, hashes: list[int]) -> int:
+def store_cpu(cpu: LazyBlockPool | None, hashes: list[int]) -> int:
     """Write-through of full blocks to the CPU pool (LRU refresh for ones it holds); blocks stored."""
     if cpu is None or not hashes:
         return 0
@@ -360,7 +359,7 @@ def store_cpu(cpu: SimBlockPool | None, hashes: list[int]) -> int:
     return len(new)
 
 
-def refresh_cpu(cpu: SimBlockPool, hashes: list[int]) -> None:
+def refresh_cpu(cpu: LazyBlockPool, hashes: list[int]) -> None:
     """Move the blocks of `hashes` the CPU pool holds to its LRU's newest end; write nothing."""
     cached = cpu.cached
     cpu.to_newest([cached[h] for h in hashes if h in cached])
