@@ -5,8 +5,11 @@ The scheduler asks three questions, always check-then-mutate:
 (can this request grow by N tokens? if so, take the blocks), `free`.
 `cache_blocks` registers newly filled blocks so later requests can hit them.
 
-The engine and the simulator both drive this class: it is the one place that
-decides which blocks a request holds.
+The engine drives this class: it is the one place that decides which blocks an engine
+request holds. The simulator does not: its engines (sim/agg.py, sim/pools.py, sim/decode.py)
+keep each request's block list themselves, on the same pools (`BlockPool`, `LazyBlockPool`),
+because each mirrors its own role's admission rules (vLLM's prefill, decode and aggregated
+schedulers); from here it takes `cdiv` only.
 """
 
 from __future__ import annotations
