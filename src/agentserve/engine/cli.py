@@ -24,7 +24,8 @@ def serve(
     host: str = typer.Option("127.0.0.1", help="Bind address."),
     port: int = typer.Option(8000, help="Port."),
     dtype: str = typer.Option("auto", help="auto (the checkpoint's torch_dtype, as vLLM; the "
-                              "built-in tiny model is float32) | float32 | bfloat16 | float16."),
+                              "built-in tiny model and a GGUF's dequantized weights are float32) "
+                              "| float32 | bfloat16 | float16."),
     device: str = typer.Option("cpu", help="cpu | cuda."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV capacity in tokens."),

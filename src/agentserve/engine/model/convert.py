@@ -37,6 +37,7 @@ def convert_gguf(path: str | Path, out_dir: str | Path, dtype: str = "float32") 
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(out / "model.safetensors"),
               metadata={"format": "pt"})
+    (out / "model.safetensors").chmod(0o644)  # as make_tiny: readable by a vLLM run as another user
     tok.save(str(out / "tokenizer.json"))
     files = {"config.json": config, "generation_config.json": generation,
              "tokenizer_config.json": tok_config}
