@@ -35,8 +35,12 @@ test: install vllm-venv lint
 test-fast: install
 	$(VENV)/bin/pytest -q -p no:cacheprovider -m "not interop and not slow"
 
+# The suite (benchmarks/run_all.py --list): each script at its default flags into
+# benchmarks/results/NAME.json. The long ones (harden_fuzz, harden_soak, harden_chaos, the sim_*
+# 900 s stages, sim_vs_bench, sim_burst_probe) run short into bench-out/ unless BENCH_FULL=1;
+# BENCH=name[,name] runs only those.
 bench: install vllm-venv
-	bash benchmarks/run_all.sh
+	$(PY) benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

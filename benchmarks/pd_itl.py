@@ -51,7 +51,7 @@ from agentserve.cluster.launch import Cluster, parse_topology
 from agentserve.cluster.procs import free_port
 
 
-# ---- shared with pd_ttft.py ---------------------------------------------------------------
+# ---- shared with docs/studies/pd_ttft/pd_ttft.py ----------------------------------------
 @contextmanager
 def cluster(topology: str, engine_args: list[str] | None = None):
     """A started cluster (router + engines) that is always stopped on exit."""

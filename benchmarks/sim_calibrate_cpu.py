@@ -18,7 +18,7 @@ The older roofline keys (`flops`, `mem_bw`, `step_overhead_s`, `per_request_s`) 
 what a client sees through `agentserve up --topology 2`; what the committed profile and
 `sim_vs_bench.py` use). The simulator imports no engine code, so the in-process measurement
 lives here; the fits and the server calibration are the package's, re-exported for
-`sim_vs_bench.py`, `sim_request_path.py` and `box_speed.py`.
+`sim_vs_bench.py`, `sim_request_path.py` and docs/studies/box_speed/.
 
     .venv/bin/python benchmarks/sim_calibrate_cpu.py --out /tmp/sim_cpu_profile_inproc.json
     agentserve sim calibrate --out ...     # = --through-server

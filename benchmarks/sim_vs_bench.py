@@ -13,7 +13,7 @@
    a fresh cluster (the first on the calibrated one), on a synthesized `sweep` corpus written
    to a file, `--token-scale` K so prompts are a few hundred to a few thousand tokens: one
    45 s stage samples one spell of this box, whose speed moves 20-25% between minutes
-   (`box_speed.py`), so the bench figure is the runs' mean, as AIPerf's
+   (`docs/studies/box_speed/`), so the bench figure is the runs' mean, as AIPerf's
    `--num-profile-runs` aggregates, with each run's value, error and their spread kept;
 4. the simulator: 2 aggregated engines (`SimConfig.aggregated`), the same file, concurrency,
    token scale, output cap, KV size, chunk budget, and the engines' KV block size (they reuse

@@ -23,7 +23,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def _run(script: str, *args: str, out: Path) -> dict:
-    cmd = [sys.executable, str(ROOT / "benchmarks" / script), *args, "--out", str(out)]
+    """`script` under benchmarks/, or a concluded study's by its path (docs/studies/NAME/NAME.py)."""
+    path = ROOT / script if "/" in script else ROOT / "benchmarks" / script
+    cmd = [sys.executable, str(path), *args, "--out", str(out)]
     r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     return json.loads(out.read_text())
@@ -268,6 +270,7 @@ def test_sim_vs_bench_prints_a_saved_result(capsys) -> None:
 def test_box_speed_summary_tracks_steal() -> None:
     """`box_speed.summarize`: the spread of the windows' steps, and a step time that grows with
     steal reads as a positive correlation and its fit (windows without a reading left out)."""
+    sys.path.insert(0, str(ROOT / "docs/studies/box_speed"))
     import box_speed
 
     windows = [{"step_ms": 20.0 * (1 + 2.0 * st), "steal": st, "sentinel_ms": 9.0 + st}
@@ -279,7 +282,7 @@ def test_box_speed_summary_tracks_steal() -> None:
     assert got["fit"] == {"base_ms": pytest.approx(20.0), "per_unit_steal": pytest.approx(2.0)}
     assert got["corr_step_sentinel"] == pytest.approx(1.0)
     assert box_speed.summarize([{"step_ms": None, "steal": 0.1}]) == {"windows": 0}
-    bad = subprocess.run([sys.executable, str(ROOT / "benchmarks/box_speed.py"), "--engines", "0"],
+    bad = subprocess.run([sys.executable, str(ROOT / "docs/studies/box_speed/box_speed.py"), "--engines", "0"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "need --engines" in bad.stderr
 
@@ -289,7 +292,7 @@ def test_box_speed_runs(tmp_path: Path) -> None:
     """One engine and the sentinel over two 2 s windows: both windows timed, steal read."""
     # 256-token prompts: a window's batch prefills well inside its 2 s even on a loaded box
     # (at 1,024 tokens the second window's prefill could overrun it and time no steps)
-    res = _run("box_speed.py", "--engines", "1", "--duration", "4", "--window", "2",
+    res = _run("docs/studies/box_speed/box_speed.py", "--engines", "1", "--duration", "4", "--window", "2",
                "--lead", "8", "--prompt", "256", "--sentinel-period", "0.2",
                out=tmp_path / "box.json")
     assert [w["k"] for w in res["windows"]] == [0, 1]
@@ -546,7 +549,7 @@ def test_sim_clients_compares_the_load_generators(tmp_path: Path) -> None:
     """A short c16 stage under both load generators: the closed loop, with no think time,
     sends more input per second than AIPerf's replay with the recorded think times (no
     idle-gap cap) on the same corpus."""
-    res = _run("sim_clients.py", "--concurrency", "16", "--duration", "60",
+    res = _run("docs/studies/sim_clients/sim_clients.py", "--concurrency", "16", "--duration", "60",
                "--idle-gap-cap-s", "off", out=tmp_path / "clients.json")
     rows = {r["clients"]: r for r in res["rows"]}
     assert rows["closed"]["input_tok_s"] > rows["agentx"]["input_tok_s"] > 0
@@ -584,7 +587,7 @@ def test_sim_decode_locality_brackets_placement(tmp_path: Path) -> None:
 def test_vllm_request_path_runs(tmp_path: Path) -> None:
     """A real vLLM, two prompt sizes of prose: a cached prompt's time to first token grows with
     its length, and the prose has AIPerf's density (~3.3 characters a token)."""
-    res = _run("vllm_request_path.py", "--sizes", "1500,30000", "--reps", "3", "--repeat", "1",
+    res = _run("docs/studies/vllm_request_path/vllm_request_path.py", "--sizes", "1500,30000", "--reps", "3", "--repeat", "1",
                out=tmp_path / "path.json")
     small, large = res["rows"]
     assert large["prompt_tokens"] > 5 * small["prompt_tokens"]
@@ -653,3 +656,30 @@ def test_sim_vs_bench_history_prices_each_recorded_run_again(tmp_path: Path) -> 
     [check] = res["checks"]
     for now, then in zip(check["now"], check["then"], strict=True):
         assert now == pytest.approx(then, rel=1e-9)
+
+
+def test_make_bench_runs_the_suite_and_nothing_else() -> None:
+    """benchmarks/ holds the suite (run_all.SUITE) and its helpers only; every script the
+    README cites is in it; BENCH picks, BENCH_FULL sizes, and a quick run of a long benchmark
+    writes bench-out/, never over the committed full-size result."""
+    import re
+
+    import run_all
+
+    names = [b.name for b in run_all.SUITE]
+    assert len(names) == len(set(names))
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")}
+    assert scripts == set(names) | set(run_all.HELPERS), scripts ^ (set(names) | set(run_all.HELPERS))
+    cited = set(re.findall(r"benchmarks/(\w+)\.py", (ROOT / "README.md").read_text()))
+    assert cited <= set(names), cited - set(names)
+    assert [b.name for b in run_all.select("sched_overhead, harden_soak")] == ["sched_overhead", "harden_soak"]
+    assert "sim_gpu_rank" not in [b.name for b in run_all.select(None)]  # manual: only when named
+    with pytest.raises(SystemExit, match="no benchmark nope"):
+        run_all.select("nope")
+    soak = next(b for b in run_all.SUITE if b.name == "harden_soak")
+    cmd, out = run_all.command(soak, full=False)
+    assert out == ROOT / "bench-out/harden_soak.json" and cmd[-4:-2] == ["--rss-limit-pct", "100"]
+    cmd, out = run_all.command(soak, full=True)
+    assert out == ROOT / "benchmarks/results/harden_soak.json" and "--minutes" not in cmd
+    sched = next(b for b in run_all.SUITE if b.name == "sched_overhead")
+    assert run_all.command(sched, full=False)[1] == ROOT / "benchmarks/results/sched_overhead.json"

@@ -295,7 +295,9 @@ def register_calibrate(sim_app: typer.Typer) -> None:
         from agentserve.sim.specs import CPU_PROFILE_DEFAULT
 
         check_flags(prompt=(prompt, 16, 65_536), chunk=(chunk, 16, 65_536),
-                    kv_tokens=(kv_tokens, 4 * chunk), port=(port, 1, 65_535))
+                    kv_tokens=(kv_tokens, max(4 * chunk, 8 * (2048 + 256), 16 * (prompt + 320))),
+                    port=(port, 1, 65_535))  # KV: the cached 4 x chunk prompt, batch 8 at
+        # context 2048 and batch 16 at `prompt` (+ their outputs) on each engine, unpreempted
         try:
             profile = cal.calibrate_cluster(prompt, chunk, kv_tokens, port)
         except RuntimeError as e:

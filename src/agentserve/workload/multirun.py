@@ -1,7 +1,7 @@
 """Repeated profile runs of one bench and their aggregate, as AIPerf's `--num-profile-runs`.
 
 One run of a bench on a shared or throttled machine can be off by a third (this project's
-2-core VMs: `benchmarks/box_speed.py`, docs/sim/notebook.md, stop 37); the answer is to run the same workload several times
+2-core VMs: `docs/studies/box_speed/`, docs/sim/notebook.md, stop 37); the answer is to run the same workload several times
 and report each figure's mean with its spread and a confidence interval, so that two
 configurations are compared by whether their intervals overlap. Every run replays the same
 workload (same trace, same seed). Layout, as AIPerf's:

@@ -16,7 +16,7 @@ the code:
 
 Prints a table a window and the spread, the step-vs-steal correlation and linear fit; writes JSON.
 
-    .venv/bin/python benchmarks/box_speed.py --duration 300 --out benchmarks/results/box_speed.json
+    .venv/bin/python docs/studies/box_speed/box_speed.py --duration 300 --out docs/studies/box_speed/box_speed.json
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import NoReturn
 
-from sim_vs_bench import cpu_steal, steal_frac
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))  # the suite's helpers
+from sim_vs_bench import cpu_steal, steal_frac  # noqa: E402
 
 
 def engine_worker(args: argparse.Namespace) -> None:
@@ -157,7 +158,7 @@ def main() -> None:
     ap.add_argument("--sentinel-period", type=float, default=0.25, help="0: no sentinel")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--lead", type=float, default=20.0, help="s for the workers to build their engines")
-    ap.add_argument("--out", default="benchmarks/results/box_speed.json")
+    ap.add_argument("--out", default="docs/studies/box_speed/box_speed.json")
     ap.add_argument("--worker", choices=["engine", "sentinel"], help=argparse.SUPPRESS)
     ap.add_argument("--worker-out", help=argparse.SUPPRESS)
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)

@@ -8,13 +8,14 @@ both, on the same corpus, and prints what the load itself looks like beside the 
 published load figures: requests sent, input tok/s and the input median over the stage's
 requests. Nothing here sets a constant.
 
-    .venv/bin/python benchmarks/sim_clients.py --duration 900 --out benchmarks/results/sim_clients.json
+    .venv/bin/python docs/studies/sim_clients/sim_clients.py --duration 900 --out docs/studies/sim_clients/sim_clients.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 from multiprocessing import Pool
 from pathlib import Path
 
@@ -22,7 +23,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from _seeds import seed_mean
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))  # the suite's helpers
+from _seeds import seed_mean  # noqa: E402
 
 from agentserve.sim.config import IDLE_GAP_CAP_S, parse_idle_gap_cap
 from agentserve.sim.run import SimConfig, Simulation, session_stream
@@ -56,7 +58,7 @@ def main() -> None:
     ap.add_argument("--concurrency", default="16,64,128", help="comma-separated, of 16, 64, 128")
     ap.add_argument("--idle-gap-cap-s", type=parse_idle_gap_cap, default=IDLE_GAP_CAP_S,
                     help="the replay's per-trace idle-gap cap, s or off (SimConfig.idle_gap_cap_s)")
-    ap.add_argument("--out", default="benchmarks/results/sim_clients.json")
+    ap.add_argument("--out", default="docs/studies/sim_clients/sim_clients.json")
     a = ap.parse_args()
     conc = [int(c) for c in a.concurrency.split(",")]
     if not set(conc) <= set(REFERENCE):

@@ -22,7 +22,7 @@ token ids: no prefix-cache hits), ``--reps`` times. Per request:
 
 Medians over reps are reported. Every process is stopped at the end.
 
-    .venv/bin/python benchmarks/pd_ttft.py --out benchmarks/results/pd_ttft.json
+    .venv/bin/python docs/studies/pd_ttft/pd_ttft.py --out docs/studies/pd_ttft/pd_ttft.json
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "benchmarks"))  # the suite's helpers
 from pd_itl import cluster, loadavg, model_id, prompt, scrape, stream
 
 TTFT_SUM = "vllm:time_to_first_token_seconds_sum"
@@ -114,7 +114,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine-args", default="", help="extra `agentserve serve` args for every engine")
-    ap.add_argument("--out", default="benchmarks/results/pd_ttft.json")
+    ap.add_argument("--out", default="docs/studies/pd_ttft/pd_ttft.json")
     a = ap.parse_args()
     t0 = time.time()
     load_start = loadavg()

@@ -12,7 +12,7 @@ tokens` to the chat path. The text is English prose at the density of AIPerf's p
 twice: llm-d's sidecar sends the whole prompt to a prefill and then a decode vLLM, each of
 which does all of the above before its engine sees the request.
 
-    .venv/bin/python benchmarks/vllm_request_path.py --out benchmarks/results/vllm_request_path.json
+    .venv/bin/python docs/studies/vllm_request_path/vllm_request_path.py --out docs/studies/vllm_request_path/vllm_request_path.json
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="cached requests per size (median taken)")
     ap.add_argument("--repeat", type=int, default=3,
                     help="passes over the sizes, each with new prompts (the fit pools them)")
-    ap.add_argument("--out", default="benchmarks/results/vllm_request_path.json")
+    ap.add_argument("--out", default="docs/studies/vllm_request_path/vllm_request_path.json")
     a = ap.parse_args()
     from tokenizers import Tokenizer
 
