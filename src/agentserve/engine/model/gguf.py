@@ -49,6 +49,8 @@ _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
 def resolve_model(model: str) -> Path:
     """A preset name's GGUF file (its package must be installed), or `model` as a path."""
     if model not in PRESETS:
+        if model.endswith(".gguf") and not Path(model).is_file():
+            raise CheckpointError(f"no GGUF file at {model} (presets: {', '.join(PRESETS)})")
         return Path(model)
     package, filename, install = PRESETS[model]
     spec = importlib.util.find_spec(package)
