@@ -67,10 +67,10 @@ fi
 # transfer path with CUDA caches on both ends.
 step pytest-cuda 180 env AGENTSERVE_TEST_DEVICE=$DEV "$PY" -m pytest -q -p no:cacheprovider \
   --junitxml="$R/pytest_cuda.xml" -o addopts="" \
-  tests/engine/test_engine.py tests/engine/test_server.py tests/engine/test_sampling.py \
-  tests/engine/test_tools.py tests/engine/test_bad_input.py tests/engine/test_tiered.py \
-  tests/engine/test_writeback.py tests/engine/test_messages.py tests/engine/test_responses.py \
-  tests/pd/test_pd_engine.py tests/pd/test_transfer_wire.py
+  tests/engine/core/test_engine.py tests/engine/http/test_server.py tests/engine/model/test_sampling.py \
+  tests/engine/model/test_tools.py tests/engine/http/test_bad_input.py tests/engine/core/test_tiered.py \
+  tests/engine/core/test_writeback.py tests/engine/http/test_messages.py tests/engine/http/test_responses.py \
+  tests/kv/remote/test_pd_engine.py tests/kv/remote/test_transfer_wire.py
 
 # ENGINE-1: prefill and decode tok/s on CUDA, small preset in bf16 (and tiny in fp32).
 step engine-speed-small-bf16 90 "$PY" benchmarks/engine_speed.py --preset small --device $DEV \

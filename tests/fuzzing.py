@@ -1,6 +1,6 @@
 """Hypothesis strategies for fuzzing the servers' APIs (test support, not a test module).
 
-Used by tests/engine/test_fuzz_api.py (bodies against an in-process engine),
+Used by tests/engine/http/test_fuzz_api.py (bodies against an in-process engine),
 tests/router/test_parse_fuzz.py (the router's parsing) and benchmarks/harden_fuzz.py (a
 whole `agentserve up` cluster). Bodies start from a valid one and have fields set to
 random values: mostly well-typed values around the edges of each field's range (so that

@@ -9,7 +9,7 @@ from agentserve.engine.core.request import RequestStatus, SamplingParams
 from agentserve.engine.core.sequence import Sequence
 from agentserve.kv.inflight import MIN_JOIN_BLOCKS
 from agentserve.kv.inflight import InflightPrefill as _Inflight
-from tests.engine.test_engine import _greedy, _prompt, _run, _with_engine
+from tests.engine.core.test_engine import _greedy, _prompt, _run, _with_engine
 
 BS = 16
 

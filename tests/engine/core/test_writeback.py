@@ -9,7 +9,7 @@ import pytest
 from agentserve.engine.core.request import SamplingParams
 from agentserve.kv.offload.policies import BlockInfo
 from agentserve.kv.offload.writeback import EvictionStore
-from tests.engine.test_tiered import A, B, _evict_and_resume, _run, _with
+from tests.engine.core.test_tiered import A, B, _evict_and_resume, _run, _with
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_write_back_under_concurrent_sessions_and_preemption(reference) -> None:
     and no block leaks (``_with`` checks the pool after shutdown)."""
     import asyncio
 
-    from tests.engine.test_tiered import _prompt
+    from tests.engine.core.test_tiered import _prompt
 
     async def session(eng, s: int):
         ctx = _prompt(96, 100 + s)

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from agentserve.engine.model import attention, paged_prefix
 from agentserve.engine.model.attention import PrefillMeta, _prefill_attention, prepare_batch
 from agentserve.engine.model.paged_prefix import Workspace, attend_chunk, merge, prefix_layout
-from tests.engine.test_model import ATOL, Seq, _cache, _step, _tokens
+from tests.engine.model.test_model import ATOL, Seq, _cache, _step, _tokens
 
 BS = 8
 

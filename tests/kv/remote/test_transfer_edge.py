@@ -24,7 +24,7 @@ import pytest
 
 from agentserve.api.kv_transfer import AUTH_HEADER, sign
 from tests.conftest import ServerThread
-from tests.pd.test_pd_engine import KW, TOKEN, prefill_leg, signed, transfer, wait_clean
+from tests.kv.remote.test_pd_engine import KW, TOKEN, prefill_leg, signed, transfer, wait_clean
 
 PATHS = {  # the four generation APIs, one small body each
     "/v1/completions": {"prompt": list(range(20, 80)), "max_tokens": 3, "temperature": 0},

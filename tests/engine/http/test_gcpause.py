@@ -12,7 +12,7 @@ import urllib.request
 from agentserve.engine.http.metrics import ServerMetrics
 from agentserve.gcpause import pause_tracker
 from agentserve.cluster.procs import start_engine
-from tests.engine.test_protocol import FakeEngine
+from tests.engine.http.test_protocol import FakeEngine
 
 
 def test_collections_are_counted_and_timed_per_generation() -> None:

@@ -21,7 +21,7 @@ import pytest
 from agentserve.cluster.launch import Topology, parse_topology
 from agentserve.cluster.procs import agentserve_cmd, free_port, start_process
 from agentserve.cluster.supervisor import RestartPolicy, Supervised
-from tests.pd.test_pd_engine import TOKEN, post
+from tests.kv.remote.test_pd_engine import TOKEN, post
 
 
 def test_parse_topology() -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from agentserve.engine.core.engine import AsyncEngine
 from tests.conftest import TEST_DEVICE
-from tests.engine.isolation import assert_clean, collect, run_engine
+from tests.engine.core.isolation import assert_clean, collect, run_engine
 
 KW = dict(model=None, kv_cache_tokens=8192, block_size=16, max_model_len=1024, max_num_seqs=16,
           max_num_batched_tokens=512, seed=0, check_invariants=True, device=TEST_DEVICE,

@@ -12,7 +12,7 @@ from agentserve.engine.model.llama import KVCache, SeqChunk, prepare_batch, rope
 from safetensors.torch import load_file, save_file
 
 from agentserve.engine.model.tiny import make_tiny
-from tests.engine.reference import DenseLlama
+from tests.engine.model.reference import DenseLlama
 
 ATOL = 2e-4
 

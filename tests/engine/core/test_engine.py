@@ -12,7 +12,7 @@ from agentserve.engine.core.engine import AsyncEngine
 from agentserve.engine.core.request import SamplingParams
 from agentserve.engine.model.tiny import default_model_dir
 from tests.conftest import TEST_DEVICE
-from tests.engine.reference import DenseLlama
+from tests.engine.model.reference import DenseLlama
 
 
 def _prompt(n: int, seed: int) -> list[int]:

@@ -13,7 +13,7 @@ from agentserve.kv.events import KVEventBatch
 from agentserve.router.config import build_config
 from agentserve.router.core import RouteInput, Router
 from agentserve.router.events import EventApplier
-from tests.engine.test_tiered import A, B, BASE, _run
+from tests.engine.core.test_tiered import A, B, BASE, _run
 
 URLS = ["http://holder", "http://empty"]
 

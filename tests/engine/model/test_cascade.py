@@ -14,7 +14,7 @@ from agentserve.engine.model import attention, paged_prefix
 from agentserve.kv import decode_groups
 from agentserve.engine.model.attention import prepare_batch
 from agentserve.kv.decode_groups import padded_keys, read_keys, shared_prefixes
-from tests.engine.test_model import ATOL, Seq, _cache, _step, _tokens
+from tests.engine.model.test_model import ATOL, Seq, _cache, _step, _tokens
 
 BS = 4
 

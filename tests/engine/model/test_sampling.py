@@ -17,7 +17,7 @@ from agentserve.engine.model.sampler import apply_penalties, logits_to_probs, sa
 from agentserve.engine.core.sequence import Sequence
 from agentserve.prompt.tokenizer import IncrementalDetokenizer
 from tests.conftest import API_KEY, ServerThread
-from tests.engine.test_tools import check_schema
+from tests.engine.model.test_tools import check_schema
 
 
 def seq_with(prompt: list[int], output: list[int], **params) -> Sequence:
@@ -181,8 +181,8 @@ def test_logprobs_are_the_models_raw_distribution() -> None:
     at that position (the dense reference), also when a bias, a penalty and a temperature
     changed what was sampled (vLLM's raw_logprobs)."""
     from agentserve.engine.model.tiny import default_model_dir
-    from tests.engine.reference import DenseLlama
-    from tests.engine.test_engine import _prompt, _with_engine
+    from tests.engine.model.reference import DenseLlama
+    from tests.engine.core.test_engine import _prompt, _with_engine
 
     dense = DenseLlama(default_model_dir())
     prompt = _prompt(40, 3)
@@ -304,8 +304,8 @@ def test_prompt_logprobs_score_every_prompt_token_even_when_cached() -> None:
     several chunks, and when its prefix is cached: the request then reads no cached prefix
     (as vLLM), so every position is scored."""
     from agentserve.engine.model.tiny import default_model_dir
-    from tests.engine.reference import DenseLlama
-    from tests.engine.test_engine import _prompt, _with_engine
+    from tests.engine.model.reference import DenseLlama
+    from tests.engine.core.test_engine import _prompt, _with_engine
 
     dense = DenseLlama(default_model_dir())
     prompt = _prompt(150, 5)
