@@ -7,7 +7,7 @@ import torch
 
 from agentserve.engine.model.checkpoint import load_model
 from agentserve.engine.model.tiny import make_tiny
-from tests.engine.reference import DenseLlama
+from tests.engine.model.reference import DenseLlama
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from aiohttp.test_utils import TestServer
 
 from agentserve.router.config import build_config
 from agentserve.router.gateway import Gateway
-from tests.pd.test_router_pd import FakePD
+from tests.router.test_pd import FakePD
 
 from .fakes import FakeEngine
 
