@@ -1,11 +1,13 @@
 """SIM-1 small scale: this checkout's simulator on every recorded check's benches.
 
-Each `benchmarks/results/sim_vs_bench*.json` that records its runs (stop 39 on: the bench runs
-and the calibrations around them) is priced again by `sim_vs_bench.py --resimulate`'s code, and
-each (run, concurrency) pair's output tok/s and TTFT p50 errors are set beside the ones the
-check's own model gave. A model change that helps one check's benches and hurts the others'
+Each recorded check that records its runs (stop 39 on: the bench runs and the calibrations
+around them), `benchmarks/results/sim_vs_bench_checks/sim_vs_bench*.json`, is priced again by
+`sim_vs_bench.py --resimulate`'s code, and each (run, concurrency) pair's output tok/s and TTFT
+p50 errors are set beside the ones the check's own model gave. A model change that helps one check's benches and hurts the others'
 shows here in seconds, without a 15-30 minute rerun; a rerun is still what shows it holds on
-fresh benches. Checks recorded before per-run results existed are listed as skipped.
+fresh benches. Checks recorded before per-run results existed are listed as skipped. A new
+check (`sim_vs_bench.py` writes benchmarks/results/sim_vs_bench.json, the current one) joins the
+history when it is copied into sim_vs_bench_checks/ under a name of its own.
 
     .venv/bin/python benchmarks/sim_vs_bench_history.py --out benchmarks/results/sim_vs_bench_history.json
 """
@@ -42,7 +44,7 @@ def in_band(p: tuple) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--results", type=Path, default=HERE / "results")
+    ap.add_argument("--results", type=Path, default=HERE / "results" / "sim_vs_bench_checks")
     ap.add_argument("--out", default="benchmarks/results/sim_vs_bench_history.json")
     args = ap.parse_args()
     checks, skipped = [], []

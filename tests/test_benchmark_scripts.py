@@ -262,7 +262,7 @@ def test_sim_vs_bench_prints_a_saved_result(capsys) -> None:
     """`print_table` renders a committed result: each run's value and error and the drift gauge."""
     import sim_vs_bench as svb
 
-    svb.print_table(json.loads((ROOT / "benchmarks/results/sim_vs_bench_stop39.json").read_text()))
+    svb.print_table(json.loads((ROOT / "benchmarks/results/sim_vs_bench_checks/sim_vs_bench_stop39.json").read_text()))
     out = capsys.readouterr().out
     assert "mean of 3 runs" in out and "301 / 330 / 315" in out and "run 2: the step model" in out
 
@@ -628,7 +628,7 @@ def test_sim_vs_bench_resimulate_reproduces_the_checks_own_simulations(tmp_path:
     calibrations) and the bench figures from a result file alone: with the simulator that
     priced stop 48's closed-loop check (unchanged since for cpu-local) it gives the same
     simulations, run by run, and keeps the bench figures as recorded."""
-    src = ROOT / "benchmarks" / "results" / "sim_vs_bench_stop48.json"
+    src = ROOT / "benchmarks" / "results" / "sim_vs_bench_checks" / "sim_vs_bench_stop48.json"
     res = _run("sim_vs_bench.py", "--resimulate", str(src), out=tmp_path / "resim.json")
     old = json.loads(src.read_text())
     assert res["resimulated_from"] == str(src)
@@ -647,7 +647,7 @@ def test_sim_vs_bench_history_prices_each_recorded_run_again(tmp_path: Path) -> 
     other listed as skipped."""
     import shutil
 
-    shutil.copy(ROOT / "benchmarks" / "results" / "sim_vs_bench_stop48.json", tmp_path)
+    shutil.copy(ROOT / "benchmarks" / "results" / "sim_vs_bench_checks" / "sim_vs_bench_stop48.json", tmp_path)
     (tmp_path / "sim_vs_bench_old.json").write_text(json.dumps({"rows": [], "args": {}}))
     res = _run("sim_vs_bench_history.py", "--results", str(tmp_path), out=tmp_path / "h.json")
     s = res["summary"]
