@@ -11,11 +11,10 @@ import typer
 from typer.testing import CliRunner
 
 from agentserve.kv.manager import cdiv
-from agentserve.kv.pool import LazyBlockPool
 from agentserve.sim import cli as sim_cli
 from agentserve.sim import run as sim_run
 from agentserve.sim import sessions as sim_workload
-from agentserve.sim.cluster import Clock, mtp_accepted, store_cpu
+from agentserve.sim.cluster import Clock, cpu_tier, mtp_accepted, refresh_cpu, store_cpu
 from agentserve.sim.config import request_path
 from agentserve.sim.run import SimConfig, parse_topology, simulate
 from agentserve.workload.schema import Session, TraceRequest
@@ -74,10 +73,25 @@ def test_mtp_acceptance_mean() -> None:
 
 
 def test_cpu_write_through_is_lru() -> None:
-    cpu = LazyBlockPool(4, 64, medium="CPU")
+    cpu = cpu_tier(4)  # the engine's tier slots under its LRU policy
     assert store_cpu(cpu, [1, 2, 3]) == 3
     assert store_cpu(cpu, [1, 4, 5]) == 2  # 1 refreshed, 4 and 5 evict 2 (oldest)
-    assert set(cpu.cached) == {1, 3, 4, 5}
+    assert cpu.ready == {1, 3, 4, 5} and len(cpu.free_slots) == 0
+
+
+def test_cpu_store_keeps_pinned_blocks_and_stores_at_most_the_unpinned_slots() -> None:
+    """As the pool it replaced: a block being restored (pinned) is not evicted by the stores
+    the restore's own allocation causes, and a store larger than the unpinned slots keeps
+    its first ones rather than evicting its own blocks."""
+    cpu = cpu_tier(3)
+    store_cpu(cpu, [1, 2, 3])
+    cpu.pin(1)
+    assert store_cpu(cpu, [7, 8, 9]) == 2  # two unpinned slots: 7 and 8 evict 2 and 3
+    assert cpu.ready == {1, 7, 8}
+    cpu.unpin(1)
+    refresh_cpu(cpu, [1])  # restored: the newest
+    store_cpu(cpu, [4, 5])
+    assert cpu.ready == {1, 4, 5}
 
 
 def test_a_cpu_tier_holds_its_size_in_whole_tokens() -> None:
@@ -89,7 +103,7 @@ def test_a_cpu_tier_holds_its_size_in_whole_tokens() -> None:
     m = sim.pperf.model
     assert m.state_bytes_per_token() == pytest.approx(m.kv_bytes_per_token() * 1.075, rel=0.01)
     tier = sim.p_ranks[0].cpu
-    assert tier is not None and tier.num_blocks == int(100 * GiB / m.state_bytes_per_token()) // 64
+    assert tier is not None and tier.num_slots == int(100 * GiB / m.state_bytes_per_token()) // 64
 
 
 def test_closed_loop_reuses_prefixes() -> None:
@@ -505,7 +519,7 @@ def test_prefill_under_pressure_finishes_everything_and_leaks_no_block() -> None
         (rank,) = sim.p_ranks
         biggest = blocks + 8 * (turns - 1)  # the longest prompt, in blocks
         rank.pool = LazyBlockPool(int(biggest * rng.uniform(1.0, 1.5)) + 1, 64)
-        rank.cpu = LazyBlockPool(4 * biggest, 64, medium="CPU") if rng.random() < 0.5 else None
+        rank.cpu = cpu_tier(4 * biggest) if rng.random() < 0.5 else None
         s = sim.run()
         assert s["requests_ok"] == clients * turns and s["requests_failed"] == 0, seed
         assert rank.pool.num_free_blocks == rank.pool.num_blocks and rank.pinned == 0, seed
@@ -665,7 +679,7 @@ def test_a_restored_prefix_is_refreshed_in_the_cpu_tier_when_its_request_finishe
     sim.clock.run(10.0)
     assert done == [req] and req.restored == 256
     store_cpu(r.cpu, z)
-    assert all(h in r.cpu.cached for h in x) and not any(h in r.cpu.cached for h in y)
+    assert all(h in r.cpu.ready for h in x) and not any(h in r.cpu.ready for h in y)
 
 
 def test_a_second_restore_leaves_the_first_room_to_finish() -> None:

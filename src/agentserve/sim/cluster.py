@@ -24,6 +24,8 @@ from operator import attrgetter
 
 import numpy as np
 
+from agentserve.kv.offload.policies import BlockInfo, LRUPolicy
+from agentserve.kv.offload.slots import TierSlots
 from agentserve.kv.pool import Block, BlockPool, LazyBlockPool
 from agentserve.router.approx import ApproxTracker
 from agentserve.router.index import Holder, PrefixIndex
@@ -116,7 +118,8 @@ class Rank:
     def __init__(self, idx: int, blocks: int, cpu_blocks: int, block_size: int) -> None:
         self.idx = idx
         self.pool: BlockPool = LazyBlockPool(blocks, block_size)
-        self.cpu: LazyBlockPool | None = LazyBlockPool(cpu_blocks, block_size, medium="CPU") if cpu_blocks else None
+        # the CPU tier: the engine's tier bookkeeping (kv/offload/slots.py) under its LRU policy
+        self.cpu: TierSlots | None = cpu_tier(cpu_blocks) if cpu_blocks else None
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
         # prefill ranks: requests holding blocks before they run (restoring from CPU, or
@@ -132,11 +135,11 @@ class Rank:
     def prefix_blocks(self, hashes: list[int], n: int) -> tuple[int, int]:
         """(GPU, CPU-continuation) leading blocks held, by bisection over the prefix map."""
         g = _bisect_prefix(self.pool.cached, hashes, 0, n)
-        c = _bisect_prefix(self.cpu.cached, hashes, g, n) - g if self.cpu else 0
+        c = _bisect_prefix(self.cpu.ready, hashes, g, n) - g if self.cpu else 0
         return g, c
 
 
-def _bisect_prefix(cached: dict, hashes: list[int], lo: int, hi: int) -> int:
+def _bisect_prefix(cached: dict | set, hashes: list[int], lo: int, hi: int) -> int:
     """Length of the held prefix, assuming held blocks form a prefix (LRU frees tails first)."""
     if lo >= hi or hashes[lo] not in cached:
         return lo
@@ -343,26 +346,41 @@ def cache_computed(pool: BlockPool, req: SimRequest, done: int, full: int) -> No
         pool.cache_blocks(req.blocks[done:full], req.hashes[done:full], range(req.n_in), done, parent)
 
 
-def store_cpu(cpu: LazyBlockPool | None, hashes: list[int]) -> int:
-    """Write-through of full blocks to the CPU pool (LRU refresh for ones it holds); blocks stored."""
+_INFO = BlockInfo()  # the simulator's CPU tier runs LRU: no session or position to tell it
+
+
+def cpu_tier(blocks: int) -> TierSlots:
+    """A rank's CPU tier of `blocks` blocks: the engine's slots and LRU retention policy (the
+    reference's), with no bytes behind them (the simulator's clock prices the copies)."""
+    return TierSlots(blocks, LRUPolicy())
+
+
+def store_cpu(cpu: TierSlots | None, hashes: list[int]) -> int:
+    """Write-through of full blocks to the CPU tier (LRU refresh for ones it holds); blocks
+    stored. At most as many as the tier has unpinned slots (the rest would evict each other)."""
     if cpu is None or not hashes:
         return 0
-    cached = cpu.cached
-    held = cached.__contains__  # the held ones are refreshed, the others stored (in C)
-    cpu.to_newest(list(map(cached.__getitem__, filter(held, hashes))))  # before stores evict
-    new = list(itertools.filterfalse(held, hashes))[: cpu.num_free_blocks]
-    if new:
-        blocks = cpu.allocate(len(new))
-        bs = cpu.block_size
-        cpu.cache_blocks(blocks, new, range(len(new) * bs), 0, None)
-        cpu.free(blocks)
+    held = cpu.ready.__contains__
+    for h in filter(held, hashes):  # the held ones are refreshed first, before stores evict
+        cpu.policy.touch(h)
+    new = list(itertools.filterfalse(held, hashes))[: cpu.num_slots - len(cpu.pins)]
+    slots, reserve, commit = cpu.slots, cpu.reserve, cpu.commit
+    for h in new:
+        if h in slots:  # the same hash twice in one store: a slot taken, nothing kept
+            if not cpu.free_slots and (v := cpu.policy.victim(cpu.is_pinned)) is not None:
+                cpu.drop(v)
+            continue
+        reserve(h, _INFO)
+        commit(h, True, _INFO)
     return len(new)
 
 
-def refresh_cpu(cpu: LazyBlockPool, hashes: list[int]) -> None:
-    """Move the blocks of `hashes` the CPU pool holds to its LRU's newest end; write nothing."""
-    cached = cpu.cached
-    cpu.to_newest([cached[h] for h in hashes if h in cached])
+def refresh_cpu(cpu: TierSlots, hashes: list[int]) -> None:
+    """Move the blocks of `hashes` the CPU tier holds to its LRU's newest end; write nothing."""
+    ready, touch = cpu.ready, cpu.policy.touch
+    for h in hashes:
+        if h in ready:
+            touch(h)
 
 
 def fits(pool: BlockPool, hits: list[Block], need: int, reserved: int = 0) -> bool:

@@ -146,7 +146,7 @@ class PrefillInstance(Instance):
         g = len(hits)
         c = 0
         if r.cpu is not None:
-            while g + c < n and req.hashes[g + c] in r.cpu.cached:
+            while g + c < n and req.hashes[g + c] in r.cpu.ready:
                 c += 1
         if c and any(h in r.loading for h in req.hashes[g:g + c]):
             return -1
@@ -158,10 +158,13 @@ class PrefillInstance(Instance):
         r.pool.touch(hits)
         need = c if c else cdiv(g * bs + chunk, bs) - g
         if c and self.write_back:  # pinned first, as the engine does: the allocation's
-            src = [r.cpu.cached[h] for h in req.hashes[g:g + c]]  # evictions are stored
-            r.cpu.touch(src)  # into the tier and must not evict what this restores
+            src = req.hashes[g:g + c]  # evictions are stored into the tier
+            for h in src:  # and must not evict what this restores
+                r.cpu.pin(h)
             req.blocks = hits + r.pool.allocate(need)
-            r.cpu.free(src)
+            for h in src:  # unpinned, as the engine's restore finishing: hit, newest
+                r.cpu.unpin(h)
+                r.cpu.policy.touch(h)
         else:
             req.blocks = hits + r.pool.allocate(need)
         req.computed = req.cached = (g + c) * bs

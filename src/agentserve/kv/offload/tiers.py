@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from agentserve.kv.offload.policies import BlockInfo, Key, PinCounts, RetentionPolicy
+from agentserve.kv.offload.policies import RetentionPolicy
+from agentserve.kv.offload.slots import TierSlots
 
 MEDIUM_CPU, MEDIUM_DISK = "CPU", "DISK"
 TIERS = ("gpu", "cpu", "disk")
@@ -100,8 +101,9 @@ class TierStats:
         self.restore_latency_count += 1
 
 
-class CPUTier:
-    """Host-memory slots addressed by block hash, evicted by a ``RetentionPolicy``.
+class CPUTier(TierSlots):
+    """Host-memory slots addressed by block hash, evicted by a ``RetentionPolicy``: the
+    bookkeeping of ``TierSlots`` (slots.py) over a host buffer ``buf`` of ``num_slots`` blocks.
 
     A key is *ready* once its store completed; *pinned* keys (being loaded, or being
     written through to disk) are never evicted.
@@ -119,63 +121,11 @@ class CPUTier:
             # pays a page fault per 4 KiB, 3-5x the copy itself (320 blocks of 64 KiB: 17-32
             # ms instead of 5.6), and write-back stores run on the engine-core thread.
             self.buf.zero_()
-        self.num_slots, self.policy = num_slots, policy
-        self.slots: dict[Key, int] = {}
-        self.ready: set[Key] = set()
-        self.pins = PinCounts()
-        self.free_slots = list(range(num_slots - 1, -1, -1))
+        super().__init__(num_slots, policy)
 
     @property
     def block_bytes(self) -> int:
         return self.buf[0].numel() * self.buf.element_size()
-
-    @property
-    def usage(self) -> float:
-        return len(self.slots) / self.num_slots
-
-    def contains(self, key: Key) -> bool:
-        return key in self.ready
-
-    def is_pinned(self, key: Key) -> bool:
-        return self.pins.get(key, 0) > 0 or (key in self.slots and key not in self.ready)
-
-    def pin(self, key: Key) -> None:
-        self.pins.pin(key)
-
-    def unpin(self, key: Key) -> None:
-        self.pins.unpin(key)
-
-    def reserve(self, key: Key, info: BlockInfo) -> tuple[int | None, list[Key]]:
-        """A slot for ``key`` (evicting if needed) and the keys evicted; slot None if full."""
-        evicted: list[Key] = []
-        while not self.free_slots:
-            victim = self.policy.victim(self.is_pinned)
-            if victim is None:
-                return None, evicted
-            self.drop(victim)
-            evicted.append(victim)
-        slot = self.free_slots.pop()
-        self.slots[key] = slot
-        return slot, evicted
-
-    def commit(self, key: Key, ok: bool, info: BlockInfo) -> bool:
-        """Finish a store: the key becomes ready (and known to the policy) or is dropped."""
-        if key not in self.slots:
-            return False
-        if not ok:
-            self.free_slots.append(self.slots.pop(key))
-            return False
-        self.ready.add(key)
-        self.policy.insert(key, info)
-        return True
-
-    def drop(self, key: Key) -> None:
-        """Forget ``key`` and free its slot (check ``is_pinned`` first)."""
-        slot = self.slots.pop(key, None)
-        if slot is not None:
-            self.free_slots.append(slot)
-        self.ready.discard(key)
-        self.policy.remove(key)
 
 
 class RestoreEstimator:
