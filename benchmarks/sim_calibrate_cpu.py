@@ -20,7 +20,7 @@ what a client sees through `agentserve up --topology 2`; what the committed prof
 lives here; the fits and the server calibration are the package's, re-exported for
 `sim_vs_bench.py`, `sim_request_path.py` and docs/studies/box_speed/.
 
-    .venv/bin/python benchmarks/sim_calibrate_cpu.py --out /tmp/sim_cpu_profile_inproc.json
+    .venv/bin/python benchmarks/sim_calibrate_cpu.py --out /tmp/sim_cpu_profile_inproc.json  # default: package data
     agentserve sim calibrate --out ...     # = --through-server
 """
 
@@ -43,7 +43,7 @@ from agentserve.sim.calibrate import (  # noqa: F401  (the server calibration, r
     fit_cached, fit_cold, model_id, probe_stretches, read_traces, with_arrival_stretch,
     write_profile)
 from agentserve.sim.constants import CACHED_PREFILL_KERNEL
-from agentserve.sim.specs import model_spec
+from agentserve.sim.specs import CPU_PROFILE_DEFAULT, model_spec
 
 
 def _add(core, rid: str, n: int, rng: random.Random, max_tokens: int) -> Sequence:
@@ -142,9 +142,9 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", default="benchmarks/results/sim_calibrate_cpu.json",
-                    help="the simulator reads src/agentserve/sim/data/cpu_profile.json "
-                         "(or $AGENTSERVE_SIM_CPU_PROFILE)")
+    ap.add_argument("--out", default=str(CPU_PROFILE_DEFAULT),
+                    help="default: the profile the simulator reads (package data, "
+                         "src/agentserve/sim/data/cpu_profile.json)")
     ap.add_argument("--through-server", action="store_true",
                     help="fit from client timings through `agentserve up --topology 2` "
                          "(= agentserve sim calibrate)")
