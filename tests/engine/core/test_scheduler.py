@@ -150,4 +150,4 @@ def test_random_workloads_finish_without_leaks(reqs, num_blocks, budget, chunk_c
     assert not s.has_work(), "scheduler did not drain (starvation or deadlock)"
     assert all(q.num_output_tokens == q.params.max_tokens for q in seqs)
     assert s.kv.pool.num_used_blocks == 0 and not s.kv.req_blocks
-    assert not s.joined and not s.inflight.owner and not s._join_need
+    assert not s.joined and not s.inflight.owner and not s.kv_waits._join_need

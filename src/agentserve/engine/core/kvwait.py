@@ -1,5 +1,5 @@
 """How a waiting head gets its KV from elsewhere instead of computing it (``KVWaits``, a
-part of ``Scheduler``; engine-core thread only).
+collaborator the ``Scheduler`` holds as ``kv_waits``; engine-core thread only).
 
 With offload tiers (``tiers``), a waiting head whose prefix continues in CPU/disk and
 for which restoring beats recomputing takes its device blocks, starts an asynchronous
@@ -15,6 +15,11 @@ A head whose next uncached blocks another request is bringing in right now (comp
 them: ``kv/inflight.py``; restoring or pulling them: ``TierConnector.joins``,
 ``RemoteKV.joins``) parks in ``joined`` until that is done, then hits them in the prefix
 cache instead of computing, restoring or pulling the same blocks a second time.
+
+``KVWaits`` shares the scheduler's queue (``waiting``), ``running`` list, counters and
+in-flight table (the same objects, never rebound): it takes heads off the queue and puts
+admitted requests into ``running``; the scheduler reads ``loading``, ``pulling`` and
+``joined`` to count and free what waits here.
 """
 
 from __future__ import annotations
@@ -35,30 +40,67 @@ if TYPE_CHECKING:
 
 
 class KVWaits:
-    """Restores, pulls and parked heads: the state lives in ``Scheduler.__init__``."""
+    """Restores, pulls and parked heads of one scheduler's queue."""
 
-    kv: KVCacheManager
-    tiers: TierConnector | None
-    remote: RemoteKV | None
-    waiting: deque[Sequence]
-    running: list[Sequence]
-    loading: dict[str, Sequence]
-    pulling: dict[str, Sequence]
-    joined: dict[str, list[Sequence]]
-    _join_need: dict[str, int]
-    inflight: InflightPrefill
-    stats: SchedulerStats
-    _fail: Callable[[Sequence, str, Exception], None]  # Scheduler's: ends one request alone
+    def __init__(self, kv: KVCacheManager, waiting: deque[Sequence], running: list[Sequence],
+                 stats: SchedulerStats, inflight: InflightPrefill[Sequence],
+                 fail: Callable[[Sequence, str, Exception], None],
+                 tiers: TierConnector | None = None, remote: RemoteKV | None = None) -> None:
+        self.kv, self.tiers, self.remote = kv, tiers, remote
+        self.waiting, self.running, self.stats, self.inflight = waiting, running, stats, inflight
+        self._fail = fail  # the scheduler's: ends one request alone
+        self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_KV: remote pulls in flight
+        self.loading: dict[str, Sequence] = {}  # WAITING_FOR_KV: restores in flight
+        # WAITING_FOR_KV: heads parked until another request (the key) has restored, pulled
+        # or computed the prefix they share; then they return to the queue head
+        self.joined: dict[str, list[Sequence]] = {}
+        self._join_need: dict[str, int] = {}  # parked behind a computation: tokens it needs
+        self._join_base: dict[str, int] = {}  # parked so: its device hit when it first parked
 
-    def _try_restore(self, seq: Sequence, computed: list) -> bool | None:
+    @property
+    def num_parked(self) -> int:
+        """Heads parked behind another request's restore, pull or computation (read from
+        the scrape thread too: ``list()`` takes one atomic copy)."""
+        return sum(len(v) for v in list(self.joined.values()))
+
+    def park_behind_computation(self, seq: Sequence, leader: str, need: int,
+                                hit_tokens: int) -> None:
+        """The head waits for ``leader``, in flight, to compute the ``need`` tokens of the
+        prefix they share (``hit_tokens``: its device hit now; a re-park keeps the first)."""
+        self._join_base.setdefault(seq.request_id, hit_tokens)
+        self._join_need[seq.request_id] = need
+        self.park(seq, leader)
+
+    def count_joined(self, seq: Sequence, hit_tokens: int) -> None:
+        """A head admitted after parking behind computations: what the waits added to its
+        hit (``hit_tokens`` now) is counted once, however often it parked (a leader
+        preempted or aborted hands over to a follower)."""
+        if (base := self._join_base.pop(seq.request_id, None)) is not None:
+            self.stats.prefix_joined_tokens += max(hit_tokens - base, 0)
+
+    def unpark(self, seq: Sequence) -> None:
+        """``seq`` leaves the heads parked behind another request (it holds no blocks yet)."""
+        for leader, parked in list(self.joined.items()):
+            if seq in parked:
+                parked.remove(seq)
+                if not parked:  # (else the scheduler's has_work would stay true for it)
+                    del self.joined[leader]
+
+    def forget(self, seq: Sequence) -> None:
+        """``seq`` ended: no parking, and no wait for a computation, is left for it."""
+        self._join_need.pop(seq.request_id, None)
+        self._join_base.pop(seq.request_id, None)
+        self.unpark(seq)
+
+    def try_restore(self, seq: Sequence, computed: list) -> bool | None:
         """Start restoring the head's tier hit: True started (or parked behind a restore
         in flight that brings back the same prefix), False not worth it, None wait."""
         assert self.tiers is not None
         join = self.tiers.joins(seq, len(computed))
         if join is not None and join[0] in self.loading:
             self.tiers.stats.restore_joined_blocks += join[1] * self.tiers.k
-            return self._park(seq, join[0])
-        pull_s = self.remote.pull_s if self._pull_pending(seq) else None
+            return self.park(seq, join[0])
+        pull_s = self.remote.pull_s if self.pull_pending(seq) else None
         plan = self.tiers.plan(seq, len(computed), pull_s)
         if plan is None:
             return False
@@ -91,22 +133,25 @@ class KVWaits:
         (later requests would otherwise park behind a load that never ends)."""
         assert self.tiers is not None
         if self.tiers.loads.get(seq.request_id) is plan:
-            self.tiers._load_done(seq.request_id, exc)  # as a failed load: unpins, unclaims
+            self.tiers.abandon_load(seq.request_id, exc)  # unpins, unclaims
         elif plan.sources:
             self.tiers.unpin(plan)
 
-    def _park(self, seq: Sequence, leader: str) -> bool:
+    def park(self, seq: Sequence, leader: str) -> bool:
         """The head waits, out of the queue, for ``leader``'s restore, pull or computation
         of the prefix they share (``_release_joined`` requeues it when a restore or pull
-        ends; ``_release_computed`` once the computation has covered its blocks)."""
+        ends; ``release_computed`` once the computation has covered its blocks)."""
         self.waiting.popleft()
         seq.status = RequestStatus.WAITING_FOR_KV
         self.joined.setdefault(leader, []).append(seq)
         return True
 
-    def _release_computed(self) -> None:
+    def release_computed(self) -> None:
         """Requeue the heads parked behind a computation that has now covered their shared
-        blocks (or whose leader left ``running``), keeping their order."""
+        blocks (or whose leader left ``running``), keeping their order (nothing to do
+        while no head waits for a computation)."""
+        if not self._join_need:
+            return
         back: list[Sequence] = []
         for leader in [r for r in self.joined if r not in self.loading and r not in self.pulling]:
             parked = self.joined[leader]
@@ -129,7 +174,7 @@ class KVWaits:
             s.status = RequestStatus.WAITING
             self.waiting.appendleft(s)
 
-    def _finish_loads(self, done: list) -> None:
+    def finish_loads(self, done: list) -> None:
         """Restored requests join ``running``; failed ones recompute from the queue head."""
         for d in done:
             seq = self.loading.pop(d.request_id, None)
@@ -148,13 +193,13 @@ class KVWaits:
         elif not d.ok and not seq.status.finished:
             seq.kv_restore_failed = True
 
-    def _pull_pending(self, seq: Sequence) -> bool:
+    def pull_pending(self, seq: Sequence) -> bool:
         """A P/D decode leg that may still pull its prompt's KV from the prefill engine."""
         return (seq.kv_transfer is not None and self.remote is not None
                 and not seq.kv_pull_failed and bool(seq.kv_transfer.get("do_remote_prefill")))
 
     @staticmethod
-    def _by_tier(seq: Sequence, cached: int, pulled: int = 0) -> dict[str, int]:
+    def by_tier(seq: Sequence, cached: int, pulled: int = 0) -> dict[str, int]:
         """Split of a first admission's ``cached`` tokens by where they came from: a
         decode leg that restored from its local tiers before pulling carries that restore's
         split (``cached_by_tier``, set when the restore ended); the device holds the rest."""
@@ -186,7 +231,7 @@ class KVWaits:
             return False
         seq.num_computed_tokens = seq.device_hit_tokens + num_blocks * self.kv.block_size
         self.kv.cache_blocks(seq)  # loaded blocks are device-cached again
-        if self._pull_pending(seq):  # (a pull clears kv_transfer when it starts)
+        if self.pull_pending(seq):  # (a pull clears kv_transfer when it starts)
             # A decode leg restored its local tier hit: back to the head, its restored blocks
             # device-cached (freed tails last, so nothing evicts them first), to pull the rest
             # past them; usage is counted once it is admitted for good.
@@ -207,14 +252,14 @@ class KVWaits:
         self.running.append(seq)
         return True
 
-    def _try_pull(self, seq: Sequence, computed: list) -> bool | None:
-        """Start pulling the head's missing blocks (``_pull_pending``): True started, False
+    def try_pull(self, seq: Sequence, computed: list) -> bool | None:
+        """Start pulling the head's missing blocks (``pull_pending``): True started, False
         none, None wait."""
         assert self.remote is not None
         join = self.remote.joins(seq, len(computed))
         if join is not None and join[0] in self.pulling:
             self.remote.stats.blocks_joined += join[1]
-            return self._park(seq, join[0])
+            return self.park(seq, join[0])
         spec = self.remote.plan(seq, len(computed))
         if spec is None:
             return False
@@ -230,7 +275,7 @@ class KVWaits:
         self.pulling[seq.request_id] = seq
         return True
 
-    def _finish_pulls(self, done: list[PullDone]) -> None:
+    def finish_pulls(self, done: list[PullDone]) -> None:
         """Pulled requests join ``running`` (blocks registered as cached); failures recompute."""
         for d in done:
             seq = self.pulling.pop(d.request_id, None)
@@ -242,7 +287,7 @@ class KVWaits:
         first = seq.num_cached_tokens < 0
         if self._admit_loaded(seq, d.ok, d.num_blocks if d.ok else 0):
             if first:
-                seq.cached_by_tier = self._by_tier(seq, seq.num_cached_tokens,
+                seq.cached_by_tier = self.by_tier(seq, seq.num_cached_tokens,
                                                    d.num_blocks * self.kv.block_size)
         elif not d.ok and not seq.status.finished:
             seq.kv_pull_failed = True

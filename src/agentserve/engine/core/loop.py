@@ -101,7 +101,7 @@ class EngineCore:
         if self._thread is not None:
             self._thread.join(timeout)
         if self.tiers is not None:  # release device blocks held by stores in flight
-            self.scheduler._finish_loads(self.tiers.drain(timeout))
+            self.scheduler.kv_waits.finish_loads(self.tiers.drain(timeout))
             core_done = self._thread is None or not self._thread.is_alive()
             if self.tiers.writeback is not None and core_done:  # what the device holds, to disk
                 self.tiers.writeback.flush(timeout)
@@ -266,10 +266,10 @@ class EngineCore:
         # short turns, so that a pull that ends is not left waiting behind a store.
         wait = 0.002 if copies and pulls else 0.01
         if self.tiers is not None:
-            self.scheduler._finish_loads(self.tiers.poll(wait if copies else None))
+            self.scheduler.kv_waits.finish_loads(self.tiers.poll(wait if copies else None))
             self._publish_events()
         if pulls:
-            self.scheduler._finish_pulls(self.remote.poll(wait))
+            self.scheduler.kv_waits.finish_pulls(self.remote.poll(wait))
 
     def _advance(self, s: ScheduledSeq, done_prompt: bool, token: int | Exception | None,
                  firsts: list[Sequence]) -> RequestOutput | None:

@@ -10,7 +10,7 @@ Each step (vLLM v1 style, no separate prefill/decode phases):
 
 How a waiting head gets KV from elsewhere instead of computing it (restored from the CPU
 and disk tiers, pulled from a P/D prefill engine, or brought in by another request in
-flight) is ``engine/core/kvwait.py``; ``Scheduler`` inherits those paths from ``KVWaits``.
+flight) is ``engine/core/kvwait.py``: ``Scheduler.kv_waits``, a ``KVWaits`` sharing its queues.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class SchedulerStats:
     prefix_joined_tokens: int = 0
 
 
-class Scheduler(KVWaits):
+class Scheduler:
     """Decides, per step, which sequences run and how many tokens each computes."""
 
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
@@ -75,13 +75,6 @@ class Scheduler(KVWaits):
         self.kv = kv
         self.tiers = tiers
         self.remote = remote
-        self.pulling: dict[str, Sequence] = {}  # WAITING_FOR_KV: remote pulls in flight
-        self.loading: dict[str, Sequence] = {}  # WAITING_FOR_KV: restores in flight
-        # WAITING_FOR_KV: heads parked until another request (the key) has restored, pulled
-        # or computed the prefix they share; then they return to the queue head
-        self.joined: dict[str, list[Sequence]] = {}
-        self._join_need: dict[str, int] = {}  # parked behind a computation: tokens it needs
-        self._join_base: dict[str, int] = {}  # parked so: its device hit when it first parked
         self.inflight: InflightPrefill[Sequence] = InflightPrefill(
             kv.block_size, computing=lambda s: s.status == RequestStatus.RUNNING)
         self.max_num_seqs = max_num_seqs
@@ -94,7 +87,27 @@ class Scheduler(KVWaits):
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.stats = SchedulerStats()
-        self._failed: list[tuple[Sequence, str]] = []  # ended in _finish_loads/_pulls
+        self._failed: list[tuple[Sequence, str]] = []  # ended in _fail (e.g. from kv_waits)
+        # restores, pulls and heads parked behind another request's KV (``kvwait.py``)
+        self.kv_waits = KVWaits(kv, self.waiting, self.running, self.stats, self.inflight,
+                                self._fail, tiers, remote)
+
+    # What waits in ``kv_waits`` (WAITING_FOR_KV), read here, by the engine loop and tests.
+    @property
+    def loading(self) -> dict[str, Sequence]:
+        """Restores in flight, by request id."""
+        return self.kv_waits.loading
+
+    @property
+    def pulling(self) -> dict[str, Sequence]:
+        """Remote pulls in flight, by request id."""
+        return self.kv_waits.pulling
+
+    @property
+    def joined(self) -> dict[str, list[Sequence]]:
+        """Heads parked behind another request (the key) restoring, pulling or computing
+        the prefix they share."""
+        return self.kv_waits.joined
 
     def add(self, seq: Sequence) -> None:
         """Queue a new request; if the tier hooks raise, it is not queued at all."""
@@ -108,8 +121,7 @@ class Scheduler(KVWaits):
         """Requests admitted to no step yet, as vLLM counts them in
         ``vllm:num_requests_waiting``: the queue, and those waiting for their KV (restores,
         pulls, parked behind another request's). Read from the scrape thread too."""
-        parked = sum(len(v) for v in list(self.joined.values()))  # list(): one atomic copy
-        return len(self.waiting) + len(self.loading) + len(self.pulling) + parked
+        return len(self.waiting) + len(self.loading) + len(self.pulling) + self.kv_waits.num_parked
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.loading or self.pulling or self._failed
@@ -118,13 +130,12 @@ class Scheduler(KVWaits):
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.tiers is not None:
-            self._finish_loads(self.tiers.poll())
+            self.kv_waits.finish_loads(self.tiers.poll())
         if self.remote is not None:
-            self._finish_pulls(self.remote.poll())
+            self.kv_waits.finish_pulls(self.remote.poll())
         if self.inflight:
             self.inflight.prune()
-        if self._join_need:
-            self._release_computed()
+        self.kv_waits.release_computed()
         budget = self.max_num_batched_tokens
         budget = self._schedule_running(out, budget)
         if not out.preempted:  # a full pool admits nobody new this step
@@ -206,22 +217,17 @@ class Scheduler(KVWaits):
         computed = self.kv.get_computed_blocks(seq) if reads else []
         num_cached = len(computed) * self.kv.block_size
         if reads and self.kv.enable_caching and (join := self.inflight.joins(seq, len(computed))):
-            self._join_base.setdefault(seq.request_id, num_cached)  # a re-park keeps the first
-            self._join_need[seq.request_id] = join[1]
-            self._park(seq, join[0])
+            self.kv_waits.park_behind_computation(seq, join[0], join[1], num_cached)
             return 0
-        if (base := self._join_base.pop(seq.request_id, None)) is not None:
-            # counted as it is realized: what the waits added to its hit, once, however
-            # often it parked (a leader preempted or aborted hands over to a follower)
-            self.stats.prefix_joined_tokens += max(num_cached - base, 0)
+        self.kv_waits.count_joined(seq, num_cached)  # counted as it is realized
         started: bool | None = False  # True: parked while its KV arrives; None: must wait
         # The local tiers go first, also for a P/D decode leg: what its own CPU tier holds
         # comes back over PCIe instead of the network (when the measured bandwidths say that
         # is faster than pulling it), and the pull then starts past it.
         if reads and self.tiers is not None and not seq.kv_restore_failed:
-            started = self._try_restore(seq, computed)
-        if reads and started is False and self._pull_pending(seq):
-            started = self._try_pull(seq, computed)
+            started = self.kv_waits.try_restore(seq, computed)
+        if reads and started is False and self.kv_waits.pull_pending(seq):
+            started = self.kv_waits.try_pull(seq, computed)
         if started is None:
             return None  # backpressure or no room: the head waits
         if started:
@@ -239,7 +245,7 @@ class Scheduler(KVWaits):
             seq.num_cached_tokens = num_cached
             self.stats.prefix_queries_tokens += seq.num_prompt_tokens
             self.stats.prefix_hits_tokens += num_cached
-            by = self._by_tier(seq, num_cached)
+            by = KVWaits.by_tier(seq, num_cached)
             self.stats.device_hits_tokens += by["gpu"]
             seq.cached_by_tier = by
         seq.status = RequestStatus.RUNNING
@@ -271,13 +277,7 @@ class Scheduler(KVWaits):
             if seq.request_id in self.loading:
                 return  # a load is writing its blocks: freed when the load completes
         self.inflight.drop(seq.request_id)
-        self._join_need.pop(seq.request_id, None)
-        self._join_base.pop(seq.request_id, None)
-        for leader, parked in list(self.joined.items()):
-            if seq in parked:
-                parked.remove(seq)  # it holds no blocks yet
-                if not parked:  # (else has_work would stay true for it)
-                    del self.joined[leader]
+        self.kv_waits.forget(seq)
         if seq.request_id in self.pulling:
             return  # a pull is writing its blocks: freed when the pull completes
         if seq in self.running:
@@ -304,10 +304,6 @@ class Scheduler(KVWaits):
         for q in (self.waiting, self.running):
             if seq in q:
                 q.remove(seq)
-        for leader, parked in list(self.joined.items()):
-            if seq in parked:
-                parked.remove(seq)
-                if not parked:
-                    del self.joined[leader]
+        self.kv_waits.unpark(seq)
         if seq.request_id not in self.loading and seq.request_id not in self.pulling:
             self.kv.free(seq)

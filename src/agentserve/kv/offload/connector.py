@@ -331,6 +331,11 @@ class TierConnector:
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(
             cpu.buf.dtype).view(cpu.buf.shape[1:])
 
+    def abandon_load(self, rid: str, exc: Exception) -> None:
+        """A restore whose start failed after ``start_load`` registered it: booked as a
+        failed load (its sources unpinned, its keys no longer claimed)."""
+        self._load_done(rid, exc)
+
     def _load_done(self, rid: str, result: Any) -> LoadDone | None:
         plan = self.loads.pop(rid, None)
         if plan is None:
