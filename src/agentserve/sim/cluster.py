@@ -1,8 +1,9 @@
 """Discrete-event cluster: xPyD pools of DEPn instances over the real `kv.pool.BlockPool`.
 
-Each data-parallel rank owns a GPU `BlockPool` (64-token blocks, LRU eviction, prefix map)
-and, with offload on, a CPU `BlockPool` written through on every computed block (as vLLM's
-CPU offloading connector stores). Only step times come from `perf.PerfModel`; which blocks
+Each data-parallel rank owns a GPU `BlockPool` (kv's `LazyBlockPool`: 64-token blocks, LRU
+eviction, prefix map) and, with offload on, a CPU tier (kv's `TierSlots` under its
+`LRUPolicy`) written through on every computed block (as vLLM's CPU offloading connector
+stores). Only step times come from `perf.PerfModel`; which blocks
 hit, which are evicted and which must be restored is decided by the kv code itself.
 
 Flow of a request: router (our scorers) -> prefill rank queue -> chunked prefill steps
