@@ -1,11 +1,12 @@
-"""The serving half of `transfer_wire.TcpBackend`: the prefill side's transfer server.
+"""The serving half of `wire.TcpBackend`: the prefill side's transfer server (`TcpServer`,
+which a backend starts when it serves).
 
 One thread per connection, at most ``max_conns`` (more are refused at once); a connection
-first proves it holds the token (`transfer_auth`: challenge-response, within
+first proves it holds the token (`auth`: challenge-response, within
 ``auth_timeout``), then each request is a pull (check the blocks out of the
 `BlockSource`, send them chunk by chunk, each chunk followed by its checksum trailer, check
 them back in) or a release, and a connection idle for ``idle_timeout`` between requests is
-closed. Wire format and checksums: see `transfer_wire`.
+closed. Wire format and checksums: see `wire`.
 """
 
 from __future__ import annotations
@@ -46,41 +47,48 @@ from agentserve.kv.offload.copy import StagingBuffer, gather_blocks
 log = logging.getLogger("agentserve.transfer")
 
 
-class TcpServing:
-    """Server methods of `TcpBackend` (whose __init__ sets the attributes declared here),
-    and the two helpers both sides use."""
+def use_staging(staged: bool | None, k: torch.Tensor) -> bool:
+    """Whether blocks of cache ``k`` go through a staging buffer (both sides): ``staged``
+    if set, else for CUDA or non-contiguous caches."""
+    if staged is not None:
+        return staged
+    return k.device.type != "cpu" or not k.is_contiguous()
 
-    token: str
-    timeout: float
-    auth_timeout: float
-    idle_timeout: float
-    max_conns: int
-    _conns: int
-    chunk_blocks: int
-    staged: bool | None
-    on_sent: Callable[[int], None]
-    _listener: socket.socket | None
-    _lock: threading.Lock
-    _copier: ThreadPoolExecutor | None
 
-    def _staged(self, k: torch.Tensor) -> bool:
-        if self.staged is not None:
-            return self.staged
-        return k.device.type != "cpu" or not k.is_contiguous()
+class TcpServer:
+    """Serves ``source`` to pulling engines: an accept thread, one thread per connection.
 
-    def _copy_pool(self) -> ThreadPoolExecutor:
-        with self._lock:
-            if self._copier is None:
-                self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-xfer-copy")
-            return self._copier
+    ``copy_pool`` gives the copy thread the staged path gathers chunks on (the backend's,
+    shared with its receiving side); ``on_sent`` is told the bytes of each pull sent."""
 
-    # ---- server -------------------------------------------------------------------------
-    def serve(self, source: BlockSource, host: str, port: int) -> int:
+    def __init__(self, source: BlockSource, token: str, timeout: float, auth_timeout: float,
+                 idle_timeout: float, max_conns: int, chunk_blocks: int, staged: bool | None,
+                 copy_pool: Callable[[], ThreadPoolExecutor],
+                 on_sent: Callable[[int], None]) -> None:
+        self.source, self.token, self.timeout = source, token, timeout
+        self.auth_timeout, self.idle_timeout, self.max_conns = auth_timeout, idle_timeout, max_conns
+        self.chunk_blocks, self.staged = chunk_blocks, staged
+        self._copy_pool, self.on_sent = copy_pool, on_sent
+        self._conns = 0  # connections open (authenticating or authenticated)
+        self._lock = threading.Lock()
+        self._listener: socket.socket | None = None
+
+    def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` and accept in a thread; returns the bound port."""
         lst = socket.create_server((host, port), reuse_port=False)
         self._listener = lst
-        threading.Thread(target=self._accept, args=(lst, source), name="kv-xfer-accept",
+        threading.Thread(target=self._accept, args=(lst, self.source), name="kv-xfer-accept",
                          daemon=True).start()
         return lst.getsockname()[1]
+
+    def close(self) -> None:
+        """Stop accepting (connections being served end on their own timeouts)."""
+        if self._listener is not None:
+            try:  # shutdown() wakes the accept() thread on Linux; close() alone may not
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._listener.close()
 
     def _accept(self, lst: socket.socket, source: BlockSource) -> None:
         while True:
@@ -171,7 +179,7 @@ class TcpServing:
                               "block_shape": shape, "dtype": dtype_name(k.dtype), "chunk_blocks": cb})
             sums = self._pinned_sums(source, rid, req, len(ids)) if check else None
             chunks = chunked(ids, cb)
-            if self._staged(k):
+            if use_staging(self.staged, k):
                 self._send_staged(conn, k, v, chunks, stages, check, sums)
             else:
                 for j, chunk in enumerate(chunks):  # zero-copy: straight from the pinned blocks

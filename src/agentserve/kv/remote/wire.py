@@ -4,7 +4,7 @@
 Wire format (one request, one reply per round trip; connections are pooled and reused):
 
     frame  = u32 header_len | msgpack header
-    first, once per connection: the challenge-response of `transfer_auth` (no secret sent)
+    first, once per connection: the challenge-response of `auth` (no secret sent)
     pull   -> {"op": "pull", "rid", "idx": [block index], "hashes": [bytes], "release",
                "chunk_blocks", "checksum"}
     reply  <- {"ok", "error", "n", "nbytes", "block_shape": [2, L, bs, H, D], "dtype",
@@ -61,7 +61,7 @@ from typing import Any
 import msgspec
 import torch
 
-from agentserve.kv.remote.backend import PullSpec
+from agentserve.kv.remote.backend import BlockSource, PullSpec
 from agentserve.kv.remote.auth import client_handshake
 from agentserve.kv.remote.frames import (
     CHUNK_BLOCKS,
@@ -88,7 +88,7 @@ from agentserve.kv.remote.frames import (
     staged_sum,
 )
 from agentserve.api.kv_transfer import peer_key
-from agentserve.kv.remote.server import TcpServing
+from agentserve.kv.remote.server import TcpServer, use_staging
 from agentserve.kv.offload.copy import (
     StagingBuffer,
     block_runs,
@@ -103,17 +103,17 @@ POOL_IDLE_S = 30.0  # the client drops pooled connections idle longer (< IDLE_TI
 MAX_CONNS = 64  # concurrent transfer connections a server accepts
 
 
-class TcpBackend(TcpServing):
-    """Raw TCP, one thread per connection on the server (`TcpServing`), pooled connections
-    on the client (here).
+class TcpBackend:
+    """Raw TCP, one thread per connection on the server (`server.TcpServer`, started by
+    ``serve``), pooled connections on the client (here).
 
     ``staged``: None picks zero-copy for CPU caches and staging otherwise; True forces
     staging (tests run the staged path on CPU). ``checksum`` (the puller's choice, sent
     with each pull): per-chunk sums; off, the trailer is 0 and nothing is summed (TCP's
     own checksums and the size checks remain). ``timeout``: seconds any socket call may
     wait without progress (connect, send, receive). ``token``: the shared secret both ends
-    prove they hold (`transfer_auth`); ``peers``: the only ``(host, port)`` this client
-    connects to (None: any; see `transfer_params.peer_key`)."""
+    prove they hold (`auth`); ``peers``: the only ``(host, port)`` this client
+    connects to (None: any; see `api.kv_transfer.peer_key`)."""
 
     name = "tcp"
 
@@ -127,8 +127,7 @@ class TcpBackend(TcpServing):
         self.checksum = checksum
         self.auth_timeout, self.idle_timeout = auth_timeout, idle_timeout
         self.max_conns, self.peers = max(1, max_conns), peers
-        self._conns = 0  # server connections open (authenticating or authenticated)
-        self._listener: socket.socket | None = None
+        self._server: TcpServer | None = None
         self._pool: dict[tuple[str, int], list[tuple[socket.socket, float]]] = {}
         self._lock = threading.Lock()
         self._local = threading.local()  # per pulling thread: its two receive staging buffers
@@ -141,6 +140,20 @@ class TcpBackend(TcpServing):
             if self._summer is None:
                 self._summer = ThreadPoolExecutor(1, thread_name_prefix="kv-xfer-sum")
             return self._summer
+
+    def _copy_pool(self) -> ThreadPoolExecutor:
+        """The copy thread both sides' staged paths use (started on first use)."""
+        with self._lock:
+            if self._copier is None:
+                self._copier = ThreadPoolExecutor(1, thread_name_prefix="kv-xfer-copy")
+            return self._copier
+
+    # ---- server -------------------------------------------------------------------------
+    def serve(self, source: BlockSource, host: str, port: int) -> int:
+        self._server = TcpServer(source, self.token, self.timeout, self.auth_timeout,
+                                 self.idle_timeout, self.max_conns, self.chunk_blocks,
+                                 self.staged, self._copy_pool, lambda n: self.on_sent(n))
+        return self._server.start(host, port)
 
     # ---- client -------------------------------------------------------------------------
     def _conn(self, host: str, port: int) -> tuple[socket.socket, bool]:
@@ -206,7 +219,7 @@ class TcpBackend(TcpServing):
                                     f"{head.get('dtype')}, want {len(block_ids)} of {want} "
                                     f"{dtype_name(k.dtype)}")
             chunks = chunked(block_ids, max(1, int(head.get("chunk_blocks") or 1)))
-            if self._staged(k):
+            if use_staging(self.staged, k):
                 self._recv_staged(s, k, v, chunks, check)
             else:
                 self._recv_zero_copy(s, k, v, chunks, check)
@@ -308,12 +321,8 @@ class TcpBackend(TcpServing):
             log.info("release of %s at %s:%d failed (its pins expire anyway): %r", rid, host, port, e)
 
     def close(self) -> None:
-        if self._listener is not None:
-            try:  # shutdown() wakes the accept() thread on Linux; close() alone may not
-                self._listener.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            self._listener.close()
+        if self._server is not None:
+            self._server.close()
         with self._lock:
             for conns in self._pool.values():
                 for s, _ in conns:
