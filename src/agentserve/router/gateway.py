@@ -293,7 +293,7 @@ class Gateway:
                 return self._count(resp)
             except Upstream as e:
                 last = e
-        return self._count(self._upstream_error(last))
+        return self._count(self.upstream_error(last))
 
     async def _route(self, request: web.Request, body: bytes,
                      route: RouteInput) -> web.StreamResponse:
@@ -344,7 +344,7 @@ class Gateway:
             if cached is not None:
                 self.metrics.observe_cached(d.predicted_cached, cached)
             return resp
-        return self._upstream_error(last)
+        return self.upstream_error(last)
 
     def _observe_decision(self, d: Any, route: RouteInput, attempt: int) -> None:
         self.metrics.decisions.labels(d.url, d.reason).inc()
@@ -353,7 +353,9 @@ class Gateway:
         if attempt:
             self.metrics.retries.inc()
 
-    def _upstream_error(self, last: Upstream | None) -> web.Response:
+    def upstream_error(self, last: Upstream | None) -> web.Response:
+        """The answer when no endpoint served: the last upstream's error as it sent it, or
+        a 502 when none answered (used by the P/D orchestration too)."""
         if last is not None and last.status is not None:
             return web.Response(status=last.status, body=last.body, headers=last.headers)
         return error(502, f"all endpoints tried failed; last: {last}", "bad_gateway")

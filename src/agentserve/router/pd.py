@@ -257,7 +257,7 @@ class PDOrchestrator:
                 self.gw.metrics.ejections.labels(d.url).inc()
             if e.status is None:
                 raise DecodeUnreachable(d.url, e) from e
-            return self.gw._upstream_error(e)
+            return self.gw.upstream_error(e)
         return resp
 
 
