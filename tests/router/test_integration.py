@@ -106,7 +106,7 @@ def test_a_sub_agent_burst_computes_its_shared_head_once(tmp_path: Path):
     """Four requests at once over a 1,536-token head neither engine has seen (a sub-agent
     group), through the router's default policy: its speculative index sends them all to
     the engine the first went to, and that engine computes the head once (the others wait
-    for it, engine/core/inflight.py) instead of each of them, on either engine, computing it.
+    for it, kv/inflight.py) instead of each of them, on either engine, computing it.
     The engines cap a request's prefill chunk (vLLM's long_prefill_token_threshold), so the
     others would otherwise be admitted next to the first one's first chunk."""
     import concurrent.futures

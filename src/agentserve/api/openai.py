@@ -165,7 +165,7 @@ class ChatRequest(_Sampling, kw_only=True, omit_defaults=True):
 
 
 # Samples per prompt (parallel sampling): each is its own engine request, and the prompt is
-# computed once (the others wait for it in flight, engine/core/inflight.py). vLLM has no bound;
+# computed once (the others wait for it in flight, kv/inflight.py). vLLM has no bound;
 # this one keeps a single request from queueing thousands.
 MAX_N = 128
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs

@@ -129,7 +129,7 @@ def test_prefix_hit_counts_and_leaves_last_token() -> None:
        st.integers(4, 24), st.integers(4, 40), st.sampled_from([0, 4, 8]))
 def test_random_workloads_finish_without_leaks(reqs, num_blocks, budget, chunk_cap) -> None:
     """Prompts share heads (4 distinct starts), so requests also wait on each other's
-    computation (engine/core/inflight.py); with a chunk cap, also mid-prefill."""
+    computation (kv/inflight.py); with a chunk cap, also mid-prefill."""
     s = make(num_blocks=num_blocks, max_seqs=4, budget=budget, long_prefill=chunk_cap)
     cap = num_blocks * BS
     seqs = []
