@@ -90,3 +90,30 @@ def test_a_replay_older_than_the_buffer_gets_a_snapshot_at_the_last_seq() -> Non
     finally:
         sub.close()
         pub.close()
+
+
+def test_the_replay_log_is_capped_by_bytes_as_well_as_by_steps() -> None:
+    """Big batches (a prefill engine stores many blocks a step) hit the byte cap long before
+    the step cap; what fell out of the log is still served, as a snapshot."""
+    port, rport = _free_port(), _free_port()
+    pub = KVEventPublisher(f"tcp://*:{port}", replay_endpoint=f"tcp://*:{rport}",
+                           buffer_steps=10_000, buffer_bytes=3 * 1024)
+    sub = KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{rport}")
+    try:
+        for i in range(20):  # ~1 KB each: 64 token ids a block, 4 blocks
+            hashes = [1000 + 4 * i + j for j in range(4)]
+            pub.publish([block_stored(hashes, None, list(range(256)), 64)])
+        deadline = time.monotonic() + 5
+        while pub.published < 20:
+            assert time.monotonic() < deadline, "publisher thread stuck"
+            time.sleep(0.01)
+        kept = [s for s, _ in pub._buffer]
+        assert 1 <= len(kept) < 20 and kept == list(range(20 - len(kept), 20))
+        assert sum(len(p) for _, p in pub._buffer) <= 3 * 1024 or len(kept) == 1
+        (seq, snap), = sub.replay(0)  # older than the log: the state instead
+        assert seq == 19 and isinstance(snap.events[0], AllBlocksCleared)
+        assert len(held_set(snap.events)) == 80
+        assert [s for s, _ in sub.replay(kept[0])] == kept
+    finally:
+        sub.close()
+        pub.close()

@@ -72,7 +72,9 @@ class KVEventPublisher:
 
     ``publish`` only appends to a bounded in-memory queue (drop-oldest, counted in
     ``dropped``) so an engine step never blocks on the network; a daemon thread encodes,
-    sends, keeps the last ``buffer_steps`` payloads and answers replay requests.
+    sends, keeps the last ``buffer_steps`` payloads (and at most ``buffer_bytes`` of them)
+    and answers replay requests; a replay from before the oldest kept batch gets a snapshot
+    of the held blocks instead (``HeldBlocks``), so the caps bound memory, not correctness.
     ``endpoint``/``replay_endpoint`` hold the resolved addresses (``tcp://*:0`` binds a
     free port).
     """
@@ -83,6 +85,7 @@ class KVEventPublisher:
         topic: str = "kv-events",
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
+        buffer_bytes: int = 4 << 20,
         data_parallel_rank: int = 0,
         max_queue: int = 100_000,
         hwm: int = 100_000,
@@ -92,7 +95,12 @@ class KVEventPublisher:
         self._topic = topic.encode()
         self._pending: deque[KVEventBatch] = deque()
         self._max_queue = max_queue
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # Capped by count (vLLM's buffer_steps) and by bytes: a prefill engine's batches are
+        # ~4 KB each (many blocks stored per step), so 10,000 of them would be ~40 MiB.
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_steps = max(1, buffer_steps)
+        self._buffer_cap = max(1, buffer_bytes)
+        self._buffered = 0  # bytes of the payloads in _buffer
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._running = True
@@ -163,13 +171,21 @@ class KVEventPublisher:
                 payload = encode_event_batch(batch)
                 seq_bytes = self._seq.to_bytes(8, "big")
                 self._pub.send_multipart((self._topic, seq_bytes, payload))
-                self._buffer.append((self._seq, payload))
+                self._keep(self._seq, payload)
                 if self._held is not None:
                     self._held.apply(batch.events)
                 self._seq += 1
                 self.published += 1
             if not self._running and not self._pending:
                 return
+
+    def _keep(self, seq: int, payload: bytes) -> None:
+        """Append one payload to the replay log, dropping the oldest beyond either cap."""
+        self._buffer.append((seq, payload))
+        self._buffered += len(payload)
+        while len(self._buffer) > 1 and (len(self._buffer) > self._buffer_steps
+                                         or self._buffered > self._buffer_cap):
+            self._buffered -= len(self._buffer.popleft()[1])
 
     def _serve_replay(self) -> None:
         assert self._replay is not None
