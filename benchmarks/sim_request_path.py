@@ -199,7 +199,7 @@ def parser() -> argparse.ArgumentParser:
                          "it (else --cpu-profile)")
     ap.add_argument("--arrival-stretch", action="store_true",
                     help="with --calibrate: price with the arrival stretch it measures applied "
-                         "(the model tried at stop 51, not adopted; sim NOTEBOOK)")
+                         "(the model tried at stop 51, not adopted; docs/sim/notebook.md)")
     ap.add_argument("--cpu-profile", type=Path, default=PROFILE)
     ap.add_argument("--out", default="bench-out/sim_request_path.json")
     return ap

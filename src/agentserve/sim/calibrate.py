@@ -407,7 +407,7 @@ def with_arrival_stretch(profile: dict, trace: str | Path, apply: bool = False) 
     `config.arrival_stretch`) and takes the stretch out of the busy request path measured
     through the client, which held it (a busy probe waits for the step it stretched; the
     reading is kept as `request_overhead_busy_measured_*`): the model tried at stop 51 and
-    not adopted (sim NOTEBOOK). A profile without busy windows, or traces with under 4 probes
+    not adopted (docs/sim/notebook.md). A profile without busy windows, or traces with under 4 probes
     of a size in 2 phases, is returned as it is, with `arrival_stretch_error` saying why."""
     out = dict(profile)
     windows = profile.get("busy_probe_windows") or []
