@@ -35,7 +35,11 @@ from agentserve.kv.offload.tiers import TierConfig
 log = logging.getLogger("agentserve.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV capacity when neither --kv-cache-tokens nor --kv-cache-gib is given: 131,072 tokens,
+# capped at 4 GiB (vLLM's CPU default space) so a larger model (SmolLM2 in fp32 is ~46 KB a
+# token, 5.6 GiB for 131,072) does not reserve more than a laptop has.
 DEFAULT_KV_TOKENS = 131_072
+DEFAULT_KV_GIB = 4.0
 
 
 class EngineConfigError(ValueError):
@@ -232,8 +236,10 @@ def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
         if args.kv_cache_gib <= 0:
             raise EngineConfigError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
         tokens = int(args.kv_cache_gib * 2**30) // bytes_per_token
+    elif args.kv_cache_tokens is not None:
+        tokens = args.kv_cache_tokens
     else:
-        tokens = args.kv_cache_tokens if args.kv_cache_tokens is not None else DEFAULT_KV_TOKENS
+        tokens = min(DEFAULT_KV_TOKENS, int(DEFAULT_KV_GIB * 2**30) // bytes_per_token)
     blocks = tokens // args.block_size
     if blocks < 2:
         raise EngineConfigError(f"KV cache of {tokens} tokens holds fewer than 2 blocks of "

@@ -28,7 +28,8 @@ def serve(
                               "| float32 | bfloat16 | float16."),
     device: str = typer.Option("cpu", help="cpu | cuda."),
     block_size: int = typer.Option(16, help="Tokens per KV block."),
-    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV capacity in tokens."),
+    kv_cache_tokens: Optional[int] = typer.Option(None, help="KV capacity in tokens "
+                                                   "(default 131,072, at most 4 GiB)."),
     kv_cache_gib: Optional[float] = typer.Option(None, help="KV capacity in GiB."),
     max_model_len: Optional[int] = typer.Option(None, help="Context limit (prompt + output)."),
     max_num_seqs: int = typer.Option(128, help="Max sequences per step."),
