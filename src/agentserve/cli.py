@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import sys
+
 import typer
+import typer.rich_utils
+
+# Help piped or captured (no terminal) renders at 80 columns in rich, which cuts long option
+# names ("--long-prefill-token-thresh…"); give it room unless the user set TERMINAL_WIDTH.
+if typer.rich_utils.MAX_WIDTH is None and not sys.stdout.isatty():
+    typer.rich_utils.MAX_WIDTH = 120
 
 app = typer.Typer(help="agentserve: serving stack for agentic LLM workloads.", no_args_is_help=True,
                   add_completion=False, pretty_exceptions_enable=False)

@@ -6,7 +6,7 @@ import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,6 +68,8 @@ class EngineArgs:
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = "kv-events"
+    kv_events_options: dict[str, int] = field(default_factory=dict)  # buffer_steps, hwm, max_queue
+    gpu_memory_utilization: float | None = None  # vLLM's KV sizing on CUDA; ignored on CPU, as vLLM
     seed: int = 0
     check_invariants: bool = False
     # Offload tiers (None / 0: off, exactly the device-only engine).
@@ -232,7 +234,14 @@ def transfer_policy(args: EngineArgs, auth: tuple[str, frozenset[tuple[str, int]
 def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
     if args.kv_cache_tokens is not None and args.kv_cache_gib is not None:
         raise EngineConfigError("give either --kv-cache-tokens or --kv-cache-gib, not both")
-    if args.kv_cache_gib is not None:
+    util = args.gpu_memory_utilization
+    if util is not None and args.device.startswith("cuda"):
+        if args.kv_cache_tokens is not None or args.kv_cache_gib is not None:
+            raise EngineConfigError("give --gpu-memory-utilization or a KV size "
+                                    "(--kv-cache-tokens / --kv-cache-gib), not both")
+        free, total = torch.cuda.mem_get_info(torch.device(args.device))
+        tokens = gpu_kv_bytes(util, free, total) // bytes_per_token
+    elif args.kv_cache_gib is not None:
         if args.kv_cache_gib <= 0:
             raise EngineConfigError(f"--kv-cache-gib must be > 0, got {args.kv_cache_gib}")
         tokens = int(args.kv_cache_gib * 2**30) // bytes_per_token
@@ -245,6 +254,19 @@ def _num_blocks(args: EngineArgs, bytes_per_token: int) -> int:
         raise EngineConfigError(f"KV cache of {tokens} tokens holds fewer than 2 blocks of "
                                 f"{args.block_size}; raise --kv-cache-tokens or --kv-cache-gib")
     return blocks
+
+
+def gpu_kv_bytes(utilization: float, free: int, total: int) -> int:
+    """KV bytes that `--gpu-memory-utilization` leaves after the model loaded: vLLM's rule,
+    the fraction of the device's memory this process may use minus what is in use now."""
+    if not 0.0 < utilization <= 1.0:
+        raise EngineConfigError(f"--gpu-memory-utilization must be in (0, 1], got {utilization}")
+    budget = int(utilization * total) - (total - free)
+    if budget <= 0:
+        raise EngineConfigError(f"--gpu-memory-utilization {utilization}: the device has "
+                                f"{(total - free) / 2**30:.1f} of {total / 2**30:.1f} GiB in use "
+                                "already, nothing is left for the KV cache")
+    return budget
 
 
 def _default_name(model: str | None, model_dir: Path) -> str:
@@ -263,6 +285,10 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
         raise EngineConfigError(f"--dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
     if args.block_size <= 0:
         raise EngineConfigError(f"--block-size must be positive, got {args.block_size}")
+    if args.gpu_memory_utilization is not None and not args.device.startswith("cuda"):
+        # vLLM's CPU backend sizes its KV by VLLM_CPU_KVCACHE_SPACE and ignores this flag too
+        log.warning("--gpu-memory-utilization %s is ignored on %s; the KV cache is sized by "
+                    "--kv-cache-tokens / --kv-cache-gib", args.gpu_memory_utilization, args.device)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise EngineConfigError("--device cuda requested but torch sees no CUDA device")
     auth = _transfer_auth(args) if _transfer_on(args) else None
@@ -306,7 +332,8 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
     publisher = None
     if args.kv_events_endpoint:
         publisher = KVEventPublisher(args.kv_events_endpoint, topic=args.kv_events_topic,
-                                     replay_endpoint=args.kv_events_replay_endpoint)
+                                     replay_endpoint=args.kv_events_replay_endpoint,
+                                     **args.kv_events_options)
     tokenizer = Tokenizer.from_gguf(gguf_reader) if gguf_file else Tokenizer.from_dir(model_dir)
     core = EngineCore(scheduler, runner, tokenizer.eos_token_ids, max_len, events, publisher,
                       check_invariants=args.check_invariants)

