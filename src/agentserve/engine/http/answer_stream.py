@@ -25,10 +25,10 @@ class Piece:
     name: str = ""
 
 
-async def pieces(g: Generation, use_tools: bool) -> AsyncIterator[Piece]:
+async def pieces(g: Generation, parser: StreamingToolParser | None) -> AsyncIterator[Piece]:
     """Run ``g`` and hand out its answer piece by piece (``start`` first, even when the
-    answer is empty); leaving early aborts the request, as iterating ``g`` does."""
-    parser = StreamingToolParser() if use_tools else None
+    answer is empty), through ``parser`` (None: no tools); leaving early aborts the request,
+    as iterating ``g`` does."""
 
     def split(text: str, end: bool = False) -> list[Piece]:
         if parser is None:

@@ -32,7 +32,8 @@ from agentserve.engine.http.serving import (EngineClient, Generation, client_ali
                                        usage_mode, with_transfer)
 from agentserve.prompt.tokenizer import Tokenizer
 from agentserve.api.kv_transfer import admit, policy_of
-from agentserve.engine.model.tools import StreamingToolParser, parse_tool_calls
+from agentserve.engine.model.tools import (StreamingToolParser, ToolCall, parse_cut_calls,
+                                          parse_tool_calls)
 
 
 def tool_grammar(tok: Tokenizer, tools: list[dict[str, Any]], req: ChatRequest) -> str | None:
@@ -53,6 +54,21 @@ class ChatRun:
     ids: list[int]
     gens: list[Generation]
     use_tools: bool  # tool calls are parsed out of the answers
+    forced: bool = False  # decoding is constrained to calls ("required" or a named function)
+    name: str | None = None  # the named function
+
+    def parser(self) -> StreamingToolParser | None:
+        """A streaming parser for one answer (None without tools)."""
+        return StreamingToolParser(self.forced, self.name) if self.use_tools else None
+
+    def calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
+        """(content, calls) of a finished answer. A constrained one cut short by max_tokens
+        keeps its open call with the partial arguments (no markup in the content), as vLLM."""
+        if not self.use_tools:
+            return text, []
+        if self.forced and finish_reason == "length":
+            return parse_cut_calls(text, self.name)
+        return parse_tool_calls(text)
 
 
 async def create_chat(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
@@ -61,17 +77,17 @@ async def create_chat(request: web.Request, engine: EngineClient, metrics: Serve
     cid, eid = request_ids(request, "chatcmpl")
     req = decode(body, ChatRequest)
     run = await start_chat(request, engine, metrics, req, eid, arrival)
-    tok, ids, gens, use_tools = engine.tokenizer, run.ids, run.gens, run.use_tools
+    tok, ids, gens = engine.tokenizer, run.ids, run.gens
     base = {"id": cid, "object": "chat.completion", "created": int(time.time()),
             "model": engine.model_name}
     if req.stream:
         base["object"] = "chat.completion.chunk"
-        return await stream_sse(request, _chat_events(base, gens, use_tools, req.stream_options,
+        return await stream_sse(request, _chat_events(base, gens, run, req.stream_options,
                                                       tok if req.logprobs else None))
     texts, lps, out_ids = await collect(gens)
     choices = []
     for i, (g, text) in enumerate(zip(gens, texts)):
-        content, calls = parse_tool_calls(text) if use_tools else (text, [])
+        content, calls = run.calls(text, g.finish_reason)
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [c.to_openai() for c in calls]
@@ -113,6 +129,8 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
         grammar = await asyncio.to_thread(tool_grammar, tok, tools, req)
     else:
         grammar = await asyncio.to_thread(response_format_grammar, req, tok)
+    choice = req.tool_choice
+    named = choice.function.name if tools and isinstance(choice, NamedToolChoice) else None
     gens = []
     for j in range(req.n):  # n samples: n engine requests over one prompt (computed once)
         params = sampling_params(req, max_tokens, tok, j)
@@ -123,7 +141,7 @@ async def start_chat(request: web.Request, engine: EngineClient, metrics: Server
                                stop_list(req.stop), client_alive(request), arrival,
                                session_of(request, req.user), req.kv_transfer_params,
                                bool(req.return_token_ids)))
-    return ChatRun(ids, gens, use_tools)
+    return ChatRun(ids, gens, use_tools, bool(tools) and grammar is not None, named)
 
 
 def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = False) -> list[dict]:
@@ -133,7 +151,7 @@ def _chat_deltas(parser: StreamingToolParser | None, text: str, end: bool = Fals
     return ([{"content": content}] if content else []) + ([{"tool_calls": calls}] if calls else [])
 
 
-async def _chat_events(base: dict[str, Any], gens: list[Generation], parse: bool,
+async def _chat_events(base: dict[str, Any], gens: list[Generation], run: ChatRun,
                        opts: StreamOptions | None, lp_tok: Tokenizer | None
                        ) -> AsyncIterator[dict[str, Any]]:
     """Each choice: its role first (with its first text, so that an early error stays a
@@ -157,7 +175,7 @@ async def _chat_events(base: dict[str, Any], gens: list[Generation], parse: bool
                 extra["prompt_token_ids"], prompt_ids = prompt_ids, None
         return {**base, "choices": [choice], **extra}
 
-    parsers = [StreamingToolParser() if parse else None for _ in gens]
+    parsers = [run.parser() for _ in gens]
     started = [False] * len(gens)
     async with contextlib.aclosing(merge([g.deltas() for g in gens])) as merged:
         async for i, d in merged:

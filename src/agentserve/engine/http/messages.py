@@ -43,7 +43,7 @@ from agentserve.api.request_id import request_ids
 from agentserve.engine.http.serving import (EngineClient, Generation, collect, json_response,
                                        release_unread_pins, stream_named, with_transfer)
 from agentserve.engine.http.chat import start_chat
-from agentserve.engine.model.tools import parse_tool_calls
+from agentserve.engine.model.tools import StreamingToolParser, partial_object
 
 __all__ = ["anthropic_error", "count_tokens", "create_message"]
 
@@ -79,11 +79,8 @@ def _stop(g: Generation, called: bool) -> tuple[str | None, str | None]:
 
 
 def _tool_block(call_id: str, name: str, arguments: str) -> dict[str, Any]:
-    try:
-        args = msgspec.json.decode(arguments or "{}")
-    except msgspec.DecodeError:
-        args = {}  # (cut short by max_tokens: stop_reason says so)
-    return {"type": "tool_use", "id": call_id, "name": name, "input": args}
+    # cut short by max_tokens (stop_reason says so): the completed members of the object
+    return {"type": "tool_use", "id": call_id, "name": name, "input": partial_object(arguments)}
 
 
 async def create_message(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
@@ -95,9 +92,9 @@ async def create_message(request: web.Request, engine: EngineClient, metrics: Se
     g = run.gens[0]
     head = {"id": mid, "type": "message", "role": "assistant", "model": engine.model_name}
     if req.stream:
-        return await stream_named(request, _events(head, g, run.use_tools), anthropic_error)
+        return await stream_named(request, _events(head, g, run.parser()), anthropic_error)
     texts, _, _ = await collect(run.gens)
-    content, calls = parse_tool_calls(texts[0]) if run.use_tools else (texts[0], [])
+    content, calls = run.calls(texts[0], g.finish_reason)
     blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
     blocks += [_tool_block(c.id, c.name, c.arguments) for c in calls]
     reason, sequence = _stop(g, bool(calls))
@@ -106,7 +103,7 @@ async def create_message(request: web.Request, engine: EngineClient, metrics: Se
                                         "stop_sequence": sequence, "usage": _usage(g)}, run.gens))
 
 
-async def _events(head: dict[str, Any], g: Generation, use_tools: bool
+async def _events(head: dict[str, Any], g: Generation, parser: StreamingToolParser | None
                   ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """Anthropic's event stream: message_start, per block start / deltas / stop,
     message_delta (stop reason, output tokens), message_stop."""
@@ -131,7 +128,7 @@ async def _events(head: dict[str, Any], g: Generation, use_tools: bool
         return "content_block_delta", {"type": "content_block_delta", "index": index,
                                        "delta": body}
 
-    async with contextlib.aclosing(pieces(g, use_tools)) as stream:
+    async with contextlib.aclosing(pieces(g, parser)) as stream:
         async for p in stream:
             if p.kind == "start":  # after the first step: the cached tokens are known
                 yield "message_start", {"type": "message_start", "message": {

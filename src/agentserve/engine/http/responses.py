@@ -42,7 +42,7 @@ from agentserve.api.responses import ResponsesRequest, to_chat
 from agentserve.engine.http.serving import (EngineClient, Generation, collect, json_response,
                                        release_unread_pins, stream_named, with_transfer)
 from agentserve.engine.http.chat import start_chat
-from agentserve.engine.model.tools import parse_tool_calls
+from agentserve.engine.model.tools import StreamingToolParser
 
 __all__ = ["create_response"]
 
@@ -99,11 +99,11 @@ async def create_response(request: web.Request, engine: EngineClient, metrics: S
     g = run.gens[0]
     if req.stream:
         seq = [0]
-        return await stream_named(request, _numbered(_events(env, g, run.use_tools), seq),
+        return await stream_named(request, _numbered(_events(env, g, run.parser()), seq),
                                   lambda e: {"type": "error", "code": str(e.status), "param": e.param,
                                              "message": e.message, "sequence_number": seq[0]})
     texts, _, _ = await collect(run.gens)
-    content, calls = parse_tool_calls(texts[0]) if run.use_tools else (texts[0], [])
+    content, calls = run.calls(texts[0], g.finish_reason)
     status = "incomplete" if g.finish_reason == "length" else "completed"
     output = [_message_item(_id("msg"), content, status)] if content else []
     output += [_call_item(_id("fc"), c.id, c.name, c.arguments, status) for c in calls]
@@ -123,7 +123,7 @@ def _numbered(events: AsyncIterator[dict[str, Any]], seq: list[int]
     return gen()
 
 
-async def _events(env: dict[str, Any], g: Generation, use_tools: bool
+async def _events(env: dict[str, Any], g: Generation, parser: StreamingToolParser | None
                   ) -> AsyncIterator[dict[str, Any]]:
     """The Responses event stream: created, in_progress, per output item added / deltas /
     done, then completed (or incomplete)."""
@@ -160,7 +160,7 @@ async def _events(env: dict[str, Any], g: Generation, use_tools: bool
                         "part": {"type": "output_text", "text": "", "annotations": []}})
         return out
 
-    async with contextlib.aclosing(pieces(g, use_tools)) as stream:
+    async with contextlib.aclosing(pieces(g, parser)) as stream:
         async for p in stream:
             if p.kind == "start":
                 yield {"type": "response.created", "response": env}

@@ -168,7 +168,11 @@ class StreamingToolParser:
     ones carry only index and function.arguments fragments.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False, name: str | None = None) -> None:
+        # forced: the answer is grammar-constrained to calls (tool_choice "required" or a named
+        # function), so an unfinished block at the end (max_tokens) is never content; name:
+        # the named function, announced at the end if the model had not written it yet
+        self.forced, self.name = forced, name
         self.buf = ""  # content text held back: it may start a <tool_call>
         self.body: str | None = None  # text of the open call block, None outside one
         self.calls: list[ToolCall] = []
@@ -248,8 +252,40 @@ class StreamingToolParser:
         """End of generation: release held content or the rest of an open call."""
         if self.body is None:
             content, self.buf = self.buf, ""
+            if self.forced:  # a held prefix of START, cut short
+                return "", [self._announce(self.name)] if self.name and not self.calls else []
             return content, []
         body, self.body = self.body, None
         if not self.announced:
+            if self.forced:
+                return "", [self._announce(self.name)] if self.name else []
             return START + body, []
         return "", []
+
+
+def parse_cut_calls(text: str, name: str | None = None) -> tuple[str | None, list[ToolCall]]:
+    """A constrained answer ("required" / named) cut short by max_tokens: the calls as the
+    streaming parser has them (the open one with its partial arguments text, as vLLM returns
+    a named call cut short), no markup left in the content."""
+    parser = StreamingToolParser(forced=True, name=name)
+    content = parser.feed(text)[0] + parser.finish()[0]
+    return content.strip() or None, parser.calls
+
+
+def partial_object(arguments: str) -> dict[str, Any]:
+    """The arguments JSON as an object, or, when it was cut short, the object of its
+    completed top-level members (``{}`` when none): Anthropic's tool_use input must be one."""
+    try:
+        value = _utf8(json.loads(arguments or "{}"))
+        return value if isinstance(value, dict) else {}
+    except ValueError:
+        pass
+    out: dict[str, Any] = {}
+    if arguments.lstrip().startswith("{"):
+        for key, (start, end) in top_level_spans(arguments).items():
+            if end is not None:
+                try:
+                    out[key] = _utf8(json.loads(arguments[start:end]))
+                except ValueError:
+                    pass
+    return out
