@@ -27,6 +27,8 @@ from jinja2.ext import loopcontrols
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
+from agentserve.prompt.toolprompt import hermes_messages, renders_tools
+
 # Added tokens that carry content for the tool-call parser: keep them in the
 # decoded text even when the tokenizer marks them special.
 TEXT_SPECIAL_TOKENS = ("<tool_call>", "</tool_call>")
@@ -183,6 +185,8 @@ class Tokenizer:
         """
         if self._template is None:
             raise ValueError("this model has no chat_template; use /v1/completions")
+        if not renders_tools(self.chat_template, self._template):  # (prompt/toolprompt.py)
+            messages, tools = hermes_messages(messages, tools), None
         try:
             return self._template.render(
                 messages=messages, tools=tools, add_generation_prompt=add_generation_prompt,
