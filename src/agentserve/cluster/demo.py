@@ -36,6 +36,8 @@ def demo(
     max_turns: int = typer.Option(6, help="Main-agent turns per session."),
     token_scale: int = typer.Option(4, help="Tokens per trace block (64 -> K)."),
     topology: str = typer.Option("1P1D", help="`agentserve up` topology to run the replay on."),
+    model: str = typer.Option("tiny", help="Engines' model: `tiny` (the built-in random model), "
+                              "a folder, a .gguf or a preset such as `smollm2-135m`."),
 ) -> None:
     """Start a 1P1D cluster (prefill + decode engines + router) on the tiny model and
     replay bundled agent sessions through the router."""
@@ -46,9 +48,11 @@ def demo(
     console = Console()
     run_dir = Path(tempfile.mkdtemp(prefix="agentserve-demo-"))
     topo = parse_topology(topology)
-    console.print(f"[bold]agentserve demo[/]: `agentserve up --topology {topology}` on the built-in "
-                  f"tiny model (CPU): {len(topo.roles)} engines + router, logs in {run_dir}...")
-    cluster = Cluster(run_dir, port=free_port(), engine_args=["--kv-cache-tokens", "32768"])
+    name = "the built-in tiny model" if model == "tiny" else model
+    console.print(f"[bold]agentserve demo[/]: `agentserve up --topology {topology}` on "
+                  f"{name} (CPU): {len(topo.roles)} engines + router, logs in {run_dir}...")
+    cluster = Cluster(run_dir, port=free_port(), model=None if model == "tiny" else model,
+                      engine_args=["--kv-cache-tokens", "32768"])
     try:
         cluster.start(topo, health_timeout=180)
         console.print(status_table(cluster))
