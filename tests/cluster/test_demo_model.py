@@ -34,3 +34,17 @@ def test_demo_passes_its_model_to_the_cluster(monkeypatch, tmp_path, arg, want) 
     assert isinstance(r.exception, _Stop), r.output
     assert seen["model"] == want and seen["stopped"]
     assert "--kv-cache-tokens" in seen["engine_args"]
+
+
+@pytest.mark.slow
+def test_the_router_tokenizes_with_a_presets_gguf() -> None:
+    """`agentserve up/demo --model smollm2-135m`: the router gets the preset's GGUF file as
+    --tokenizer and reads the tokenizer from it (it used to want a folder and exit 2)."""
+    from agentserve.router.config import RouterConfig
+    from agentserve.router.requests import load_tokenizer
+
+    src = launch._tokenizer_source("smollm2-135m")
+    assert src.endswith(".gguf")
+    tok = load_tokenizer(RouterConfig(tokenizer=src))
+    assert tok is not None
+    assert launch._tokenizer_source(None) != src

@@ -129,7 +129,7 @@ class Cluster:
         legs with the cluster's token (from its environment, never on the command line)."""
         cmd = agentserve_cmd("route", "--config", str(self.run_dir / "router.yaml"),
                              "--host", self.host, "--port", str(self.port),
-                             "--tokenizer", self.model or _tiny_dir())
+                             "--tokenizer", _tokenizer_source(self.model))
         return start_process("router", cmd, self.run_dir / "router.log",
                              f"http://{self.host}:{self.port}",
                              {"AGENTSERVE_KV_TRANSFER_TOKEN": self.token},
@@ -179,6 +179,16 @@ class Cluster:
                 for s, p in self.engines]
         assert self.router is not None
         return sups + [Supervised("router", self.router, self.start_router, policy)]
+
+
+def _tokenizer_source(model: str | None) -> str:
+    """The router's --tokenizer for the engines' --model: the folder, or the GGUF file a
+    preset name (smollm2-135m) resolves to; the built-in tiny model's folder when None."""
+    if not model:
+        return _tiny_dir()
+    from agentserve.engine.model.gguf import resolve_model
+
+    return str(resolve_model(model))
 
 
 def _tiny_dir() -> str:

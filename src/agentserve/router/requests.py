@@ -224,6 +224,8 @@ def load_tokenizer(cfg: RouterConfig) -> IncrementalTokenizer | None:
     from agentserve.prompt.tokenizer import Tokenizer
 
     d = Path(src)
+    if d.suffix == ".gguf" and d.is_file():  # a GGUF carries its tokenizer (prompt/gguf_vocab.py)
+        return IncrementalTokenizer(Tokenizer.from_gguf(d), cfg.options.tokenizer_cache_entries)
     if not (d / "tokenizer.json").exists():
         raise ValueError(f"--tokenizer {d}: no tokenizer.json there; pass the model folder")
     return IncrementalTokenizer(Tokenizer.from_dir(d), cfg.options.tokenizer_cache_entries)
