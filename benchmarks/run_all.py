@@ -46,6 +46,7 @@ def _weka() -> tuple[str, ...]:
 SUITE = (
     # engine
     Bench("engine_vs_vllm", note="needs the vLLM venv (make vllm-venv)"),
+    Bench("realmodel_speed", note="needs the vLLM venv; ~10 min (2 dtypes x 3 rounds)"),
     Bench("sched_overhead"),
     Bench("engine_speed"),
     Bench("agent_turn_speed"),
