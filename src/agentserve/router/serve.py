@@ -73,9 +73,11 @@ async def _main(gw: Gateway, host: str, port: int) -> None:
 def run(cfg: RouterConfig, host: str, port: int, config_path: str | None = None) -> None:
     """Serve until SIGTERM/SIGINT."""
     from agentserve.gcpause import freeze_startup_heap
+    from agentserve.router.memtrace import start_from_env
     from agentserve.router.requests import load_tokenizer
 
     limits_of(cfg.options).check()
     gw = Gateway(cfg, config_path, load_tokenizer(cfg))
     freeze_startup_heap()  # full collections then skip the imports' objects (gcpause.py)
+    start_from_env()  # debug only: AGENTSERVE_ROUTER_TRACEMALLOC=FILE (memtrace.py)
     asyncio.run(_main(gw, host, port))
