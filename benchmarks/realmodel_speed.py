@@ -9,7 +9,11 @@ server is started alone and measured for:
 - decode tok/s: B concurrent requests (B = 1, 8, 32) of 64 prompt tokens and --decode-tokens
   output tokens (ignore_eos), output tokens / wall time.
 Rounds alternate the two servers, the one not measured paused with SIGSTOP; medians of the
-rounds and ratios ours / vLLM. The load average is recorded (2-core VMs are noisy).
+rounds and ratios ours / vLLM. The load average is recorded (2-core VMs are noisy), and the
+CPU's vector extensions: without AVX512-BF16/AMX (this sandbox's EPYC has AVX2 only) torch runs
+bf16 matmuls through a conversion path, ~4x slower than fp32 here, so bf16 defaults to the 2K
+prefill and batches 1/8 (`--bf16-full` for the whole grid). SIGTERM/SIGINT resume any paused
+server and stop both, so a killed run leaves nothing behind.
 
     .venv/bin/python benchmarks/realmodel_speed.py [--rounds 3] [--dtypes float32,bfloat16]
 """
@@ -20,6 +24,7 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -63,7 +68,20 @@ async def _decode(url: str, batch: int, out: int, seed: int) -> float:
     return r["output_tok_s"]
 
 
+def cpu_vector_flags() -> list[str]:
+    """The AVX/AMX flags of this CPU (Linux /proc/cpuinfo; empty elsewhere)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    first = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return sorted({f for f in first.split() if f.startswith(("avx", "amx"))})
+
+
 def run_dtype(dtype: str, folder: Path, logs: Path, args: argparse.Namespace) -> dict:
+    if dtype == "bfloat16" and not args.bf16_full:
+        args = argparse.Namespace(**{**vars(args), "prefill": args.prefill[:1],
+                                     "batches": [b for b in args.batches if b <= 8]})
     names = ["agentserve"] + ([] if args.no_vllm else ["vllm"])
     servers: dict = {}
     res: dict = {"load_s": {}, "peak_rss_mib": {}}
@@ -112,10 +130,15 @@ def main() -> None:
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--kv-tokens", type=int, default=32768)
     ap.add_argument("--no-vllm", action="store_true", help="measure our engine only")
+    ap.add_argument("--bf16-full", action="store_true",
+                    help="bf16 over the whole prefill/batch grid (slow without native bf16)")
     ap.add_argument("--out", default="bench-out/realmodel_speed.json")
     args = ap.parse_args()
     args.prefill = [int(x) for x in args.prefill.split(",")]
     args.batches = [int(x) for x in args.batches.split(",")]
+    # A timeout or Ctrl-C must unwind through paused()/stop(): turn the signal into SystemExit.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     from agentserve.engine.model.convert import convert_gguf
     from agentserve.engine.model.gguf import resolve_model
 
@@ -125,13 +148,15 @@ def main() -> None:
         convert_gguf(resolve_model("smollm2-135m"), folder, dtype="float32")
     load0 = os.getloadavg()[0]
     result: dict = {"model": "SmolLM2-135M-Instruct (Q4_1 GGUF; vLLM: the converted fp32 folder)",
-                    "machine": f"{os.cpu_count()}-core CPU (this sandbox)", "rounds": args.rounds,
+                    "machine": f"{os.cpu_count()}-core CPU (this sandbox)",
+                    "cpu_vector_flags": cpu_vector_flags(), "rounds": args.rounds,
                     "decode_tokens": args.decode_tokens, "dtypes": {}}
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     for dtype in args.dtypes.split(","):
         result["dtypes"][dtype] = run_dtype(dtype, folder, logs, args)
-    result["loadavg_1m"] = {"start": round(load0, 2), "end": round(os.getloadavg()[0], 2)}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+        # written after each dtype, so a run cut short keeps what it measured
+        result["loadavg_1m"] = {"start": round(load0, 2), "end": round(os.getloadavg()[0], 2)}
+        Path(args.out).write_text(json.dumps(result, indent=2))
     _print(result)
 
 
