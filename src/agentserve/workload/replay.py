@@ -20,6 +20,7 @@ from agentserve.workload.replay_modes import Driver, run_concurrency, run_schedu
 from agentserve.workload.replay_plan import Job, RequestFactory
 from agentserve.workload.replay_progress import LiveProgress
 from agentserve.workload.report import metric_deltas, summarize, write_outputs
+from agentserve.workload.report_meta import run_info
 from agentserve.workload.schema import Session
 
 MODES = ("sessions", "concurrency", "schedule")
@@ -71,6 +72,7 @@ class BenchRun:
         self.records: list[RequestRecord] = []
         self.sessions: list[SessionRecord] = []
         self.t0 = time.perf_counter()
+        self.info: dict = {}  # the summary's `run` block (report_meta.run_info), set once the model is known
 
     def _labels(self) -> list[dict]:
         c = self.config
@@ -94,6 +96,8 @@ class BenchRun:
             async with Target(c.url, c.api, c.api_key, c.model, c.request_timeout,
                               self._connector_limit(), c.trace_configs) as target:
                 model = await target.resolve_model()
+                self.info = run_info({"producer": "bench", "url": c.url, "model": model, "api": c.api,
+                                      "mode": c.mode, "trace": c.trace or "(preloaded)"})
                 factory = RequestFactory(model, c.api, c.vocab_size, c.seed, c.token_scale, c.max_input,
                                          c.max_output, c.output_scale)
                 async with progress:
@@ -133,7 +137,7 @@ class BenchRun:
                 after = {}
             self.records += d.records
             self.sessions += d.sessions
-            self.stages.append(summarize(d.records, wall, dict(label, interrupted=interrupted),
+            self.stages.append(summarize(d.records, wall, dict(label, interrupted=interrupted, run=self.info),
                                          d.sessions if c.mode == "sessions" else None, c.gpus,
                                          factory.skipped - skipped0, metric_deltas(before, after)))
 
