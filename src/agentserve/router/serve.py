@@ -16,6 +16,7 @@ from aiohttp import web
 
 from agentserve.api.httpbounds import (CappedSite, HttpLimits, hard_exit_after, listen_socket,
                                    raise_open_files_limit)
+from agentserve.router import memtrim
 from agentserve.router.config import Options, RouterConfig
 from agentserve.router.gateway import Gateway
 
@@ -64,10 +65,13 @@ async def _main(gw: Gateway, host: str, port: int) -> None:
         hard_exit_after(gw.opts.drain_timeout_s + HARD_EXIT_GRACE_S, "router shutdown")
 
     watch = asyncio.create_task(backstop())
+    trim = memtrim.start_from_env()  # glibc: give freed heap back every 30 s (memtrim.py)
     try:
         await serve(gw, sock, stop)
     finally:
         watch.cancel()
+        if trim is not None:
+            trim.cancel()
 
 
 def run(cfg: RouterConfig, host: str, port: int, config_path: str | None = None) -> None:
@@ -78,6 +82,7 @@ def run(cfg: RouterConfig, host: str, port: int, config_path: str | None = None)
 
     limits_of(cfg.options).check()
     gw = Gateway(cfg, config_path, load_tokenizer(cfg))
+    memtrim.bpe_cache_from_env(gw.tokenizer)  # measurement only: AGENTSERVE_ROUTER_BPE_CACHE
     freeze_startup_heap()  # full collections then skip the imports' objects (gcpause.py)
     start_from_env()  # debug only: AGENTSERVE_ROUTER_TRACEMALLOC=FILE (memtrace.py)
     asyncio.run(_main(gw, host, port))
