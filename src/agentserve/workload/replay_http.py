@@ -8,6 +8,8 @@ concatenated, token ids are only counted). Times come from `time.perf_counter`.
 from __future__ import annotations
 
 import asyncio
+import os
+import socket
 import time
 
 import aiohttp
@@ -62,6 +64,21 @@ def _chunk_tokens(chunk: _Chunk) -> int:
         elif c.text or (c.delta is not None and (c.delta.content or c.delta.reasoning_content)):
             n += 1
     return n
+
+
+def connect_error(base: str, e: aiohttp.ClientError) -> str:
+    """One line a user can act on: `cannot connect to URL: connection refused` (no aiohttp
+    `ssl:default` noise); other client errors keep their own text."""
+    if isinstance(e, aiohttp.ClientConnectorError):
+        err = e.os_error
+        if isinstance(err, socket.gaierror):
+            why = f"cannot resolve host {e.host!r}"
+        elif err.errno:
+            why = os.strerror(err.errno).lower()
+        else:
+            why = str(err) or type(err).__name__
+        return f"cannot connect to {base}: {why}"
+    return f"connection error: {type(e).__name__}: {e}"
 
 
 def base_url(url: str) -> str:
@@ -121,6 +138,22 @@ class Target:
     def endpoint(self) -> str:
         return f"{self.base}/v1/chat/completions" if self.api == "chat" else f"{self.base}/v1/completions"
 
+    async def engines(self) -> int | None:
+        """Engines behind the URL when it says (our router's /health lists them), else None.
+        Also the run's first contact: an unreachable URL raises RuntimeError with one line."""
+        assert self.session is not None
+        try:
+            async with self.session.get(f"{self.base}/health", headers=self.headers,
+                                        timeout=aiohttp.ClientTimeout(total=30)) as r:
+                data = await r.json(content_type=None) if r.status in (200, 503) else None
+        except aiohttp.ClientConnectorError as e:
+            raise RuntimeError(connect_error(self.base, e)) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return None  # reachable, but no JSON health: not a router
+        if isinstance(data, dict) and isinstance(data.get("healthy"), list):
+            return len(data["healthy"]) + len(data.get("unhealthy") or [])
+        return None
+
     async def resolve_model(self) -> str:
         """`--model`, else the first id served at /v1/models."""
         if self.model:
@@ -170,7 +203,7 @@ class Target:
         except TimeoutError:
             rec.error = f"timeout after {self.request_timeout:g}s (--request-timeout)"
         except aiohttp.ClientError as e:
-            rec.error = f"connection error: {type(e).__name__}: {e}"
+            rec.error = connect_error(self.base, e)
         except asyncio.CancelledError:
             rec.error = "cancelled (run stopped before the response ended)"
             raise
