@@ -31,9 +31,29 @@ class _Usage(msgspec.Struct):
     prompt_tokens_details: _Details | None = None
 
 
+class _Function(msgspec.Struct):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class _ToolCall(msgspec.Struct):
+    function: _Function | None = None
+
+
 class _Delta(msgspec.Struct):
     content: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # vLLM's newer name for reasoning_content
+    tool_calls: list[_ToolCall] | None = None
+
+    def has_output(self) -> bool:
+        """Whether this delta carries generated text: content, reasoning, or a tool call's
+        name or arguments. A role-only first delta (`content: ""`, as vLLM and we send it)
+        carries none."""
+        if self.content or self.reasoning_content or self.reasoning:
+            return True
+        return any(t.function is not None and (t.function.name or t.function.arguments)
+                   for t in self.tool_calls or ())
 
 
 class _Choice(msgspec.Struct):
@@ -56,12 +76,20 @@ _decode_chunk = msgspec.json.Decoder(_Chunk).decode
 
 
 def _chunk_tokens(chunk: _Chunk) -> int:
-    """Tokens in one chunk: its token ids when sent, else 1 per choice with text."""
+    """Tokens in one chunk: its token ids when sent, else 1 per choice with output.
+
+    The first chunk with a token starts TTFT's clock, as in AIPerf 0.13.0: its TTFT is
+    `content_responses[0].perf_ns - start_perf_ns` (metrics/types/ttft_metric.py), where a
+    content response is an SSE message whose parsed data is not empty
+    (common/models/record_models.py `content_responses`); a chat delta counts for its
+    content, its reasoning or a tool call's name/arguments (endpoints/openai_chat.py
+    `extract_chat_response_data`), so a role-only first delta and a usage-only chunk do not.
+    """
     n = 0
     for c in chunk.choices:
         if c.token_ids is not None:
             n += len(c.token_ids)
-        elif c.text or (c.delta is not None and (c.delta.content or c.delta.reasoning_content)):
+        elif c.text or (c.delta is not None and c.delta.has_output()):
             n += 1
     return n
 
