@@ -65,6 +65,7 @@ class StubServer:
         app.router.add_post("/v1/completions", self._complete)
         app.router.add_post("/v1/chat/completions", self._complete)
         app.router.add_get("/v1/models", self._models)
+        app.router.add_post("/tokenize", self._tokenize)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/health", self._health)
         app.router.add_get("/stub/stats", self._stats)
@@ -163,6 +164,16 @@ class StubServer:
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """vLLM's /tokenize over the stub's tokens (whitespace words), so chat benches can size
+        their prompts here as against a real server."""
+        body = await request.json()
+        words = self._prompt_of(body)
+        out: dict = {"count": len(words), "tokens": list(range(len(words))), "max_model_len": 1 << 20}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [" " + w for w in words]
+        return web.json_response(out)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from agentserve.workload.chatfit import MIN_WORDS, ChatFit, fit_chat
 from agentserve.workload.prompts import PromptBuilder, ReuseTracker, scaled_length
 from agentserve.workload.replay_plan import Job, RequestFactory
 from agentserve.workload.schema import TraceRequest
@@ -47,9 +48,11 @@ def test_token_scale_math() -> None:
 
 def test_text_prompts_deterministic() -> None:
     pb = PromptBuilder()
-    t1 = pb.text("s", [1, 2, 3], 12, 4)
-    assert t1 == pb.text("s", [1, 2, 3], 12, 4) and len(t1.split()) == 12
-    assert t1.split()[:8] == pb.text("s", [1, 2, 5], 12, 4).split()[:8]
+    fit = ChatFit(np.array([f" w{i}" for i in range(100)], dtype=object), overhead=2)
+    t1 = pb.text(fit, "s", [1, 2, 3], 14, 4)  # 12 words + the template's 2 tokens
+    assert t1 == pb.text(fit, "s", [1, 2, 3], 14, 4) and len(t1.split()) == 12
+    assert t1.split()[:8] == pb.text(fit, "s", [1, 2, 5], 14, 4).split()[:8]
+    assert t1.split()[8:] != pb.text(fit, "s", [1, 2, 5], 14, 4).split()[8:]
 
 
 def test_reuse_tracker_longest_shared_prefix() -> None:
@@ -83,6 +86,42 @@ def test_factory_admission_caps_and_body() -> None:
     assert body["model"] == "m" and rec.session_id == "sess" and rec.agent == "main"
     rec2, body2 = f.build(job)
     assert body2["prompt"] == body["prompt"] and rec2.reusable_tokens == 40
-    chat = RequestFactory("m", api="chat", token_scale=4)
-    _, cb = chat.build(job)
-    assert len(cb["messages"][0]["content"].split()) == 40 and "prompt" not in cb
+    fit = ChatFit(np.array([" ab", " cd", " ef"], dtype=object), overhead=7)
+    chat = RequestFactory("m", api="chat", token_scale=4, chat_fit=fit)
+    crec, cb = chat.build(job)
+    # 40 served tokens: 33 words of content plus the template's 7
+    assert len(cb["messages"][0]["content"].split()) == 33 and "prompt" not in cb
+    assert crec.requested_input_tokens == 40
+    with pytest.raises(ValueError, match="tokenizer"):
+        RequestFactory("m", api="chat")
+
+
+class _SpaceTokens:
+    """A tokenizer stand-in: a word is one token if it has an 'a' in it, else one per letter;
+    the chat template adds 5 tokens."""
+
+    async def pieces(self, text: str) -> list[str]:
+        out: list[str] = []
+        for w in text.split(" ")[1:]:
+            out += [" " + w] if "a" in w else [" " + w[0], *w[1:]]
+        return out
+
+    async def chat_count(self, messages: list[dict]) -> int:
+        return 5 + len(await self.pieces(messages[0]["content"]))
+
+
+async def test_fit_keeps_one_token_words_and_measures_overhead() -> None:
+    fit = await fit_chat(_SpaceTokens())
+    assert fit.overhead == 5 and len(fit.words) > MIN_WORDS
+    assert all("a" in w and w.startswith(" ") for w in fit.words)
+    text = fit.text(np.arange(50))
+    assert await _SpaceTokens().chat_count([{"role": "user", "content": text}]) == 55
+
+
+async def test_fit_refuses_a_tokenizer_that_merges_words() -> None:
+    class Merging(_SpaceTokens):
+        async def chat_count(self, messages: list[dict]) -> int:
+            return 5 + len(messages[0]["content"]) // 9  # not one token per word
+
+    with pytest.raises(RuntimeError, match="merges"):
+        await fit_chat(Merging())

@@ -38,6 +38,9 @@ def bench(
     output_scale: float = typer.Option(1.0, "--output-scale", help="multiply the trace's output lengths"),
     api: str = typer.Option("completions", "--api", help="completions (token ids, exact) | chat (text)"),
     model: Optional[str] = typer.Option(None, "--model", help="default: first id at /v1/models"),
+    tokenizer: Optional[str] = typer.Option(
+        None, "--tokenizer", help="chat: size prompts with this tokenizer (HF model folder or .gguf); "
+        "default: the server's POST /tokenize"),
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
     vocab_size: int = typer.Option(4000, "--vocab-size", help="target vocabulary size"),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="seconds per request"),
@@ -76,7 +79,7 @@ def bench(
                       concurrency=_ints(concurrency), stage_duration=stage_duration, token_scale=token_scale,
                       gap_scale=gap_scale, gap_cap=gap_cap, duration=duration, max_turns=max_turns,
                       max_input=max_input, max_output=max_output, output_scale=output_scale, api=api,
-                      model=model, api_key=api_key, vocab_size=vocab_size, request_timeout=request_timeout,
+                      model=model, tokenizer=tokenizer, api_key=api_key, vocab_size=vocab_size, request_timeout=request_timeout,
                       gpus=gpus, seed=seed, out=out)
     try:
         if num_profile_runs > 1:
@@ -125,13 +128,15 @@ def _print(stages: list[dict], out: str) -> None:
     from rich.table import Table
 
     t = Table(title=f"agentserve bench → {out}")
-    for col in ("stage", "ok", "failed", "TTFT p50 s", "ITL p50 ms", "out tok/s", "in tok/s", "cached/in"):
+    for col in ("stage", "ok", "failed", "TTFT p50 s", "ITL p50 ms", "out tok/s", "in tok/s", "cached/in",
+                "in served/asked"):
         t.add_column(col, justify="right")
     for s in stages:
         f = (lambda v, p=3: "-" if v is None else f"{v:.{p}f}")
         t.add_row(str(s.get("concurrency") or s.get("sessions") or s.get("stage")), str(s["requests_ok"]),
                   str(s["requests_failed"]), f(s["ttft_s"]["p50"]), f(s["itl_ms"]["p50"], 2),
-                  f(s["output_tok_s"], 0), f(s["input_tok_s"], 0), f(s["cached_token_ratio"]))
+                  f(s["output_tok_s"], 0), f(s["input_tok_s"], 0), f(s["cached_token_ratio"]),
+                  f(s.get("served_input_ratio")))
     Console().print(t)
 
 

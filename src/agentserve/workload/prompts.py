@@ -10,13 +10,20 @@ Token scaling: `--token-scale K` sends K tokens per trace block instead of `bloc
 so a CPU engine replays a 100K-token session with the same block-reuse structure;
 input lengths scale by K / block_size. The last block is cut so that the prompt has
 exactly the scaled input length.
+
+Chat prompts are words that are one token each in the served vocabulary, fewer by the
+chat template's own tokens (`workload.chatfit`), so the server counts the same length.
 """
 
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from agentserve.workload.chatfit import ChatFit
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -43,19 +50,8 @@ def scaled_length(tokens: int, block_size: int, block_tokens: int) -> int:
     return max(1, round(tokens * block_tokens / block_size))
 
 
-def _make_words(n: int = 4096) -> list[str]:
-    # Pronounceable pseudo-words: a tokenizer splits each into a few stable pieces.
-    cons, vows = "bcdfghjklmnprstvwz", "aeiou"
-    syl = [c + v for c in cons for v in vows]
-    return [syl[i % len(syl)] + syl[(i // len(syl)) % len(syl)] + syl[(i * 7 + 3) % len(syl)]
-            for i in range(n)]
-
-
-_WORDS = np.array(_make_words(), dtype=object)
-
-
 class PromptBuilder:
-    """Builds token-id prompts (for /v1/completions) or word prompts (for chat) from hash ids."""
+    """Builds token-id prompts (for /v1/completions) or chat text (fitted words) from hash ids."""
 
     def __init__(self, vocab_size: int = 4000, seed: int = 0) -> None:
         if vocab_size <= 2 * SPECIAL_MARGIN:
@@ -98,11 +94,12 @@ class PromptBuilder:
         """Token-id prompt as a list (what `/v1/completions` takes)."""
         return self.token_array(scope, hash_ids, n_tokens, block_tokens, uid).tolist()
 
-    def text(self, scope: str, hash_ids: list[int], n_tokens: int, block_tokens: int,
+    def text(self, fit: ChatFit, scope: str, hash_ids: list[int], n_tokens: int, block_tokens: int,
              uid: str = "") -> str:
-        """Word prompt for chat: one deterministic word per token id (lengths are approximate)."""
-        toks = self.token_array(scope, hash_ids, n_tokens, block_tokens, uid)
-        return " ".join(_WORDS[toks % len(_WORDS)])
+        """Chat content that the served tokenizer makes `n_tokens` tokens once its template
+        wraps it: one one-token word per id of the first `n_tokens - overhead` (see chatfit.py)."""
+        toks = self.token_array(scope, hash_ids, fit.content_tokens(n_tokens), block_tokens, uid)
+        return fit.text(toks)
 
 
 class ReuseTracker:

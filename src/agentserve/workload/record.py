@@ -37,6 +37,7 @@ class RequestRecord:
     chunk_tokens: list[int] = field(default_factory=list)  # tokens carried by each chunk
     e2e: float | None = None
     input_tokens: int = 0  # tokens sent (after token scaling); replaced by usage when reported
+    requested_input_tokens: int = 0  # what the workload asked (after token scaling); 0 = unknown
     output_tokens: int = 0  # usage.completion_tokens, else the sum of chunk_tokens
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     reusable_tokens: int = 0  # what an infinite prefix cache could have served for this input

@@ -28,23 +28,30 @@ class Driver:
     def __init__(self, target: Target, factory: RequestFactory, t0: float, stage: int = 0,
                  duration: float | None = None, gap_scale: float = 1.0, gap_cap: float | None = None,
                  max_turns: int | None = None,
-                 on_record: Callable[[RequestRecord], None] | None = None) -> None:
+                 on_record: Callable[[RequestRecord], None] | None = None,
+                 limit: int | None = None) -> None:
         self.target, self.factory, self.t0, self.stage = target, factory, t0, stage
         self.begin = time.perf_counter()
         self.deadline = self.begin + duration if duration is not None else None
         self.gap_scale, self.gap_cap, self.max_turns = gap_scale, gap_cap, max_turns
         self.on_record = on_record
+        self.limit = limit  # --request-count: requests sent per stage, at most
         self.records: list[RequestRecord] = []
         self.sessions: list[SessionRecord] = []
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
+    def full(self) -> bool:
+        return self.limit is not None and len(self.records) >= self.limit
+
     def expired(self) -> bool:
-        return self.deadline is not None and time.perf_counter() >= self.deadline
+        return self.full() or (self.deadline is not None and time.perf_counter() >= self.deadline)
 
     async def wait(self, seconds: float) -> bool:
         """Sleep; False (after sleeping to the deadline) when the stage ends first."""
+        if self.full():
+            return False
         if self.deadline is not None and time.perf_counter() + seconds >= self.deadline:
             await asyncio.sleep(max(0.0, self.deadline - time.perf_counter()))
             return False
@@ -54,8 +61,9 @@ class Driver:
 
     async def send(self, job: Job, sink: list[RequestRecord] | None = None,
                    admitted: bool = False) -> RequestRecord | None:
-        """Admit (unless already `admitted`), build and stream one job; None when skipped."""
-        if not admitted and not self.factory.admit(job):
+        """Admit (unless already `admitted`), build and stream one job; None when skipped
+        (or when the stage has sent its --request-count)."""
+        if self.full() or (not admitted and not self.factory.admit(job)):
             return None
         rec, body = self.factory.build(job, self.stage)
         self.records.append(rec)  # before sending: a cancelled stream is still recorded

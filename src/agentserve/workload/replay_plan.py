@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from agentserve.workload.chatfit import ChatFit
 from agentserve.workload.prompts import PromptBuilder, ReuseTracker, scaled_length
 from agentserve.workload.record import RequestRecord
 from agentserve.workload.schema import Session, Subagent, TraceRequest
@@ -131,8 +132,11 @@ class RequestFactory:
 
     def __init__(self, model: str, api: str = "completions", vocab_size: int = 4000, seed: int = 0,
                  token_scale: int | None = None, max_input: int | None = None,
-                 max_output: int | None = None, output_scale: float = 1.0) -> None:
-        self.model, self.api = model, api
+                 max_output: int | None = None, output_scale: float = 1.0,
+                 chat_fit: ChatFit | None = None) -> None:
+        if api == "chat" and chat_fit is None:
+            raise ValueError("chat prompts need the served tokenizer's fit (workload.chatfit)")
+        self.model, self.api, self.chat_fit = model, api, chat_fit
         self.prompts = PromptBuilder(vocab_size, seed)
         self.token_scale, self.max_input = token_scale, max_input
         self.max_output, self.output_scale = max_output, output_scale
@@ -171,11 +175,12 @@ class RequestFactory:
                       "stream_options": {"include_usage": True}, "ignore_eos": True,
                       "user": f"{stage}/{job.session_id}"}
         if self.api == "chat":
-            text = self.prompts.text(scope, job.req.hash_ids, n_in, bt, uid=rid)
+            assert self.chat_fit is not None
+            text = self.prompts.text(self.chat_fit, scope, job.req.hash_ids, n_in, bt, uid=rid)
             body["messages"] = [{"role": "user", "content": text}]
         else:
             body["prompt"] = self.prompts.tokens(scope, job.req.hash_ids, n_in, bt, uid=rid)
         rec = RequestRecord(request_id=rid, session_id=job.session_id, turn=job.turn, agent=job.agent,
                             sub_index=job.sub_index, stage=stage, input_tokens=n_in,
-                            reusable_tokens=reusable, max_tokens=out)
+                            requested_input_tokens=n_in, reusable_tokens=reusable, max_tokens=out)
         return rec, body

@@ -6,6 +6,8 @@ The same functions serve the replay client and the simulator: both hand over
 Definitions (per stage, over successful requests unless noted):
 - `itl_ms` is AIPerf's per-request ITL, `(e2e - ttft) / (output - 1)`; `itl_token_ms` the
   token-weighted chunk gaps (see record.py).
+- `requested_input_tokens` / `served_input_tokens`: what the workload asked and what the
+  server counted (`usage.prompt_tokens`); `served_input_ratio` = served / requested.
 - `output_tok_s_per_user`: output tokens over E2E, per request (mean and p50).
 - `cached_token_ratio` = cached / input; `reusable_ceiling_ratio` = reusable / input, where
   reusable is what an infinite cache could have served given the order requests were sent;
@@ -78,6 +80,8 @@ def summarize(records: list[RequestRecord], duration: float, label: dict | None 
     failed = [r for r in records if not r.ok and not r.error.startswith("cancelled")]
     out_tok = sum(r.output_tokens for r in ok)
     in_tok = sum(r.input_tokens for r in ok)
+    # what the workload asked for vs what the server counted (usage.prompt_tokens)
+    asked = sum(r.requested_input_tokens or r.input_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
     reusable = sum(r.reusable_tokens for r in ok)
     captured = sum(min(r.cached_tokens, r.reusable_tokens) for r in ok)
@@ -94,7 +98,8 @@ def summarize(records: list[RequestRecord], duration: float, label: dict | None 
         "itl_ms": stats(itl, 1e3),
         "itl_token_ms": stats(itl_token_samples(ok), 1e3),
         "e2e_s": stats([r.e2e for r in ok if r.e2e is not None]),
-        "input_tokens": in_tok, "output_tokens": out_tok, "cached_tokens": cached,
+        "input_tokens": in_tok, "requested_input_tokens": asked, "served_input_tokens": in_tok,
+        "served_input_ratio": _ratio(in_tok, asked), "output_tokens": out_tok, "cached_tokens": cached,
         "reusable_tokens": reusable,
         "output_tok_s": output_tok_s, "input_tok_s": in_tok / duration if duration > 0 else 0.0,
         "output_tok_s_per_user": {"mean": float(np.mean(per_user)) if per_user else None,
