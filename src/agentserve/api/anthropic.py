@@ -1,5 +1,5 @@
 """Anthropic's Messages API on the wire: its request types, its error object, and the chat
-request a Messages request stands for (`to_chat`; the mapping is in serving_messages.py).
+request a Messages request stands for (`to_chat`; the mapping is in engine/http/messages.py).
 
 Only msgspec and the chat protocol: the router imports this to render Messages bodies as
 the engine does, without the engine's serving stack (torch).
@@ -166,10 +166,13 @@ def to_chat(req: MessagesRequest) -> ChatRequest:
         raise APIError(400, f"max_tokens must be >= 1, got {req.max_tokens}", "max_tokens")
     # a final assistant message is the answer's beginning (Anthropic's prefill)
     prefill = bool(req.messages) and req.messages[-1].role == "assistant"
+    # any / tool: the answer is tool_use blocks only, and a stop sequence met inside a call's
+    # input would cut its required fields: stop sequences end text, so they do not apply
+    forced = bool(req.tools) and tool_choice not in (None, "auto", "none")
     return ChatRequest(
         add_generation_prompt=not prefill, continue_final_message=prefill,
         messages=to_messages(req), tools=to_tools(req.tools), tool_choice=tool_choice,
         parallel_tool_calls=not (choice is not None and choice.disable_parallel_tool_use),
         max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
-        stop=req.stop_sequences, stream=req.stream, kv_transfer_params=req.kv_transfer_params,
+        stop=None if forced else req.stop_sequences, stream=req.stream, kv_transfer_params=req.kv_transfer_params,
         user=req.metadata.user_id if req.metadata is not None else None)

@@ -1,6 +1,7 @@
 """Request ids over HTTP: ``X-Request-Id`` names a request, as in vLLM.
 
-The response's id is ``{prefix}-{X-Request-Id}``, the engine logs and aborts the request
+The response's id is ``{prefix}-{X-Request-Id}`` (``msg_`` / ``resp_`` for Anthropic's and
+the Responses API's ids, which use an underscore as the real APIs do), the engine logs and aborts the request
 under that name, and the header comes back on the response (the router forwards the
 client's header, or makes one up). Without the header the id is a fresh random one.
 """
@@ -18,11 +19,11 @@ REQUEST_ID_MAX = 256  # characters; a longer header is refused rather than cut
 REQUEST_ID_KEY = web.RequestKey("request_id", str)  # what the response's X-Request-Id echoes
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
-def request_ids(request: web.Request, prefix: str) -> tuple[str, str]:
+def request_ids(request: web.Request, prefix: str, sep: str = "-") -> tuple[str, str]:
     """(the response's ``id``, the engine's request id) for one HTTP request.
 
     The engine's id has a random suffix when the client named the request, so two
@@ -35,11 +36,11 @@ def request_ids(request: web.Request, prefix: str) -> tuple[str, str]:
         # aiohttp keeps as surrogates, and no answer carrying the id can encode)
         raise APIError(400, f"{REQUEST_ID_HEADER} must be printable UTF-8 text, got {given!r}")
     if not given:
-        cid = new_id(prefix)
+        cid = new_id(prefix, sep)
         request[REQUEST_ID_KEY] = cid
         return cid, cid
     request[REQUEST_ID_KEY] = given
-    cid = f"{prefix}-{given}"
+    cid = f"{prefix}{sep}{given}"
     return cid, f"{cid}-{uuid.uuid4().hex[:8]}"
 
 

@@ -1,5 +1,5 @@
 """OpenAI's Responses API on the wire: its request types and the chat request a Responses
-request stands for (`to_chat`; the mapping is in serving_responses.py).
+request stands for (`to_chat`; the mapping is in engine/http/responses.py).
 
 Only msgspec and the chat protocol: the router imports this to render Responses bodies as
 the engine does, without the engine's serving stack (torch).

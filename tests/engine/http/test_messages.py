@@ -27,15 +27,20 @@ def _model(served: ServerThread) -> str:
     return served.engine.model_name
 
 
+def _prompt(usage: anthropic.types.Usage) -> int:
+    """The whole prompt: Anthropic's input_tokens leaves out what was read or written."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
 def test_text_message_and_cached_context(client: anthropic.Anthropic, served: ServerThread) -> None:
-    """A text answer with Anthropic's usage: input_tokens + cache_read_input_tokens is the
-    prompt the chat endpoint counts for the same conversation, and a repeated context is
-    read from the prefix cache."""
+    """A text answer with Anthropic's usage: input_tokens + cache_read_input_tokens +
+    cache_creation_input_tokens is the prompt the chat endpoint counts for the same
+    conversation; the first time its full blocks are written, a repeat reads them."""
     msgs = [{"role": "user", "content": "write a haiku about the sea " * 8}]
     kw = dict(model=_model(served), max_tokens=6, system="You are terse.", messages=msgs,
               extra_body={"temperature": 0})
     first = client.messages.create(**kw)
-    assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg")
+    assert first.type == "message" and first.role == "assistant" and first.id.startswith("msg_")
     assert [b.type for b in first.content] == ["text"] and first.content[0].text
     assert first.stop_reason in ("end_turn", "max_tokens") and first.usage.output_tokens <= 6
     chat = openai.OpenAI(base_url=served.url + "/v1", api_key=API_KEY, max_retries=0)
@@ -43,8 +48,9 @@ def test_text_message_and_cached_context(client: anthropic.Anthropic, served: Se
         model=_model(served), max_tokens=1,
         messages=[{"role": "system", "content": "You are terse."}, *msgs])
     again = client.messages.create(**kw)
-    total = again.usage.input_tokens + again.usage.cache_read_input_tokens
-    assert total == ref.usage.prompt_tokens
+    total = _prompt(again.usage)
+    assert total == ref.usage.prompt_tokens == _prompt(first.usage)
+    assert first.usage.cache_creation_input_tokens > 0
     assert again.usage.cache_read_input_tokens > 0
     assert again.content[0].text == first.content[0].text  # greedy: the same answer
     assert client.messages.count_tokens(model=_model(served), system="You are terse.",
@@ -69,8 +75,7 @@ def test_forced_tool_use_then_tool_result(client: anthropic.Anthropic, served: S
                          {"type": "text", "text": "thanks"}]}]
     r2 = client.messages.create(messages=follow, model=_model(served), max_tokens=4,
                                 tools=[WEATHER])
-    assert r2.usage.input_tokens + r2.usage.cache_read_input_tokens > \
-        r.usage.input_tokens + r.usage.cache_read_input_tokens  # the result is in the prompt
+    assert _prompt(r2.usage) > _prompt(r.usage)  # the result is in the prompt
     named = client.messages.create(messages=msgs, **{
         **kw, "tool_choice": {"type": "tool", "name": "get_weather",
                               "disable_parallel_tool_use": True}})
@@ -161,7 +166,7 @@ def test_a_final_assistant_message_is_a_prefill(client: anthropic.Anthropic,
                                            "continue_final_message": True,
                                            "add_generation_prompt": False})
     assert r.content[0].text == ref.choices[0].message.content
-    assert r.usage.input_tokens + r.usage.cache_read_input_tokens == ref.usage.prompt_tokens
+    assert _prompt(r.usage) == ref.usage.prompt_tokens
 
 
 def test_model_aliases_answer_a_harness_model_name() -> None:

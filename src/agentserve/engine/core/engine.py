@@ -81,6 +81,7 @@ class AsyncEngine:
         self.model_dir = model_dir
         self.max_model_len = max_model_len
         self.block_size = core.kv.block_size
+        self.prefix_caching = core.kv.enable_caching  # what usage reports as written to the cache
         self.num_gpu_blocks = core.kv.pool.num_blocks
         self.device = device
         self.draining = False

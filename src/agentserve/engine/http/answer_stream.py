@@ -1,7 +1,8 @@
 """A generation's answer as a stream of pieces, for the APIs whose answers are lists of
 blocks (Anthropic's Messages, OpenAI's Responses): text, the start of each tool call and
 its argument fragments, the tool-call parser applied. Each API maps the pieces onto its
-own events (serving_messages.py, serving_responses.py)."""
+own events (messages.py, responses.py). `prompt_cache` is the prompt's cache split both
+report (Anthropic's ``cache_*_input_tokens``, the Responses API's ``input_tokens_details``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,19 @@ from dataclasses import dataclass
 
 from agentserve.engine.http.serving import Generation
 from agentserve.engine.model.tools import StreamingToolParser
+
+
+def prompt_cache(g: Generation) -> tuple[int, int]:
+    """(read, written): the prompt's tokens read from the prefix cache, and those this request
+    computed and stored in it. The prefix cache is automatic (vLLM's): every full block of the
+    prompt is stored, so each computed prompt token in a full block is written, whatever
+    ``cache_control`` breakpoints the request marks; the last partial block's tokens are not
+    stored (plain input). Nothing is written with prefix caching off."""
+    engine = g.engine
+    if not getattr(engine, "prefix_caching", True):
+        return g.cached_tokens, 0
+    full = g.prompt_tokens // engine.block_size * engine.block_size
+    return g.cached_tokens, max(0, full - g.cached_tokens)
 
 
 @dataclass(slots=True)

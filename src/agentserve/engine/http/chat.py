@@ -62,11 +62,12 @@ class ChatRun:
         return StreamingToolParser(self.forced, self.name) if self.use_tools else None
 
     def calls(self, text: str, finish_reason: str | None) -> tuple[str | None, list[ToolCall]]:
-        """(content, calls) of a finished answer. A constrained one cut short by max_tokens
-        keeps its open call with the partial arguments (no markup in the content), as vLLM."""
+        """(content, calls) of a finished answer. A constrained one is read by the streaming
+        parser, so both answers agree: no content, and a call cut short (max_tokens, a stop
+        string) keeps its partial arguments (no markup in the content), as vLLM."""
         if not self.use_tools:
             return text, []
-        if self.forced and finish_reason == "length":
+        if self.forced:
             return parse_cut_calls(text, self.name)
         return parse_tool_calls(text)
 

@@ -1,9 +1,9 @@
 """POST /v1/messages and /v1/messages/count_tokens: Anthropic's Messages API (what Claude
 Code speaks; point ``ANTHROPIC_BASE_URL`` at the engine or the router).
 
-A Messages request is turned into the equivalent chat request (`messages_protocol.to_chat`,
+A Messages request is turned into the equivalent chat request (`api.anthropic.to_chat`,
 which the router uses too) and served by
-the chat path (`serving_chat.start_chat`: template, tools, grammar, generations); only
+the chat path (`chat.start_chat`: template, tools, grammar, generations); only
 the answer's shape differs. The mapping, as vLLM's:
 
 - ``system`` (text or text blocks) -> a system message; ``tool_result`` blocks -> ``tool``
@@ -15,9 +15,13 @@ the answer's shape differs. The mapping, as vLLM's:
   -> the session (routing and the CPU tier's session policy see Claude Code's sessions).
 - A final assistant message is a prefill: the answer continues its text (and holds only
   the continuation), as Anthropic's API does (chat's ``continue_final_message``).
-- The answer: a text block, then one ``tool_use`` block per call; ``stop_reason``
-  ``tool_use`` / ``max_tokens`` / ``stop_sequence`` / ``end_turn``; usage as Anthropic
-  counts it: ``input_tokens`` excludes ``cache_read_input_tokens`` (the prefix cache's hit).
+- The answer (id ``msg_...``): a text block, then one ``tool_use`` block per call (id
+  ``toolu_...``; chat's ``call_...`` id with Anthropic's prefix); with tool_choice any / tool
+  only ``tool_use`` blocks; ``stop_reason`` ``tool_use`` / ``max_tokens`` / ``stop_sequence``
+  / ``end_turn``. Usage as Anthropic counts it: the prompt is ``input_tokens`` +
+  ``cache_read_input_tokens`` (the prefix cache's hit) + ``cache_creation_input_tokens``
+  (computed and stored in full blocks: `answer_stream.prompt_cache`); streamed, both
+  message_start and message_delta carry all four counts (message_delta's are final).
 - ``thinking`` is accepted, and answered without thinking blocks: our models have no
   reasoning parser.
 - Errors are Anthropic error objects (``{"type": "error", "error": {...}}``).
@@ -33,7 +37,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from agentserve.engine.http.answer_stream import pieces
+from agentserve.engine.http.answer_stream import pieces, prompt_cache
 from agentserve.prompt.chat import chat_messages, chat_prompts
 from agentserve.api.anthropic import (CountTokensRequest, MessagesRequest,
                                                  anthropic_error, to_chat, to_messages, to_tools)
@@ -61,8 +65,17 @@ def count_tokens(engine: EngineClient, body: bytes) -> dict[str, Any]:
 
 
 def _usage(g: Generation) -> dict[str, int]:
-    return {"input_tokens": g.prompt_tokens - g.cached_tokens, "output_tokens": g.completion_tokens,
-            "cache_read_input_tokens": g.cached_tokens, "cache_creation_input_tokens": 0}
+    """Anthropic's usage: ``input_tokens`` is the prompt less what was read from the cache and
+    what was written to it (the three add up to the prompt)."""
+    read, written = prompt_cache(g)
+    return {"input_tokens": g.prompt_tokens - read - written,
+            "cache_creation_input_tokens": written, "cache_read_input_tokens": read,
+            "output_tokens": g.completion_tokens}
+
+
+def tool_use_id(call_id: str) -> str:
+    """Anthropic's ``toolu_`` id for a call the parser named ``call_...`` (the same suffix)."""
+    return "toolu_" + call_id.removeprefix("call_")
 
 
 def _stop(g: Generation, called: bool) -> tuple[str | None, str | None]:
@@ -80,13 +93,14 @@ def _stop(g: Generation, called: bool) -> tuple[str | None, str | None]:
 
 def _tool_block(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     # cut short by max_tokens (stop_reason says so): the completed members of the object
-    return {"type": "tool_use", "id": call_id, "name": name, "input": partial_object(arguments)}
+    return {"type": "tool_use", "id": tool_use_id(call_id), "name": name,
+            "input": partial_object(arguments)}
 
 
 async def create_message(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
                          body: bytes) -> web.StreamResponse:
     arrival = time.monotonic()
-    mid, eid = request_ids(request, "msg")
+    mid, eid = request_ids(request, "msg", sep="_")
     req = decode(body, MessagesRequest)
     run = await start_chat(request, engine, metrics, to_chat(req), eid, arrival)
     g = run.gens[0]
@@ -106,7 +120,7 @@ async def create_message(request: web.Request, engine: EngineClient, metrics: Se
 async def _events(head: dict[str, Any], g: Generation, parser: StreamingToolParser | None
                   ) -> AsyncIterator[tuple[str, dict[str, Any]]]:
     """Anthropic's event stream: message_start, per block start / deltas / stop,
-    message_delta (stop reason, output tokens), message_stop."""
+    message_delta (stop reason, the final usage), message_stop."""
     index, kind = -1, None  # the open block: its index and type (None: none open)
     called = False
 
@@ -141,8 +155,8 @@ async def _events(head: dict[str, Any], g: Generation, parser: StreamingToolPars
                 yield delta({"type": "text_delta", "text": p.text})
             elif p.kind == "call":
                 called = True
-                for ev in open_block({"type": "tool_use", "id": p.call_id, "name": p.name,
-                                      "input": {}}):
+                for ev in open_block({"type": "tool_use", "id": tool_use_id(p.call_id),
+                                      "name": p.name, "input": {}}):
                     yield ev
             else:
                 yield delta({"type": "input_json_delta", "partial_json": p.text})
@@ -151,5 +165,5 @@ async def _events(head: dict[str, Any], g: Generation, parser: StreamingToolPars
     reason, sequence = _stop(g, called)
     yield "message_delta", {"type": "message_delta",
                             "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                            "usage": {"output_tokens": g.completion_tokens}}
+                            "usage": _usage(g)}
     yield "message_stop", {"type": "message_stop"}

@@ -2,7 +2,7 @@
 ``store: false``: the whole conversation in ``input`` each turn).
 
 As /v1/messages, a Responses request becomes the equivalent chat request
-(`responses_protocol.to_chat`, which the router uses too) and
+(`api.responses.to_chat`, which the router uses too) and
 runs on the chat path; only the answer's shape differs. The mapping:
 
 - ``instructions`` -> a system message; ``input`` text -> a user message; input items:
@@ -15,9 +15,13 @@ runs on the chat path; only the answer's shape differs. The mapping:
   ``max_output_tokens``, ``temperature``, ``top_p``, ``text.format`` (json_schema /
   json_object, constrained as ``response_format``); ``prompt_cache_key`` (else ``user``)
   is the session for routing and the CPU tier's session policy.
-- The answer: a ``message`` item with the text, then one ``function_call`` item per call;
-  ``status`` ``incomplete`` (``max_output_tokens``) when cut short; usage with
-  ``input_tokens_details.cached_tokens`` from the prefix cache.
+- The answer (id ``resp_...``, ``created_at`` / ``completed_at`` integer seconds, the
+  request's settings echoed): a ``message`` item with the text, then one ``function_call``
+  item per call (only those with tool_choice required / a function); ``status``
+  ``incomplete`` (``max_output_tokens``) when cut short. Usage as OpenAI counts it:
+  ``input_tokens`` is the whole prompt, of which ``input_tokens_details.cached_tokens`` were
+  read from the prefix cache and ``cache_write_tokens`` computed and stored in full blocks
+  (`answer_stream.prompt_cache`).
 - Nothing is stored: ``previous_response_id`` is a 400 (send the conversation in
   ``input``), and ``store`` is accepted but keeps nothing. ``reasoning`` is accepted and
   answered without reasoning items (no reasoning parser).
@@ -34,7 +38,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from agentserve.engine.http.answer_stream import pieces
+from agentserve.engine.http.answer_stream import pieces, prompt_cache
 from agentserve.engine.http.metrics import ServerMetrics
 from agentserve.api.openai import decode
 from agentserve.api.request_id import request_ids
@@ -52,8 +56,9 @@ def _id(prefix: str) -> str:
 
 
 def _usage(g: Generation) -> dict[str, Any]:
+    read, written = prompt_cache(g)
     return {"input_tokens": g.prompt_tokens,
-            "input_tokens_details": {"cached_tokens": g.cached_tokens, "cache_write_tokens": 0},
+            "input_tokens_details": {"cached_tokens": read, "cache_write_tokens": written},
             "output_tokens": g.completion_tokens,
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": g.prompt_tokens + g.completion_tokens}
@@ -70,21 +75,27 @@ def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: st
             "arguments": arguments, "status": status}
 
 
-def _envelope(rid: str, req: ResponsesRequest, model: str, created: float) -> dict[str, Any]:
-    """The response object around its output (what the request asked for, echoed)."""
-    return {"id": rid, "object": "response", "created_at": created, "model": model,
-            "status": "in_progress", "error": None, "incomplete_details": None,
+def _envelope(rid: str, req: ResponsesRequest, model: str, created: int) -> dict[str, Any]:
+    """The response object around its output (what the request asked for, echoed; times in
+    integer seconds, as the real API sends them)."""
+    return {"id": rid, "object": "response", "created_at": created, "completed_at": None,
+            "model": model, "status": "in_progress", "error": None, "incomplete_details": None,
             "instructions": req.instructions, "metadata": req.metadata or {},
             "parallel_tool_calls": req.parallel_tool_calls,
             "tool_choice": msgspec.to_builtins(req.tool_choice) or "auto",
             "tools": msgspec.to_builtins(req.tools or []), "temperature": req.temperature,
-            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens, "output": [],
-            "usage": None}
+            "top_p": req.top_p, "max_output_tokens": req.max_output_tokens,
+            "previous_response_id": None, "store": False, "background": False,
+            "text": msgspec.to_builtins(req.text) if req.text and req.text.format
+            else {"format": {"type": "text"}},
+            "truncation": "disabled", "user": req.user, "prompt_cache_key": req.prompt_cache_key,
+            "output": [], "usage": None}
 
 
 def _finished(env: dict[str, Any], g: Generation, output: list[dict[str, Any]]) -> dict[str, Any]:
     cut = g.finish_reason == "length"
     return {**env, "status": "incomplete" if cut else "completed", "output": output,
+            "completed_at": None if cut else int(time.time()),
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
             "usage": _usage(g)}
 
@@ -92,10 +103,10 @@ def _finished(env: dict[str, Any], g: Generation, output: list[dict[str, Any]]) 
 async def create_response(request: web.Request, engine: EngineClient, metrics: ServerMetrics,
                           body: bytes) -> web.StreamResponse:
     arrival = time.monotonic()
-    rid, eid = request_ids(request, "resp")
+    rid, eid = request_ids(request, "resp", sep="_")
     req = decode(body, ResponsesRequest)
     run = await start_chat(request, engine, metrics, to_chat(req), eid, arrival)
-    env = _envelope(rid.replace("resp-", "resp_", 1), req, engine.model_name, time.time())
+    env = _envelope(rid, req, engine.model_name, int(time.time()))
     g = run.gens[0]
     if req.stream:
         seq = [0]

@@ -204,7 +204,8 @@ class StreamingToolParser:
                 text = self.body[j + len(END):]
                 c, d = self._close(self.body[:j])
                 content, deltas = content + c, deltas + d
-        return content, deltas
+        # forced: the grammar allows only calls and the newlines between them, never content
+        return ("" if self.forced else content), deltas
 
     def _announce(self, name: str, args: str = "") -> dict[str, Any]:
         self.calls.append(ToolCall(name, args))
@@ -264,9 +265,9 @@ class StreamingToolParser:
 
 
 def parse_cut_calls(text: str, name: str | None = None) -> tuple[str | None, list[ToolCall]]:
-    """A constrained answer ("required" / named) cut short by max_tokens: the calls as the
-    streaming parser has them (the open one with its partial arguments text, as vLLM returns
-    a named call cut short), no markup left in the content."""
+    """A constrained answer ("required" / named), whole or cut short by max_tokens: the calls
+    as the streaming parser has them (an open one with its partial arguments text, as vLLM
+    returns a named call cut short), never content (the grammar allows none)."""
     parser = StreamingToolParser(forced=True, name=name)
     content = parser.feed(text)[0] + parser.finish()[0]
     return content.strip() or None, parser.calls
