@@ -22,12 +22,26 @@ def _ints(text: str) -> list[int]:
 
 def bench(
     url: str = typer.Option(..., "--url", help="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000"),
-    trace: str = typer.Option(..., "--trace", help="Weka sessions JSONL or mooncake JSONL (.gz ok)"),
-    mode: str = typer.Option("sessions", "--mode", help="sessions | concurrency | schedule"),
+    trace: Optional[str] = typer.Option(None, "--trace",
+                                        help="Weka sessions JSONL or mooncake JSONL (.gz ok); or --isl"),
+    isl: Optional[float] = typer.Option(None, "--isl", "--synthetic-input-tokens-mean",
+                                        help="synthetic prompts (no trace): input tokens, mean"),
+    isl_stddev: float = typer.Option(0.0, "--isl-stddev", "--synthetic-input-tokens-stddev"),
+    osl: Optional[float] = typer.Option(None, "--osl", "--output-tokens-mean",
+                                        help="synthetic: output tokens, mean (default 128)"),
+    osl_stddev: float = typer.Option(0.0, "--osl-stddev", "--output-tokens-stddev"),
+    request_count: Optional[int] = typer.Option(
+        None, "--request-count", help="requests per stage, at most (the trace cycles); "
+        "synthetic default 10 unless --stage-duration"),
+    warmup_requests: int = typer.Option(0, "--warmup-requests", "--warmup-request-count",
+                                        help="sent first at the first stage's concurrency, not measured"),
+    mode: Optional[str] = typer.Option(None, "--mode", help="sessions | concurrency | schedule "
+                                       "(default: sessions; concurrency for --isl)"),
     sessions: int = typer.Option(16, "--sessions", help="sessions mode: sessions at once (closed loop)"),
     session_rate: Optional[float] = typer.Option(None, "--session-rate", help="open loop: sessions/s"),
     concurrency: str = typer.Option("16", "--concurrency", help="concurrency mode: levels, e.g. 16,32,64"),
-    stage_duration: float = typer.Option(60.0, "--stage-duration", help="seconds per concurrency stage"),
+    stage_duration: Optional[float] = typer.Option(
+        None, "--stage-duration", help="seconds per concurrency stage (default 60 unless --request-count)"),
     token_scale: Optional[int] = typer.Option(None, "--token-scale", help="tokens sent per trace block"),
     gap_cap: Optional[float] = typer.Option(None, "--gap-cap", help="cap on each idle gap, seconds"),
     gap_scale: float = typer.Option(1.0, "--gap-scale", help="multiply recorded idle gaps"),
@@ -44,8 +58,9 @@ def bench(
     api_key: Optional[str] = typer.Option(None, "--api-key", envvar="OPENAI_API_KEY"),
     vocab_size: int = typer.Option(4000, "--vocab-size", help="target vocabulary size"),
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="seconds per request"),
-    gpus: int = typer.Option(1, "--gpus", help="GPUs behind the URL (for tok/s per GPU)"),
-    seed: int = typer.Option(0, "--seed"),
+    gpus: Optional[int] = typer.Option(None, "--gpus", help="GPUs behind the URL (for tok/s per GPU); "
+                                       "default: the engines a router lists, else 1"),
+    seed: int = typer.Option(0, "--seed", "--random-seed"),
     out: str = typer.Option("bench-out", "--out", help="output directory"),
     num_profile_runs: int = typer.Option(1, "--num-profile-runs",
                                          help="run the bench N times (same workload) and aggregate"),
@@ -57,6 +72,8 @@ def bench(
     """Replay agent traces against an OpenAI endpoint; write summary.json, records, plots, report.html."""
     from agentserve.workload.replay import MODES, BenchConfig, run_bench
 
+    mode, request_count, stage_duration = _workload_flags(trace, isl, osl, mode, request_count,
+                                                          stage_duration)
     if mode not in MODES:
         raise typer.BadParameter(f"--mode must be one of {', '.join(MODES)}")
     if not url.startswith(("http://", "https://")):
@@ -65,7 +82,9 @@ def bench(
         sessions=(sessions, 1), session_rate=(session_rate, POSITIVE),
         stage_duration=(stage_duration, POSITIVE), token_scale=(token_scale, 1),
         gap_cap=(gap_cap, 0), gap_scale=(gap_scale, 0), duration=(duration, POSITIVE),
-        max_turns=(max_turns, 1), max_input=(max_input, 1), max_output=(max_output, 1),
+        max_turns=(max_turns, 1), isl=(isl, 1), isl_stddev=(isl_stddev, 0), osl=(osl, 1),
+        osl_stddev=(osl_stddev, 0), request_count=(request_count, 1),
+        warmup_requests=(warmup_requests, 0), max_input=(max_input, 1), max_output=(max_output, 1),
         output_scale=(output_scale, POSITIVE), vocab_size=(vocab_size, 2),
         request_timeout=(request_timeout, POSITIVE), gpus=(gpus, 1),
         num_profile_runs=(num_profile_runs, 1), profile_run_cooldown_seconds=(cooldown, 0))
@@ -80,7 +99,9 @@ def bench(
                       gap_scale=gap_scale, gap_cap=gap_cap, duration=duration, max_turns=max_turns,
                       max_input=max_input, max_output=max_output, output_scale=output_scale, api=api,
                       model=model, tokenizer=tokenizer, api_key=api_key, vocab_size=vocab_size, request_timeout=request_timeout,
-                      gpus=gpus, seed=seed, out=out)
+                      gpus=gpus, seed=seed, out=out, isl=isl, isl_stddev=isl_stddev,
+                      osl=osl if osl is not None else 128.0, osl_stddev=osl_stddev,
+                      request_count=request_count, warmup_requests=warmup_requests)
     try:
         if num_profile_runs > 1:
             from agentserve.workload.multirun import run_profile_runs
@@ -100,6 +121,24 @@ def bench(
             raise typer.Exit(130)
     elif any(s.get("interrupted") for s in stages):
         raise typer.Exit(130)  # partial results are written; say so to scripts
+
+
+def _workload_flags(trace: str | None, isl: float | None, osl: float | None, mode: str | None,
+                    request_count: int | None, stage_duration: float | None
+                    ) -> tuple[str, int | None, float | None]:
+    """A trace or synthetic prompts (AIPerf's way), and the defaults that follow from which."""
+    if trace is not None and (isl is not None or osl is not None):
+        raise typer.BadParameter("give --trace or synthetic lengths (--isl/--osl), not both")
+    if trace is None and isl is None:
+        raise typer.BadParameter("no workload: pass --trace FILE, or --isl N [--osl M] for "
+                                 "synthetic prompts")
+    if isl is not None:
+        mode = mode or "concurrency"
+        if request_count is None and stage_duration is None:
+            request_count = 10
+    if stage_duration is None and request_count is None:
+        stage_duration = 60.0
+    return mode or "sessions", request_count, stage_duration
 
 
 def _printed(stages: list[dict], out: str) -> list[dict]:

@@ -1,10 +1,11 @@
 """`agentserve bench`: replay agent traces against an OpenAI endpoint and report what users see.
 
-`run_bench(config)` loads the trace, resolves the model, runs one stage (sessions,
-schedule) or one per concurrency level, scrapes `/metrics` around each stage, and
-writes DIR/summary.json (a list, one object per stage), requests.jsonl/.csv,
-sessions.jsonl, PNG plots and report.html. Ctrl-C cancels the run; whatever was
-measured so far is still summarized and written.
+`run_bench(config)` loads the trace (or makes synthetic prompts, --isl/--osl), resolves
+the model, sizes chat prompts to the served tokenizer (chatfit.py), sends the warm-up
+requests (not measured), runs one stage (sessions, schedule) or one per concurrency
+level, scrapes `/metrics` around each stage, and writes DIR/summary.json (a list, one
+object per stage), requests.jsonl/.csv, sessions.jsonl, PNG plots and report.html.
+Ctrl-C cancels the run; whatever was measured so far is still summarized and written.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class BenchConfig:
     gpus: int | None = None  # None: the engines behind a router's URL, else 1
     seed: int = 0
     out: str = "bench-out"
-    progress: bool = True
+    progress: bool = True  # rich live table on a terminal, else a line every progress_interval s
+    progress_interval: float = 10.0
     plots: bool = True
     # Preloaded workload (tests, the simulator, scripts); overrides `trace`.
     trace_sessions: list[Session] | None = None
@@ -143,7 +145,7 @@ class BenchRun:
     async def run(self) -> list[dict]:
         c = self.config
         sessions, jobs = self._workload()
-        progress = LiveProgress(enabled=c.progress)
+        progress = LiveProgress(enabled=c.progress, interval=c.progress_interval)
         try:
             async with Target(c.url, c.api, c.api_key, c.model, c.request_timeout,
                               self._connector_limit(), c.trace_configs) as target:

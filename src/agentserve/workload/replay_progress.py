@@ -1,12 +1,14 @@
 """Live progress of a bench: requests done/failed, recent TTFT p50, output tok/s.
 
-Rendering happens on the event loop (a 2 Hz task), never on rich's refresh thread,
-so the counters need no locks. Disabled (a no-op) when stdout is not a terminal.
+On a terminal, a rich table redrawn twice a second; otherwise (a log, CI, a pipe) one
+plain line every `interval` seconds on stderr, so a long run is never silent. Rendering
+happens on the event loop, never on rich's refresh thread, so the counters need no locks.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 from collections import deque
 
@@ -20,9 +22,11 @@ from agentserve.workload.record import RequestRecord
 class LiveProgress:
     """Counts records as they complete and redraws a one-row table twice a second."""
 
-    def __init__(self, enabled: bool = True, window: int = 500) -> None:
+    def __init__(self, enabled: bool = True, window: int = 500, interval: float = 10.0) -> None:
         self.console = Console(stderr=True)
-        self.enabled = enabled and self.console.is_terminal
+        self.enabled = enabled
+        self.live = enabled and self.console.is_terminal  # else plain lines every `interval` s
+        self.interval = interval
         self.done = self.failed = self.out_tokens = 0
         self.ttfts: deque[float] = deque(maxlen=window)  # recent TTFTs: the p50 tracks the present
         self.label: dict = {}
@@ -41,17 +45,29 @@ class LiveProgress:
 
     def stage(self, label: dict) -> None:
         self.label = label
-        self.out_tokens, self._t = 0, time.perf_counter()
+        self.done = self.failed = self.out_tokens = 0
+        self.ttfts.clear()
+        self._t = time.perf_counter()
+
+    def _figures(self) -> tuple[str, str, str]:
+        ttft = sorted(self.ttfts)
+        p50 = f"{ttft[len(ttft) // 2]:.3f}" if ttft else "-"
+        rate = self.out_tokens / max(1e-9, time.perf_counter() - self._t)
+        name = " ".join(f"{k}={v}" for k, v in self.label.items() if k != "mode" and v is not None)
+        return name or str(self.label.get("mode", "")), p50, f"{rate:,.0f}"
+
+    def line(self) -> str:
+        """The plain progress line (non-terminal output)."""
+        name, p50, rate = self._figures()
+        return (f"bench: {self.label.get('mode', '')} {name}: {self.done} done, {self.failed} failed, "
+                f"TTFT p50 {p50} s, {rate} out tok/s, {time.perf_counter() - self._t:.0f} s")
 
     def table(self) -> Table:
         t = Table(title="agentserve bench", expand=False)
         for col in ("stage", "done", "failed", "TTFT p50 (s)", "output tok/s"):
             t.add_column(col, justify="right")
-        ttft = sorted(self.ttfts)
-        p50 = f"{ttft[len(ttft) // 2]:.3f}" if ttft else "-"
-        rate = self.out_tokens / max(1e-9, time.perf_counter() - self._t)
-        name = " ".join(f"{k}={v}" for k, v in self.label.items() if k != "mode" and v is not None)
-        t.add_row(name, str(self.done), str(self.failed), p50, f"{rate:,.0f}")
+        name, p50, rate = self._figures()
+        t.add_row(name, str(self.done), str(self.failed), p50, rate)
         return t
 
     async def _refresh(self) -> None:
@@ -60,8 +76,15 @@ class LiveProgress:
             assert self._live is not None
             self._live.update(self.table(), refresh=True)
 
+    async def _lines(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            print(self.line(), file=sys.stderr, flush=True)
+
     async def __aenter__(self) -> "LiveProgress":
-        if self.enabled:
+        if self.enabled and not self.live:
+            self._task = asyncio.create_task(self._lines())
+        elif self.enabled:
             self._live = Live(self.table(), console=self.console, auto_refresh=False, transient=False)
             self._live.start()
             self._task = asyncio.create_task(self._refresh())

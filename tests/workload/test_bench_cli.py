@@ -1,0 +1,138 @@
+"""`agentserve bench` as AIPerf users drive it: synthetic lengths without a trace, a request
+count, warm-up requests left out of the figures, progress lines when not on a terminal, the
+GPUs behind a router, and a one-line error for a URL nobody listens on."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from aiohttp import web
+from typer.testing import CliRunner
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from stub_server import StubConfig, StubServer  # noqa: E402
+
+from agentserve.cluster.procs import free_port  # noqa: E402
+from agentserve.workload.cli_bench import register_bench  # noqa: E402
+from agentserve.workload.replay import BenchConfig, BenchRun  # noqa: E402
+from agentserve.workload.schema import Session, TraceRequest  # noqa: E402
+
+
+def _app() -> typer.Typer:
+    app = typer.Typer()
+    register_bench(app)
+    app.command("other")(lambda: None)  # keeps `bench` a sub-command, as in agentserve
+    return app
+
+
+def _bench(*args: str):
+    return CliRunner().invoke(_app(), ["bench", *args], env={"COLUMNS": "200"})
+
+
+def _records(out: Path) -> list[dict]:
+    return [json.loads(x) for x in (out / "requests.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+def test_synthetic_counts_and_warmup_excluded(stub_thread: StubServer, tmp_path: Path,
+                                              api: str) -> None:
+    out = tmp_path / "o"
+    res = _bench("--url", stub_thread.url, "--isl", "100", "--isl-stddev", "10", "--osl", "8",
+                 "--request-count", "12", "--concurrency", "3", "--warmup-requests", "4",
+                 "--api", api, "--out", str(out))
+    assert res.exit_code == 0, res.output
+    recs = _records(out)
+    assert len(recs) == 12 and all(r["stage"] == 0 and r["max_tokens"] == 8 for r in recs)
+    assert stub_thread.stats.requests == 16  # the 4 warm-up requests were sent, not recorded
+    asked = [r["requested_input_tokens"] for r in recs]
+    assert len(set(asked)) > 1 and 85 < statistics.mean(asked) < 115  # N(100, 10)
+    assert [r["input_tokens"] for r in recs] == asked  # the stub counts what it got
+    [st] = json.loads((out / "summary.json").read_text())
+    assert st["requests_ok"] == 12 and st["mode"] == "concurrency" and st["concurrency"] == 3
+
+
+def test_aiperf_spellings(stub_thread: StubServer, tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    res = _bench("--url", stub_thread.url, "--synthetic-input-tokens-mean", "50",
+                 "--synthetic-input-tokens-stddev", "0", "--output-tokens-mean", "4",
+                 "--output-tokens-stddev", "0", "--request-count", "5", "--warmup-request-count", "2",
+                 "--random-seed", "3", "--concurrency", "2", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    recs = _records(out)
+    assert len(recs) == 5 and {r["input_tokens"] for r in recs} == {50}
+    assert {r["output_tokens"] for r in recs} == {4} and stub_thread.stats.requests == 7
+
+
+@pytest.mark.parametrize("flags, message", [
+    ([], "no workload: pass --trace FILE, or --isl N"),
+    (["--trace", "x.jsonl", "--isl", "10"], "not both"),
+    (["--isl", "10", "--mode", "schedule"], "--mode schedule replays a trace"),
+    (["--isl", "0"], "--isl must be >= 1"),
+])
+def test_workload_flag_errors(stub_thread: StubServer, tmp_path: Path, flags: list[str],
+                              message: str) -> None:
+    res = _bench("--url", stub_thread.url, "--out", str(tmp_path / "o"), *flags)
+    assert res.exit_code == 2 and message in res.output, res.output
+
+
+def test_refused_connection_is_one_line(tmp_path: Path) -> None:
+    port = free_port()  # nobody listens there
+    res = _bench("--url", f"http://127.0.0.1:{port}", "--isl", "10", "--out", str(tmp_path / "o"))
+    assert res.exit_code != 0
+    assert res.output.strip() == f"bench: cannot connect to http://127.0.0.1:{port}: connection refused"
+
+
+async def test_progress_lines_when_not_a_terminal(tmp_path: Path,
+                                                  capfd: pytest.CaptureFixture[str]) -> None:
+    srv = StubServer(StubConfig(ttft=0.02, itl=0.01))
+    await srv.start()
+    try:
+        trace = [Session(f"s{i}", 64, [TraceRequest(0.0, 64, 10, hash_ids=[i])]) for i in range(4)]
+        c = BenchConfig(url=srv.url, trace_sessions=trace, mode="concurrency", concurrency=[2],
+                        stage_duration=0.8, out=str(tmp_path / "o"), plots=False,
+                        progress_interval=0.2)
+        await BenchRun(c).run()
+    finally:
+        await srv.stop()
+    lines = [x for x in capfd.readouterr().err.splitlines() if x.startswith("bench: concurrency")]
+    assert len(lines) >= 2, lines  # ~4 in 0.8 s; none would be printed before
+    assert "concurrency=2:" in lines[-1] and " done, 0 failed, TTFT p50 " in lines[-1]
+    assert int(lines[-1].split(": ")[2].split()[0]) > 0  # requests done so far
+
+
+@web.middleware
+async def _router_health(request: web.Request, handler):
+    if request.path == "/health":  # our router's shape: the engines it routes to
+        return web.json_response({"status": "ok", "healthy": ["http://a", "http://b"],
+                                  "unhealthy": ["http://c"]})
+    return await handler(request)
+
+
+@pytest.mark.parametrize("router", [False, True])
+async def test_gpus_from_a_router_health(tmp_path: Path, router: bool) -> None:
+    srv = StubServer(StubConfig(ttft=0.001, itl=0.001))
+    if router:
+        srv.app.middlewares.append(_router_health)
+    await srv.start()
+    trace = [Session("s", 64, [TraceRequest(0.0, 64, 2, hash_ids=[0])])]
+
+    async def gpus(**kw) -> tuple[int, str]:
+        r = BenchRun(BenchConfig(url=srv.url, trace_sessions=trace, out=str(tmp_path / "o"),
+                                 plots=False, progress=False, **kw))
+        await r.run()
+        return r.stages[0]["gpus"], r.stages[0]["gpus_from"]
+
+    try:
+        n, why = await gpus()
+        if router:
+            assert n == 3 and why == "router /health lists 3 engine(s)"
+        else:  # the stub's /health is plain text: nothing to count
+            assert (n, why) == (1, "assumed (pass --gpus)")
+        assert await gpus(gpus=8) == (8, "--gpus")
+    finally:
+        await srv.stop()
