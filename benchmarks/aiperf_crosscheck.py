@@ -56,6 +56,7 @@ from agentserve.workload.replay_http import parse_prometheus
 REPO = Path(__file__).resolve().parents[1]
 METRICS = (("ttft_p50_ms", "TTFT p50 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"),
            ("output_tok_s", "output tok/s"))
+MOONCAKE_BLOCK = 512  # tokens per mooncake hash id, for both tools
 FAKE_COMMIT = "0" * 40  # snapshot name in the local HF cache we build for AIPerf's tokenizer
 
 
@@ -69,22 +70,28 @@ def ensure_aiperf() -> Path:
 
 
 def write_trace(path: Path, n: int, isl: tuple[int, int], osl: tuple[int, int], seed: int,
-                id_base: int) -> None:
+                id_base: int, input_offset: int = 0) -> None:
     """mooncake_trace JSONL: n requests, uniform input and output lengths, unique hash ids.
+
+    `input_offset` is added to every input length after drawing (same seed: same requests
+    otherwise): AIPerf's chat trace gets minus the chat template's tokens (see main).
 
     Output lengths vary (default 48-80, mean 64): with one fixed length a closed loop runs in
     lockstep waves (all C requests start and end together), and two tools running at once would
     keep a fixed phase against each other: one tool's requests would always arrive while the
     other's decode, which skews TTFT and ITL between them with no fault in either measurement.
 
-    Inputs stay below the 512-token block, so each request has exactly one hash id (both tools
-    read mooncake hash ids at 512 tokens per block).
+    Each request has its own hash ids, one per started 512-token block (both tools read
+    mooncake hash ids at 512 tokens per block), so neither tool gets prefix-cache hits.
     """
     rng = random.Random(seed)
     with open(path, "w") as f:
         for i in range(n):
-            f.write(json.dumps({"timestamp": i * 100, "input_length": rng.randint(*isl),
-                                "output_length": rng.randint(*osl), "hash_ids": [id_base + i]}) + "\n")
+            n_in, n_out = rng.randint(*isl) + input_offset, rng.randint(*osl)
+            blocks = -(-n_in // MOONCAKE_BLOCK)
+            ids = [id_base + i * 16 + b for b in range(blocks)]
+            f.write(json.dumps({"timestamp": i * 100, "input_length": n_in, "output_length": n_out,
+                                "hash_ids": ids}) + "\n")
 
 
 def hf_cache_with_tokenizer(model_dir: Path, root: Path, repo_id: str = "agentserve/tiny") -> Path:
@@ -120,7 +127,7 @@ def _run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 60
 
 def aiperf_cmd(aiperf: Path, url: str, model: str, trace: Path, out: Path, hf_cache: Path, args,
                seed: int) -> tuple[list[str], dict]:
-    cmd = [str(aiperf), "profile", "--model", model, "--url", url, "--endpoint-type", "completions",
+    cmd = [str(aiperf), "profile", "--model", model, "--url", url, "--endpoint-type", args.api,
            "--streaming", "--input-file", str(trace), "--custom-dataset-type", "mooncake_trace",
            "--no-fixed-schedule", "--concurrency", str(args.concurrency),
            "--benchmark-duration", str(args.duration), "--benchmark-grace-period", "120",
@@ -187,7 +194,8 @@ def run_ours(url: str, trace: Path, out: Path, args, seed: int) -> dict:
     """`agentserve bench --mode concurrency` as a subprocess (the sequential design)."""
     cmd = agentserve_cmd("bench", "--url", url, "--trace", str(trace), "--mode", "concurrency",
                          "--concurrency", str(args.concurrency), "--stage-duration", str(args.duration),
-                         "--seed", str(seed), "--out", str(out))
+                         "--seed", str(seed), "--out", str(out), "--api", args.api,
+                         *(["--tokenizer", args.bench_tokenizer] if args.bench_tokenizer else []))
     info = _run(cmd, out.with_suffix(".log"), dict(os.environ, COLUMNS="120"))
     return {**info, **parse_ours(out)}
 
@@ -212,8 +220,8 @@ def _aiperf_log_has(out: Path, text: str) -> bool:
     return False
 
 
-def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, work: Path, hf_cache: Path, args,
-                   r: int) -> tuple[dict, dict]:
+def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, a_trace: Path, work: Path,
+                   hf_cache: Path, args, r: int) -> tuple[dict, dict]:
     """Both tools at once, each at the same concurrency, over the same window of the engine's life.
 
     Whatever else the machine is doing then hits both tools alike. The tool whose first requests
@@ -230,7 +238,7 @@ def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, work: Path, 
     a_out, o_out = work / f"aiperf-r{r}", work / f"agentserve-r{r}"
     a_log = a_out.with_suffix(".log")
     lead = "aiperf" if r % 2 == 0 else "agentserve"
-    cmd, env = aiperf_cmd(aiperf, url, model, trace, a_out, hf_cache, args, r + 1)
+    cmd, env = aiperf_cmd(aiperf, url, model, a_trace, a_out, hf_cache, args, r + 1)
     load0, cpu0, t0 = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     with open(a_log, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
@@ -246,7 +254,7 @@ def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, work: Path, 
             o0, ours_wall0 = time.perf_counter(), time.time()
             run_bench(BenchConfig(url=url, trace=str(trace), mode="concurrency", concurrency=[args.concurrency],
                                   stage_duration=args.duration, seed=r + 1, out=str(o_out), model=model,
-                                  progress=False, plots=False))
+                                  api=args.api, tokenizer=args.bench_tokenizer, progress=False, plots=False))
             ru1 = resource.getrusage(resource.RUSAGE_SELF)
             ours_info = {"wall_s": time.perf_counter() - o0, "loadavg_1m": [load0, os.getloadavg()[0]],
                          "client_cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)}
@@ -266,28 +274,109 @@ def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, work: Path, 
     return {**ours_info, **parse_ours(o_out)}, {**a_info, **parse_aiperf(a_out)}
 
 
+def serve_stub(port: int, ttft: float, itl: float) -> None:
+    """A vLLM-shaped streaming server with fixed timing, so a TTFT gap between the tools is
+    theirs alone (no engine, no batching): each stream opens with a role-only chat delta
+    (`content: ""`) or an empty completion text AT ONCE, then the first token after `ttft`
+    seconds, one token per `itl`, a usage chunk and `[DONE]`. A tool that started its clock
+    on the opening chunk would report a TTFT near 0 instead of `ttft`."""
+    from aiohttp import web
+
+    running = 0
+
+    async def complete(request: web.Request) -> web.StreamResponse:
+        nonlocal running
+        body = await request.json()
+        chat = "messages" in body
+        n = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
+        obj = "chat.completion.chunk" if chat else "text_completion"
+
+        def chunk(text: str, finish: str | None = None, role: bool = False) -> bytes:
+            choice = ({"index": 0, "delta": {"role": "assistant", "content": text} if role else {"content": text}}
+                      if chat else {"index": 0, "text": text})
+            choice["finish_reason"] = finish
+            return b"data: " + json.dumps({"id": "x", "object": obj, "model": "stub",
+                                           "choices": [choice]}).encode() + b"\n\n"
+
+        running += 1
+        try:
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(chunk("", role=True))
+            await asyncio.sleep(ttft)
+            for k in range(n):
+                await resp.write(chunk(f" t{k}", "length" if k == n - 1 else None))
+                if k < n - 1:
+                    await asyncio.sleep(itl)
+            usage = {"prompt_tokens": 1, "completion_tokens": n, "total_tokens": n + 1}
+            await resp.write(b"data: " + json.dumps({"id": "x", "object": obj, "model": "stub", "choices": [],
+                                                     "usage": usage}).encode() + b"\n\ndata: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        finally:
+            running -= 1
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "stub", "object": "model"}]})
+
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=f"vllm:num_requests_running {running}\nvllm:num_requests_waiting 0\n")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", complete)
+    app.router.add_post("/v1/completions", complete)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/health", lambda _: web.Response(text="ok"))
+    web.run_app(app, host="127.0.0.1", port=port, print=None)
+
+
+def chat_overhead(url: str, model: str) -> int:
+    """Tokens the served chat template adds around one user message (its roles, any default
+    system prompt): the prompt_tokens of a chat whose message is empty."""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": ""}], "max_tokens": 1}).encode()
+    req = urllib.request.Request(url + "/v1/chat/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return int(json.loads(r.read())["usage"]["prompt_tokens"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--api", choices=("completions", "chat"), default="completions",
+                    help="endpoint both tools stream from (chat: ~540-token prompts by default)")
+    ap.add_argument("--target", choices=("engine", "stub"), default="engine",
+                    help="engine: our engine on the tiny model; stub: a fixed-timing server "
+                         "(--stub-ttft, --stub-itl), which isolates the tools' clocks from any engine")
+    ap.add_argument("--stub-ttft", type=float, default=0.3)
+    ap.add_argument("--stub-itl", type=float, default=0.02)
+    ap.add_argument("--serve-stub", type=int, default=None, help=argparse.SUPPRESS)  # internal: the stub
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--duration", type=float, default=40.0, help="seconds per run (both tools)")
     ap.add_argument("--design", choices=("overlap", "sequential"), default="overlap",
                     help="overlap: both tools at once over the same window (default; cancels machine "
                          "noise); sequential: one after the other, ABBA order")
-    ap.add_argument("--rounds", type=int, default=2,
+    ap.add_argument("--rounds", type=int, default=4,
                     help="rounds (overlap: the lead alternates, so use an even number); medians over rounds")
     ap.add_argument("--lead", type=float, default=0.9,
                     help="overlap, odd rounds: start ours this long after AIPerf logs its phase setup")
     ap.add_argument("--requests", type=int, default=1000, help="trace length (no tool wraps around)")
-    ap.add_argument("--isl", default="256,512", help="input length range MIN,MAX")
+    ap.add_argument("--isl", default=None, help="input length range MIN,MAX (completions 256,512; chat 508,572: "
+                                                "served tokens, chat template included)")
     ap.add_argument("--osl", default="48,80", help="output length range MIN,MAX")
-    ap.add_argument("--tolerance", type=float, default=0.10)
+    ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--client-token-count", action="store_true",
                     help="let AIPerf count output tokens with its tokenizer (shows the ~12%% skew)")
     ap.add_argument("--work-dir", default=None, help="keep traces and both tools' outputs here")
     ap.add_argument("--out", default="bench-out/aiperf_crosscheck.json")
     args = ap.parse_args()
+    if args.serve_stub is not None:
+        serve_stub(args.serve_stub, args.stub_ttft, args.stub_itl)
+        return
+    args.isl = args.isl or ("508,572" if args.api == "chat" else "256,512")
     isl = tuple(int(x) for x in args.isl.split(","))
     osl = tuple(int(x) for x in args.osl.split(","))
+    from agentserve.cluster.procs import free_port, start_process
     from agentserve.engine.model.tiny import default_model_dir
 
     aiperf = ensure_aiperf()
@@ -295,21 +384,38 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     model_dir = default_model_dir()
     hf_cache = hf_cache_with_tokenizer(model_dir, work / "hf-cache")
-    engine_args = ["--model", str(model_dir), "--kv-cache-tokens", "65536", "--max-num-batched-tokens", "4096"]
-    engine = start_engine(work / "logs", extra=engine_args, name="agentserve")
+    # The stub has no /tokenize: our bench sizes chat prompts with the tiny tokenizer itself.
+    args.bench_tokenizer = str(model_dir) if args.target == "stub" and args.api == "chat" else None
+    if args.target == "stub":
+        port = free_port()
+        server = start_process("stub", [sys.executable, __file__, "--serve-stub", str(port), "--stub-ttft",
+                                        str(args.stub_ttft), "--stub-itl", str(args.stub_itl)],
+                               work / "logs" / "stub.log", url=f"http://127.0.0.1:{port}")
+    else:
+        engine_args = ["--model", str(model_dir), "--kv-cache-tokens", "65536", "--max-num-batched-tokens", "4096"]
+        server = start_engine(work / "logs", extra=engine_args, name="agentserve")
     runs: dict[str, list[dict]] = {"agentserve": [], "aiperf": []}
     try:
-        engine.wait_healthy(300)
-        model = asyncio.run(model_id(engine.url))
-        # Warm the engine (first-request costs) so whichever tool runs first is not penalized.
-        asyncio.run(fire(engine.url, model, random_prompts(args.concurrency, 384, seed=7), 16))
+        server.wait_healthy(300)
+        url = server.url
+        model = asyncio.run(model_id(url))
+        # Chat: AIPerf's trace asks for the content's tokens (it sizes the message text with
+        # its tokenizer and the server's template adds its own), ours for the served total
+        # (bench fits the content to the template). Same requests on the wire: AIPerf's input
+        # lengths are ours minus the template's tokens; the served means are in the result.
+        overhead = chat_overhead(url, model) if args.api == "chat" and args.target == "engine" else 0
+        args.aiperf_input_offset = -overhead
+        if args.target == "engine":  # warm it (first-request costs): no tool pays for them
+            asyncio.run(fire(url, model, random_prompts(args.concurrency, 384, seed=7), 16))
         for r in range(args.rounds):
-            trace = work / f"trace-r{r}.jsonl"
+            trace, a_trace = work / f"trace-r{r}.jsonl", work / f"trace-r{r}-aiperf.jsonl"
             write_trace(trace, args.requests, isl, osl, seed=r, id_base=(r + 1) * 1_000_000)
+            write_trace(a_trace, args.requests, isl, osl, seed=r, id_base=(r + 1) * 1_000_000 + 500_000,
+                        input_offset=-overhead)
             if args.design == "overlap":
                 Console().print(f"round {r}: AIPerf and agentserve together ({args.duration:g} s, "
-                                f"concurrency {args.concurrency} each)")
-                ours, theirs = run_overlapped(aiperf, engine.url, model, trace, work, hf_cache, args, r)
+                                f"concurrency {args.concurrency} each, {args.api}, {args.target})")
+                ours, theirs = run_overlapped(aiperf, url, model, trace, a_trace, work, hf_cache, args, r)
                 runs["agentserve"].append(ours)
                 runs["aiperf"].append(theirs)
                 continue
@@ -317,12 +423,12 @@ def main() -> None:
             for tool in order:
                 Console().print(f"round {r}: {tool} ({args.duration:g} s at concurrency {args.concurrency})")
                 if tool == "aiperf":
-                    res = run_aiperf(aiperf, engine.url, model, trace, work / f"aiperf-r{r}", hf_cache, args, r + 1)
+                    res = run_aiperf(aiperf, url, model, a_trace, work / f"aiperf-r{r}", hf_cache, args, r + 1)
                 else:
-                    res = run_ours(engine.url, trace, work / f"agentserve-r{r}", args, r + 1)
+                    res = run_ours(url, trace, work / f"agentserve-r{r}", args, r + 1)
                 runs[tool].append(res)
     finally:
-        engine.stop()
+        server.stop()
     result = summarize(runs, args, work)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
@@ -371,13 +477,21 @@ def summarize(runs: dict[str, list[dict]], args, work: Path) -> dict:
     for rs in runs.values():  # per-request samples stay in the work dir's raw files, not the summary
         for x in rs:
             x.pop("samples", None)
+    # The prompts both tools had served (usage.prompt_tokens; AIPerf's own count when it has none).
+    served = {tool: statistics.median((x.get("usage_prompt_mean") or x["isl_mean"]) for x in rs)
+              for tool, rs in runs.items()}
     verdicts = {c["verdict"] for c in compare.values()}
-    return {"machine": "2-core CPU (shared sandbox), tiny fp32 model",
-            "config": {"design": args.design, "concurrency": args.concurrency, "duration_s": args.duration, "rounds": args.rounds,
+    target = ("our engine, tiny fp32 model" if args.target == "engine" else
+              f"fixed-timing stub (TTFT {args.stub_ttft:g} s, ITL {args.stub_itl:g} s)")
+    return {"machine": f"2-core CPU (shared sandbox), {target}",
+            "config": {"api": args.api, "target": args.target, "stub_ttft_s": args.stub_ttft if args.target == "stub" else None,
+                       "stub_itl_s": args.stub_itl if args.target == "stub" else None,
+                       "aiperf_input_offset": args.aiperf_input_offset,
+                       "design": args.design, "concurrency": args.concurrency, "duration_s": args.duration, "rounds": args.rounds,
                        "isl": args.isl, "osl": args.osl, "trace_requests": args.requests,
                        "aiperf_token_count": "client tokenizer" if args.client_token_count else "server usage",
                        "tolerance": args.tolerance, "work_dir": str(work)},
-            "compare": compare, "runs": runs, "pass": all(c["pass"] for c in compare.values()),
+            "served_input_mean": served, "compare": compare, "runs": runs, "pass": all(c["pass"] for c in compare.values()),
             "verdict": "fail" if "fail" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "pass")}
 
 
@@ -387,10 +501,12 @@ def _console() -> Console:
 
 def _print(result: dict) -> None:
     runs = result["runs"]
-    t = Table(title=f"agentserve bench vs AIPerf 0.13.0 ({result['config']['design']}, concurrency "
+    tol = f"±{result['config']['tolerance']:.0%}"
+    t = Table(title=f"agentserve bench vs AIPerf 0.13.0 ({result['config']['api']}, {result['machine']}, "
+                    f"{result['config']['design']}, concurrency "
                     f"{result['config']['concurrency']} per tool, "
                     f"{result['config']['duration_s']:g} s runs, median of {result['config']['rounds']} rounds)")
-    for col in ("metric", "agentserve", "AIPerf", "ratio", "±10%", "agentserve runs", "AIPerf runs",
+    for col in ("metric", "agentserve", "AIPerf", "ratio", tol, "agentserve runs", "AIPerf runs",
                 "ratio per round", "pooled ratio [90% CI]"):
         t.add_column(col, justify="right")
     for k, name in METRICS:
@@ -407,8 +523,9 @@ def _print(result: dict) -> None:
     for tool, rs in runs.items():
         for i, x in enumerate(rs):
             led = f", started {x['start_after_aiperf_s']:+.2f} s after AIPerf" if "start_after_aiperf_s" in x else ""
-            _console().print(f"  {tool} r{i}: {x['requests']:.0f} req in {x['duration_s']:.1f} s{led}, mean in/out "
-                            f"{x['isl_mean']:.0f}/{x['osl_mean']:.1f} tok, client CPU {x['client_cpu_s']:.1f} s "
+            served = x.get("usage_prompt_mean") or x["isl_mean"]  # AIPerf: the server's count
+            _console().print(f"  {tool} r{i}: {x['requests']:.0f} req in {x['duration_s']:.1f} s{led}, mean in "
+                            f"(served)/out {served:.0f}/{x['osl_mean']:.1f} tok, client CPU {x['client_cpu_s']:.1f} s "
                             f"over {x['wall_s']:.0f} s, load avg {x['loadavg_1m'][0]:.1f}->{x['loadavg_1m'][1]:.1f}")
     v = result["verdict"]
     _console().print("verdict: " + {"pass": "[green]PASS[/]", "fail": "[red]FAIL[/]",
