@@ -72,7 +72,7 @@ def test_write_outputs_files(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 0, name
     assert len(json.loads((out / "summary.json").read_text())) == 2
     page = (out / "report.html").read_text()
-    assert page.count("data:image/png;base64,") == 4 and "<table>" in page
+    assert page.count("data:image/png;base64,") == len(list(out.glob("*.png"))) and "<table>" in page
     back = [RequestRecord.from_dict(json.loads(x)) for x in (out / "requests.jsonl").read_text().splitlines()]
     assert back == records
     assert (out / "requests.csv").read_text().splitlines()[0].startswith("request_id,session_id")
@@ -95,7 +95,8 @@ async def test_end_to_end_reuse_numbers(tmp_path: Path) -> None:
     assert st["captured_reuse"] == pytest.approx(1.0)
     assert st["server_metrics"]["prefix_cache_hits"] == 40 and st["server_metrics"]["prefix_cache_queries"] == 100
     assert st["session_slowdown"]["p50"] is None  # recorded duration 0: no slowdown
-    assert (tmp_path / "e" / "report.html").exists() and (tmp_path / "e" / "frontier.png").exists()
+    assert (tmp_path / "e" / "report.html").exists() and (tmp_path / "e" / "throughput.png").exists()
+    assert not (tmp_path / "e" / "frontier.png").exists()  # one stage: a table row, not a dot
 
 
 def test_cli_registered_with_flags() -> None:

@@ -1,8 +1,14 @@
-"""PNG plots of a run: TTFT and ITL CDFs per stage, throughput per stage, the user/GPU frontier."""
+"""The report's latency and throughput plots, for one run or several on the same axes.
+
+Each function takes `Run`s and returns a `Plot` (PNG bytes, a title, a one-line explanation)
+or None when the plot would say nothing: scaling and the user/GPU frontier need two stages or
+more (one stage is a row of the summary table, not a dot on an axis). Per-turn, per-session
+and P/D plots are in report_plots.py.
+"""
 
 from __future__ import annotations
 
-from pathlib import Path
+import io
 
 import matplotlib
 
@@ -11,73 +17,186 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from agentserve.workload.record import RequestRecord, itl_token_samples  # noqa: E402
+from agentserve.workload.report_data import Plot, Run, stage_label  # noqa: E402
 
 MAX_POINTS = 20_000  # a CDF needs no more; keeps plotting fast on long runs
+COLORS = plt.get_cmap("tab10").colors
+STYLES = ("-", "--", ":", "-.")
 
 
-def _stage_label(s: dict) -> str:
-    for k in ("concurrency", "sessions", "session_rate"):
-        if s.get(k) is not None:
-            return f"{k}={s[k]}"
-    return f"stage {s.get('stage', 0)}"
+def png(fig: plt.Figure) -> bytes:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=90)
+    plt.close(fig)
+    return buf.getvalue()
 
 
-def _x(s: dict, i: int) -> float:
-    return float(s.get("concurrency") or s.get("sessions") or i)
+def by_stage(records: list[RequestRecord]) -> dict[int, list[RequestRecord]]:
+    out: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        if r.ok:
+            out.setdefault(r.stage, []).append(r)
+    return out
 
 
-def _cdf(ax: plt.Axes, values: list[float], label: str) -> None:
+def series(runs: list[Run]) -> list[tuple[str, dict, list[RequestRecord], dict]]:
+    """(legend label, stage summary, its answered records, line style) for every run x stage:
+    colour by stage, line style by run, so runs compare stage for stage."""
+    out = []
+    for k, run in enumerate(runs):
+        groups = by_stage(run.records)
+        for i, s in enumerate(run.stages):
+            label = stage_label(s, i) if len(runs) == 1 else (
+                run.name if len(run.stages) == 1 else f"{run.name}, {stage_label(s, i)}")
+            style = {"color": COLORS[(k if len(run.stages) == 1 else i) % len(COLORS)],
+                     "ls": STYLES[(0 if len(run.stages) == 1 else k) % len(STYLES)]}
+            out.append((label, s, groups.get(s.get("stage", i), []), style))
+    return out
+
+
+def _cdf(ax: plt.Axes, values: np.ndarray, label: str, style: dict) -> bool:
     a = np.sort(np.asarray(values, dtype=float))
     if a.size > MAX_POINTS:
         a = a[np.linspace(0, a.size - 1, MAX_POINTS).astype(int)]
-    if a.size:
-        ax.plot(a, np.linspace(0, 1, a.size), label=label)
+    if not a.size:
+        return False
+    ax.plot(a, np.linspace(0, 1, a.size), label=f"{label} (n={len(values):,})", lw=1.5, **style)
+    return True
 
 
-def _save(fig: plt.Figure, path: Path) -> Path:
-    fig.tight_layout()
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
-    return path
+def _log_if_wide(ax: plt.Axes, values: list[np.ndarray]) -> bool:
+    """Log x when the positive samples span more than a decade (a tail to 16 s beside a 20 ms
+    body is invisible on a linear axis)."""
+    pos = np.concatenate([v[v > 0] for v in values]) if values else np.empty(0)
+    if pos.size and pos.max() > 10 * pos.min():
+        ax.set_xscale("log")
+        return True
+    return False
 
 
-def write_plots(out: Path, stages: list[dict], records: list[RequestRecord]) -> list[Path]:
-    """ttft_cdf.png, itl_cdf.png, throughput.png, frontier.png; returns their paths."""
-    by_stage: dict[int, list[RequestRecord]] = {}
+def ttft_cdf(runs: list[Run]) -> Plot | None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    vals = []
+    for label, _, rs, style in series(runs):
+        v = np.asarray([r.ttft for r in rs if r.ttft is not None], dtype=float)
+        if _cdf(ax, v, label, style):
+            vals.append(v)
+    if not vals:
+        plt.close(fig)
+        return None
+    log = _log_if_wide(ax, vals)
+    ax.set(xlabel="time to first token (s)" + (", log scale" if log else ""), ylabel="fraction of requests")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return Plot("ttft_cdf", "TTFT distribution", png(fig),
+                "Share of answered requests whose first token came within x seconds of sending "
+                "(one sample per request). Further left is better; the top of each curve is the tail.")
+
+
+def itl_cdf(runs: list[Run]) -> Plot | None:
+    fig, ax = plt.subplots(figsize=(7, 4))
+    vals = []
+    for label, _, rs, style in series(runs):
+        v = itl_token_samples(rs) * 1e3
+        v = v[v > 0]  # tokens that arrived in one chunk have no gap of their own (log axis)
+        if _cdf(ax, v, label, style):
+            vals.append(v)
+    if not vals:
+        plt.close(fig)
+        return None
+    ax.set_xscale("log")
+    ax.set(xlabel="inter-token latency (ms, log scale)", ylabel="fraction of output tokens")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    return Plot("itl_cdf", "ITL distribution, token-weighted", png(fig),
+                "Token-weighted: each streamed token counts once (a chunk of n tokens after a gap g gives n "
+                "samples of g/n), unlike the table's ITL, which is one (E2E - TTFT) / (tokens - 1) per request.")
+
+
+def _bins(records: list[RequestRecord], width: float) -> tuple[np.ndarray, np.ndarray]:
+    """Output tokens per second in `width`-second bins, by chunk arrival time."""
+    t, n = [], []
     for r in records:
-        if r.ok:
-            by_stage.setdefault(r.stage, []).append(r)
-    paths = []
-    for name, xlabel, get in (
-            ("ttft_cdf", "TTFT (s)", lambda rs: [r.ttft for r in rs if r.ttft is not None]),
-            ("itl_cdf", "ITL, token-weighted (ms)", lambda rs: itl_token_samples(rs) * 1e3)):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for i, s in enumerate(stages):
-            _cdf(ax, get(by_stage.get(s.get("stage", i), [])), _stage_label(s))
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("fraction of requests" if name == "ttft_cdf" else "fraction of tokens")
+        for i, c in enumerate(r.chunk_times):
+            t.append(r.start + c)
+            n.append(r.chunk_tokens[i] if i < len(r.chunk_tokens) else 1)
+    if not t:
+        return np.empty(0), np.empty(0)
+    t0 = min(r.start for r in records)
+    ta = np.asarray(t) - t0
+    edges = np.arange(0, ta.max() + width, width)
+    counts, _ = np.histogram(ta, bins=edges, weights=np.asarray(n, dtype=float))
+    return edges[:-1] + width / 2, counts / width
+
+
+def throughput(runs: list[Run]) -> Plot | None:
+    """Output tok/s over the run, every run on the same time axis."""
+    span = max((r.end for run in runs for r in run.records if r.ok), default=0.0)
+    if span <= 0:
+        return None
+    width = max(span / 60, 0.5)  # ~60 bins a run
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for label, _, rs, style in series(runs):
+        x, y = _bins(rs, width)
+        if x.size:
+            ax.step(x, y, where="mid", label=label, **style)
+    ax.set(xlabel="time since the stage's first request (s)", ylabel="output tokens/s")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return Plot("throughput", "Output throughput over time", png(fig),
+                f"Output tokens streamed per second in {width:.1f}-s bins, counted when each chunk "
+                "arrived; ramps and stalls show here, not in the stage's mean.")
+
+
+def _numeric_x(run: Run) -> tuple[str, list[float]] | None:
+    for key, name in (("concurrency", "concurrency"), ("sessions", "sessions at once"),
+                      ("session_rate", "sessions/s")):
+        xs = [s.get(key) for s in run.stages]
+        if all(isinstance(x, (int, float)) for x in xs):
+            return name, [float(x) for x in xs]
+    return None
+
+
+def scaling(runs: list[Run]) -> Plot | None:
+    """Output and input tok/s against the stage's load, when some run has two stages or more."""
+    multi = [(run, nx) for run in runs if len(run.stages) > 1 and (nx := _numeric_x(run))]
+    if not multi:
+        return None
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    for k, (run, (xname, xs)) in enumerate(multi):
+        c = COLORS[k % len(COLORS)]
+        a1.plot(xs, [s["output_tok_s"] for s in run.stages], "o-", color=c, label=run.name)
+        a2.plot(xs, [s["input_tok_s"] for s in run.stages], "s--", color=c, label=run.name)
+    for ax, what in ((a1, "output"), (a2, "input")):
+        ax.set(xlabel=multi[0][1][0], ylabel=f"{what} tokens/s")
+        ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        if stages:
-            ax.legend(fontsize=8)
-        paths.append(_save(fig, out / f"{name}.png"))
-    xs = [_x(s, i) for i, s in enumerate(stages)]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(xs, [s["output_tok_s"] for s in stages], "o-", label="output tok/s")
-    ax2 = ax.twinx()
-    ax2.plot(xs, [s["input_tok_s"] for s in stages], "s--", color="tab:orange", label="input tok/s")
-    ax.set_xlabel("concurrency" if stages and "concurrency" in stages[0] else "sessions / stage")
-    ax.set_ylabel("output tok/s")
-    ax2.set_ylabel("input tok/s")
+        ax.legend(fontsize=8)
+    return Plot("scaling", "Throughput by load", png(fig),
+                "Each point is a stage: tokens/s over the stage's wall time against the load it ran at.")
+
+
+def frontier(runs: list[Run]) -> Plot | None:
+    """Output tok/s per user against per GPU, one point a stage, when a run has two or more."""
+    multi = [run for run in runs if len(run.stages) > 1]
+    if not multi:
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for k, run in enumerate(multi):
+        gx = [s["output_tok_s_per_gpu"] for s in run.stages]
+        uy = [(s.get("output_tok_s_per_user") or {}).get("mean") or 0.0 for s in run.stages]
+        ax.plot(gx, uy, "o-", color=COLORS[k % len(COLORS)], label=f"{run.name} ({run.stages[0]['gpus']} GPU)")
+        for i, (s, x, y) in enumerate(zip(run.stages, gx, uy)):
+            ax.annotate(stage_label(s, i), (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set(xlabel="output tokens/s per GPU", ylabel="output tokens/s per user (mean)")
     ax.grid(alpha=0.3)
-    paths.append(_save(fig, out / "throughput.png"))
-    fig, ax = plt.subplots(figsize=(6, 4))
-    gx = [s["output_tok_s_per_gpu"] for s in stages]
-    uy = [s["output_tok_s_per_user"]["mean"] or 0.0 for s in stages]
-    ax.plot(gx, uy, "o-")
-    for s, x, y in zip(stages, gx, uy):
-        ax.annotate(_stage_label(s), (x, y), fontsize=8)
-    ax.set_xlabel(f"output tok/s per GPU ({stages[0]['gpus'] if stages else 1} GPU)")
-    ax.set_ylabel("output tok/s per user")
-    ax.grid(alpha=0.3)
-    paths.append(_save(fig, out / "frontier.png"))
-    return paths
+    ax.legend(fontsize=8)
+    return Plot("frontier", "User speed against GPU throughput", png(fig),
+                "The trade-off across stages: up and to the right is better; more load moves a point right "
+                "and down.")
+
+
+def latency_plots(runs: list[Run]) -> list[Plot]:
+    return [p for f in (ttft_cdf, itl_cdf, throughput, scaling, frontier) if (p := f(runs)) is not None]

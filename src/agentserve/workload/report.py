@@ -1,4 +1,5 @@
-"""Stage summaries and the files of a run: summary.json, requests.jsonl/.csv, PNGs, report.html.
+"""Stage summaries and the files of a run: summary.json, requests.jsonl/.csv, PNGs, report.html
+(the page itself: report_html.py).
 
 The same functions serve the replay client and the simulator: both hand over
 `RequestRecord`s (and, for agent sessions, `SessionRecord`s).
@@ -19,9 +20,7 @@ Definitions (per stage, over successful requests unless noted):
 
 from __future__ import annotations
 
-import base64
 import csv
-import html
 import json
 from collections import Counter
 from pathlib import Path
@@ -29,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from agentserve.workload.record import RequestRecord, SessionRecord, itl_token_samples
+from agentserve.workload.report_meta import run_info
 
 CSV_FIELDS = ("request_id", "session_id", "stage", "turn", "agent", "sub_index", "start", "ttft", "e2e",
               "input_tokens", "output_tokens", "cached_tokens", "reusable_tokens", "max_tokens",
@@ -130,56 +130,21 @@ def write_records(out: Path, records: list[RequestRecord], sessions: list[Sessio
             f.write(json.dumps(s.to_dict()) + "\n")
 
 
-def _fmt(v: object) -> str:
-    if isinstance(v, float):
-        return f"{v:,.3f}" if abs(v) < 100 else f"{v:,.0f}"
-    return "-" if v is None else html.escape(str(v))
-
-
-def _table(stages: list[dict]) -> str:
-    rows = [("stage", lambda s: s.get("concurrency", s.get("sessions", s.get("stage")))),
-            ("requests ok / failed", lambda s: f"{s['requests_ok']} / {s['requests_failed']}"),
-            ("duration s", lambda s: s["duration_s"]),
-            ("TTFT p50 / p90 s", lambda s: f"{_fmt(s['ttft_s']['p50'])} / {_fmt(s['ttft_s']['p90'])}"),
-            ("ITL p50 / p90 ms", lambda s: f"{_fmt(s['itl_ms']['p50'])} / {_fmt(s['itl_ms']['p90'])}"),
-            ("E2E p50 s", lambda s: s["e2e_s"]["p50"]),
-            ("output tok/s", lambda s: s["output_tok_s"]), ("input tok/s", lambda s: s["input_tok_s"]),
-            ("output tok/s per user (mean)", lambda s: s["output_tok_s_per_user"]["mean"]),
-            ("cached / input", lambda s: s["cached_token_ratio"]),
-            ("reusable ceiling", lambda s: s["reusable_ceiling_ratio"]),
-            ("captured reuse", lambda s: s["captured_reuse"]),
-            ("session slowdown p50", lambda s: (s.get("session_slowdown") or {}).get("p50"))]
-    body = "".join("<tr><th>" + name + "</th>" + "".join(f"<td>{_fmt(f(s))}</td>" for s in stages)
-                   + "</tr>" for name, f in rows)
-    return f"<table>{body}</table>"
-
-
-def write_html(out: Path, stages: list[dict], pngs: list[Path], title: str = "agentserve bench") -> Path:
-    """One page: the summary table and the plots embedded as base64 PNGs."""
-    imgs = "".join(f'<figure><img src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}"'
-                   f' alt="{p.stem}"><figcaption>{p.stem}</figcaption></figure>' for p in pngs)
-    page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
-            "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-            "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}th{text-align:left}"
-            "figure{display:inline-block;margin:0.5em}img{width:480px}</style></head><body>"
-            f"<h1>{html.escape(title)}</h1>{_table(stages)}{imgs}</body></html>")
-    path = out / "report.html"
-    path.write_text(page)
-    return path
-
-
 def write_outputs(out_dir: str | Path, stages: list[dict], records: list[RequestRecord],
                   sessions: list[SessionRecord] | None = None, plots: bool = True,
                   title: str = "agentserve bench") -> Path:
     """Every file of a run into `out_dir`; safe to call again as stages complete."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    # a producer that did not say what ran (the simulator) gets the generic block and its title
+    stages = [s if s.get("run") else {**s, "run": run_info({"producer": s.get("producer"), "title": title})}
+              for s in stages]
     (out / "summary.json").write_text(json.dumps(stages, indent=2))
     write_records(out, records, sessions or [])
-    pngs: list[Path] = []
-    if plots:
-        from agentserve.workload.plots import write_plots  # matplotlib is slow to import
+    # matplotlib is slow to import: only when plots are asked for (bench's per-stage writes skip them)
+    from agentserve.workload.report_data import run_from_memory
+    from agentserve.workload.report_html import write_report
 
-        pngs = write_plots(out, stages, records)
-    write_html(out, stages, pngs, title)
+    run = run_from_memory(out.resolve().name, stages, records, sessions)
+    write_report(out / "report.html", [run], title, png_dir=out, plots=plots)
     return out
