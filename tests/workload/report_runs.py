@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import typer
+
 from agentserve.workload.record import RequestRecord, SessionRecord
 from agentserve.workload.report import summarize, write_outputs
 from agentserve.workload.report_meta import run_info
@@ -45,3 +47,13 @@ def write_run(out: Path, slow: float = 1.0, cache: bool = True) -> Path:
                      "trace": TRACE}, argv=["agentserve", "bench", "--url", URL, "--api-key", "sekret"])
     stage = summarize(recs, 4.1, {"mode": "sessions", "stage": 0, "sessions": 2, "run": info}, sessions)
     return write_outputs(out, [stage], recs, sessions)
+
+
+def report_app() -> typer.Typer:
+    """`agentserve report` alone (a second command keeps it a sub-command, as in agentserve)."""
+    from agentserve.workload.report_cli import register_report
+
+    app = typer.Typer()
+    register_report(app)
+    app.command("other")(lambda: None)
+    return app

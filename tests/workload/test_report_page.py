@@ -7,26 +7,17 @@ import json
 from pathlib import Path
 
 import pytest
-import typer
 from typer.testing import CliRunner
 
-from agentserve.workload.report_cli import register_report
 from agentserve.workload.report_data import delta_rows, error_rows, load_run, run_names, stage_label, turn_rows
 
-from .report_runs import MODEL, TRACE, URL, records, write_run
+from .report_runs import MODEL, TRACE, URL, records, report_app, write_run
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[Path, Path]:
     base = tmp_path_factory.mktemp("runs")
     return write_run(base / "cached"), write_run(base / "uncached", slow=2.0, cache=False)
-
-
-def _app() -> typer.Typer:
-    app = typer.Typer()
-    register_report(app)
-    app.command("other")(lambda: None)  # keeps `report` a sub-command, as in agentserve
-    return app
 
 
 def test_turn_rows_sum_each_turn_main_and_sub_agents() -> None:
@@ -75,12 +66,12 @@ def test_run_page_says_what_ran_and_shows_every_view(runs) -> None:
 
 
 def test_cli_compare_writes_under_the_first_folder(runs) -> None:
-    res = CliRunner().invoke(_app(), ["report", str(runs[0]), str(runs[1])])
+    res = CliRunner().invoke(report_app(), ["report", str(runs[0]), str(runs[1])])
     assert res.exit_code == 0, res.output
     page = (runs[0] / "compare.html").read_text()
     assert "cached vs uncached" in page and "Differences" in page and "uncached - cached" in page
     assert "(+100%)" in page  # TTFT p50 doubled
-    res = CliRunner().invoke(_app(), ["report", str(runs[1]), "--out", str(runs[1] / "again.html")])
+    res = CliRunner().invoke(report_app(), ["report", str(runs[1]), "--out", str(runs[1] / "again.html")])
     assert res.exit_code == 0 and "TTFT against prompt length" in (runs[1] / "again.html").read_text()
 
 
@@ -91,7 +82,7 @@ def test_cli_refuses_what_is_not_a_run(tmp_path) -> None:
     (tmp_path / "multi" / "profile_runs").mkdir(parents=True)
     for folder, message in (("missing", "no such folder"), ("empty", "no summary.json"),
                             ("bad", "not JSON"), ("multi", "pass profile_runs/run_NNNN")):
-        res = CliRunner().invoke(_app(), ["report", str(tmp_path / folder)])
+        res = CliRunner().invoke(report_app(), ["report", str(tmp_path / folder)])
         assert res.exit_code == 2 and message in res.output, (folder, res.output)
 
 
