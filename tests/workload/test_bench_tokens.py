@@ -15,10 +15,12 @@ from agentserve.workload.schema import Session, TraceRequest
 from tests.conftest import API_KEY, ServerThread
 
 
-def trace(block: int = 16) -> list[Session]:
-    """Two sessions, turns of 40..600 tokens whose prefixes repeat (hash ids grow by turn)."""
+def trace(turns: tuple[list[int], ...] = ([40, 200, 333], [512, 600]),
+          block: int = 16) -> list[Session]:
+    """A session per list of turn lengths; a session's turns share their prefix (hash ids
+    grow by turn)."""
     out = []
-    for s, lens in enumerate(([40, 200, 333], [512, 600])):
+    for s, lens in enumerate(turns):
         items = [TraceRequest(t=0.0, input_tokens=n, output_tokens=2,
                               hash_ids=list(range(-(-n // block)))) for n in lens]
         out.append(Session(f"s{s}", block, items))
