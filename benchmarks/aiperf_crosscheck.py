@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -111,18 +112,113 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
-def _run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 600) -> dict:
-    """Run a client to completion; wall and CPU seconds (its process tree), load average around it."""
+def _proc_cpu() -> tuple[dict[int, int], dict[int, float]]:
+    """(parent of each live pid, its CPU seconds: user + system, reaped children included)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                rest = f.read().rpartition(")")[2].split()
+        except OSError:
+            continue  # gone meanwhile
+        parent[int(d)] = int(rest[1])  # fields 4 (ppid), 14-17 (utime stime cutime cstime)
+        cpu[int(d)] = sum(int(x) for x in rest[11:15]) / tick
+    return parent, cpu
+
+
+class CpuSampler:
+    """CPU seconds of a client's process tree and of the engine, sampled every `every` s.
+
+    The point: on a 2-core machine a client's own CPU is CPU the engine does not get. AIPerf
+    runs a dozen processes (workers, record processors, managers over ZMQ); ours is one event
+    loop. Run one after the other, the tool that burns more CPU while measuring sees a slower
+    engine. `cores(key, t0, t1)` is the average cores used over a wall-clock window.
+    """
+
+    def __init__(self, client_pid: int | None, engine_pid: int | None, every: float = 0.5) -> None:
+        self.client_pid, self.engine_pid, self.every = client_pid, engine_pid, every
+        self.samples: list[tuple[float, float, float]] = []  # (wall, client tree cpu, engine cpu)
+        self.own_cpu = 0.0  # this thread's CPU (it counts in our RUSAGE_SELF: subtract it)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def __enter__(self) -> "CpuSampler":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _sample(self) -> None:
+        parent, cpu = _proc_cpu()
+        tree = 0.0
+        if self.client_pid is not None:
+            kids: dict[int, list[int]] = {}
+            for pid, pp in parent.items():
+                kids.setdefault(pp, []).append(pid)
+            todo = [self.client_pid]
+            while todo:
+                pid = todo.pop()
+                tree += cpu.get(pid, 0.0)
+                todo += kids.get(pid, [])
+        self.samples.append((time.time(), tree, cpu.get(self.engine_pid, 0.0) if self.engine_pid else 0.0))
+
+    def _loop(self) -> None:
+        c0 = time.thread_time()
+        while not self._stop.is_set():
+            self._sample()
+            self._stop.wait(self.every)
+        self._sample()
+        self.own_cpu = time.thread_time() - c0
+
+    def cores(self, key: str, t0: float, t1: float) -> float | None:
+        """Average cores of `key` ("client" or "engine") over wall-clock [t0, t1]."""
+        col = 1 if key == "client" else 2
+        inside = [x for x in self.samples if t0 <= x[0] <= t1]
+        if len(inside) < 2:
+            return None
+        # Up to the highest total: once the client has exited, its tree reads 0.
+        top = max(inside, key=lambda x: x[col])
+        if top[0] <= inside[0][0]:
+            return None
+        return (top[col] - inside[0][col]) / (top[0] - inside[0][0])
+
+
+def aiperf_window(out: Path) -> tuple[float, float]:
+    """Wall-clock seconds from AIPerf's first request start to its last request end."""
+    meta = [json.loads(line)["metadata"] for line in open(out / "profile_export.jsonl")]
+    return (min(m["request_start_ns"] for m in meta) / 1e9,
+            max(m.get("request_end_ns") or m["request_start_ns"] for m in meta) / 1e9)
+
+
+def _run(cmd: list[str], log: Path, env: dict | None = None, timeout: float = 600,
+         engine_pid: int | None = None) -> tuple[dict, CpuSampler]:
+    """Run a client to completion; wall and CPU seconds (its process tree), load average around
+    it, and the CPU samples of it and of the engine meanwhile."""
     load0, cpu0, t0 = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     with open(log, "w") as f:
-        p = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=timeout,
-                           stdin=subprocess.DEVNULL)
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        try:
+            with CpuSampler(p.pid, engine_pid) as sampler:
+                rc = p.wait(timeout=timeout)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
     info = {"wall_s": time.perf_counter() - t0, "client_cpu_s": _children_cpu() - cpu0,
             "loadavg_1m": [load0, os.getloadavg()[0]]}
-    if p.returncode != 0:
+    if rc != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        raise RuntimeError(f"{cmd[0]} exited {p.returncode}; log {log}:\n{tail}")
-    return info
+        raise RuntimeError(f"{cmd[0]} exited {rc}; log {log}:\n{tail}")
+    return info, sampler
+
+
+def _window_cores(sampler: CpuSampler, t0: float, t1: float) -> dict:
+    return {"client_cores": sampler.cores("client", t0, t1), "engine_cores": sampler.cores("engine", t0, t1)}
 
 
 def aiperf_cmd(aiperf: Path, url: str, model: str, trace: Path, out: Path, hf_cache: Path, args,
@@ -167,8 +263,8 @@ def parse_aiperf(out: Path) -> dict:
 def run_aiperf(aiperf: Path, url: str, model: str, trace: Path, out: Path, hf_cache: Path, args,
                seed: int) -> dict:
     cmd, env = aiperf_cmd(aiperf, url, model, trace, out, hf_cache, args, seed)
-    info = _run(cmd, out.with_suffix(".log"), env)
-    return {**info, **parse_aiperf(out)}
+    info, sampler = _run(cmd, out.with_suffix(".log"), env, engine_pid=args.engine_pid)
+    return {**info, **_window_cores(sampler, *aiperf_window(out)), **parse_aiperf(out)}
 
 
 def parse_ours(out: Path) -> dict:
@@ -196,8 +292,11 @@ def run_ours(url: str, trace: Path, out: Path, args, seed: int) -> dict:
                          "--concurrency", str(args.concurrency), "--stage-duration", str(args.duration),
                          "--seed", str(seed), "--out", str(out), "--api", args.api,
                          *(["--tokenizer", args.bench_tokenizer] if args.bench_tokenizer else []))
-    info = _run(cmd, out.with_suffix(".log"), dict(os.environ, COLUMNS="120"))
-    return {**info, **parse_ours(out)}
+    info, sampler = _run(cmd, out.with_suffix(".log"), dict(os.environ, COLUMNS="120"),
+                         engine_pid=args.engine_pid)
+    res = parse_ours(out)
+    end = sampler.samples[-1][0] if sampler.samples else time.time()  # it exits right after its drain
+    return {**info, **_window_cores(sampler, end - res["duration_s"], end), **res}
 
 
 def _engine_busy(url: str) -> bool:
@@ -242,6 +341,7 @@ def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, a_trace: Pat
     load0, cpu0, t0 = os.getloadavg()[0], _children_cpu(), time.perf_counter()
     with open(a_log, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, stdin=subprocess.DEVNULL)
+        sampler = CpuSampler(proc.pid, args.engine_pid).__enter__()
         try:
             deadline = time.monotonic() + 180
             while not (_engine_busy(url) if lead == "aiperf" else _aiperf_log_has(a_out, "Initialized 1 phase")):
@@ -255,11 +355,12 @@ def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, a_trace: Pat
             run_bench(BenchConfig(url=url, trace=str(trace), mode="concurrency", concurrency=[args.concurrency],
                                   stage_duration=args.duration, seed=r + 1, out=str(o_out), model=model,
                                   api=args.api, tokenizer=args.bench_tokenizer, progress=False, plots=False))
-            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+            ru1, ours_wall1 = resource.getrusage(resource.RUSAGE_SELF), time.time()
             ours_info = {"wall_s": time.perf_counter() - o0, "loadavg_1m": [load0, os.getloadavg()[0]],
                          "client_cpu_s": (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)}
             rc = proc.wait(timeout=300)
         finally:
+            sampler.__exit__(None, None, None)
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
@@ -271,6 +372,13 @@ def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, a_trace: Pat
     # > 0: our bench started after AIPerf's first request (AIPerf led), in seconds.
     ours_info["start_after_aiperf_s"] = ours_wall0 - min(starts) / 1e9 if starts else None
     ours_info["lead"] = lead
+    # Cores while measuring. Ours: its RUSAGE_SELF less the sampler thread's own CPU (roughly:
+    # the thread ran over AIPerf's longer life, so this leans low only by its small share).
+    window = ours_wall1 - ours_wall0
+    ours_info.update(engine_cores=sampler.cores("engine", ours_wall0, ours_wall1),
+                     client_cores=max(0.0, ours_info["client_cpu_s"] - sampler.own_cpu * window
+                                      / max(window, a_info["wall_s"])) / window)
+    a_info.update(_window_cores(sampler, *aiperf_window(a_out)))
     return {**ours_info, **parse_ours(o_out)}, {**a_info, **parse_aiperf(a_out)}
 
 
@@ -394,6 +502,7 @@ def main() -> None:
     else:
         engine_args = ["--model", str(model_dir), "--kv-cache-tokens", "65536", "--max-num-batched-tokens", "4096"]
         server = start_engine(work / "logs", extra=engine_args, name="agentserve")
+    args.engine_pid = server.pid
     runs: dict[str, list[dict]] = {"agentserve": [], "aiperf": []}
     try:
         server.wait_healthy(300)
@@ -480,6 +589,8 @@ def summarize(runs: dict[str, list[dict]], args, work: Path) -> dict:
     # The prompts both tools had served (usage.prompt_tokens; AIPerf's own count when it has none).
     served = {tool: statistics.median((x.get("usage_prompt_mean") or x["isl_mean"]) for x in rs)
               for tool, rs in runs.items()}
+    cores = {tool: {k: (statistics.median(v) if (v := [x[k] for x in rs if x.get(k) is not None]) else None)
+                    for k in ("client_cores", "engine_cores")} for tool, rs in runs.items()}
     verdicts = {c["verdict"] for c in compare.values()}
     target = ("our engine, tiny fp32 model" if args.target == "engine" else
               f"fixed-timing stub (TTFT {args.stub_ttft:g} s, ITL {args.stub_itl:g} s)")
@@ -491,8 +602,14 @@ def summarize(runs: dict[str, list[dict]], args, work: Path) -> dict:
                        "isl": args.isl, "osl": args.osl, "trace_requests": args.requests,
                        "aiperf_token_count": "client tokenizer" if args.client_token_count else "server usage",
                        "tolerance": args.tolerance, "work_dir": str(work)},
-            "served_input_mean": served, "compare": compare, "runs": runs, "pass": all(c["pass"] for c in compare.values()),
+            "served_input_mean": served, "cores_while_measuring": cores, "compare": compare, "runs": runs, "pass": all(c["pass"] for c in compare.values()),
             "verdict": "fail" if "fail" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "pass")}
+
+
+def _cores(x: dict) -> str:
+    """Cores the client and the engine used while this tool measured."""
+    f = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
+    return f"while measuring: client {f(x.get('client_cores'))} cores, engine {f(x.get('engine_cores'))}"
 
 
 def _console() -> Console:
@@ -525,7 +642,7 @@ def _print(result: dict) -> None:
             led = f", started {x['start_after_aiperf_s']:+.2f} s after AIPerf" if "start_after_aiperf_s" in x else ""
             served = x.get("usage_prompt_mean") or x["isl_mean"]  # AIPerf: the server's count
             _console().print(f"  {tool} r{i}: {x['requests']:.0f} req in {x['duration_s']:.1f} s{led}, mean in "
-                            f"(served)/out {served:.0f}/{x['osl_mean']:.1f} tok, client CPU {x['client_cpu_s']:.1f} s "
+                            f"(served)/out {served:.0f}/{x['osl_mean']:.1f} tok, {_cores(x)}, client CPU {x['client_cpu_s']:.1f} s "
                             f"over {x['wall_s']:.0f} s, load avg {x['loadavg_1m'][0]:.1f}->{x['loadavg_1m'][1]:.1f}")
     v = result["verdict"]
     _console().print("verdict: " + {"pass": "[green]PASS[/]", "fail": "[red]FAIL[/]",
