@@ -11,7 +11,8 @@ import typer
 def up_cmd(
     topology: str = typer.Option("1P1D", help="1P1D, 2P1D, NPMD (prefill/decode pools) or N "
                                  "(N aggregated engines)."),
-    model: Optional[str] = typer.Option(None, help="HF-format model folder (default: built-in tiny)."),
+    model: Optional[str] = typer.Option(None, help="HF-format model folder, a .gguf or a preset "
+                                        "such as smollm2-135m (default: built-in tiny)."),
     host: str = typer.Option("127.0.0.1", help="Bind address of the router and engines."),
     port: int = typer.Option(8080, help="Router port."),
     state: Optional[Path] = typer.Option(None, help="Write {router, router_pid, engines[url, role, "
