@@ -12,7 +12,8 @@ import torch
 
 from agentserve.engine.model.constrained import (GrammarError, GrammarConstraint,
                                            compile_tool_grammar, tool_call_schema)
-from agentserve.engine.model.tools import StreamingToolParser, parse_tool_calls, top_level_spans
+from agentserve.engine.model.tools import (StreamingToolParser, parse_cut_calls, parse_tool_calls,
+                                          top_level_spans)
 
 ONE = ('Let me check.<tool_call>{"name": "get_weather", '
        '"arguments": {"city": "Paris", "n": [1, {"x": "}"}]}}</tool_call>')
@@ -184,6 +185,30 @@ def test_required_on_tiny_tokenizer(tiny_tokenizer, seed: int) -> None:
     params = {"get_weather": WEATHER["function"]["parameters"], "now": {"type": "object"}}
     for call in calls:
         check_schema(json.loads(call.arguments), params[call.name])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_forced_parallel_answer_has_no_content_streamed_or_not(tiny_tokenizer, seed: int) -> None:
+    """"required" with parallel calls: the newlines the grammar puts between calls are never
+    content (a streamed one was a text block on /v1/messages), and the streamed calls are the
+    whole answer's, fed in random pieces."""
+    constraint = GrammarConstraint(tiny_tokenizer, compile_tool_grammar(
+        tiny_tokenizer, [WEATHER, NOARGS], None, parallel=True))
+    text = tiny_tokenizer.decode(run_random(tiny_tokenizer, constraint, seed, limit=1000))
+    text = text + "\n" + text  # (at least two calls, as the grammar joins them)
+    parser, content, rng = StreamingToolParser(forced=True), "", random.Random(seed)
+    pos = 0
+    while pos < len(text):
+        step = rng.randint(1, 9)
+        content += parser.feed(text[pos:pos + step])[0]
+        pos += step
+    content += parser.finish()[0]
+    whole_content, whole = parse_cut_calls(text)
+    assert content == "" and whole_content is None
+    assert [(c.name, c.arguments) for c in parser.calls] == \
+        [(c.name, c.arguments) for c in whole] == \
+        [(c.name, c.arguments) for c in parse_tool_calls(text)[1]]
+    assert len(whole) >= 2
 
 
 def test_named_choice_forces_that_tool(tokenizer) -> None:
