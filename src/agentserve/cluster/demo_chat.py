@@ -146,8 +146,9 @@ def _claude(router: str, system: str, max_tokens: int) -> str:
         msgs.append({"role": "assistant", "content": m["content"]})
     u = m["usage"]
     text = "".join(b.get("text", "") for b in m["content"])
+    prompt = u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
     return (f"Claude Code's /v1/messages: turn 2 read {u['cache_read_input_tokens']} of "
-            f"{u['input_tokens'] + u['cache_read_input_tokens']} prompt tokens from cache, "
+            f"{prompt} prompt tokens from cache, "
             f"said {_first_words(text)}")
 
 
