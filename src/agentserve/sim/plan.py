@@ -155,12 +155,15 @@ def plot(points: list[dict], front: list[dict], best: dict | None, target: float
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from agentserve.workload.plots import distinct_styles  # colour x marker x line: 24 lines, 24 looks
+
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    for name in sorted({p["config"] for p in points}):
+    names = sorted({p["config"] for p in points})
+    for name, style in zip(names, distinct_styles(len(names))):
         ps = sorted((p for p in points if p["config"] == name), key=lambda p: p["concurrency"])
         flagged = bool(ps[0].get("caveat"))
         ax.plot([p["tok_s_per_user"] for p in ps], [p["output_tok_s_per_gpu"] for p in ps],
-                marker="o", ms=3, lw=0.7, alpha=0.6, ls=":" if flagged else "-",
+                ms=3.5, lw=0.9, alpha=0.75, **(style | ({"ls": ":"} if flagged else {})),
                 label=name + (" *" if flagged else ""))
     ax.plot([p["tok_s_per_user"] for p in front], [p["output_tok_s_per_gpu"] for p in front],
             "k--", lw=1.5, label="frontier")
