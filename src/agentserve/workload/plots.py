@@ -24,8 +24,17 @@ COLORS = plt.get_cmap("tab10").colors
 STYLES = ("-", "--", ":", "-.")
 
 
-def png(fig: plt.Figure) -> bytes:
-    fig.tight_layout()
+def distinct_styles(n: int) -> list[dict]:
+    """`n` line styles no two alike: ten colours, then each further ten with a new marker and
+    line style (a planner's 24 configurations are 24 lines, not 10 colours reused)."""
+    markers, lines = "os^Dv<>P", ("-", "--", "-.")
+    return [{"color": COLORS[i % 10], "marker": markers[(i // 10) % len(markers)],
+             "ls": lines[(i // 10) % len(lines)]} for i in range(n)]
+
+
+def png(fig: plt.Figure, top: float = 1.0) -> bytes:
+    """The figure as PNG bytes (closed); `top` < 1 leaves room for a figure-level legend."""
+    fig.tight_layout(rect=(0, 0, 1, top))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
     plt.close(fig)
@@ -65,12 +74,27 @@ def _cdf(ax: plt.Axes, values: np.ndarray, label: str, style: dict) -> bool:
     return True
 
 
+def log_x(ax: plt.Axes, values: np.ndarray) -> None:
+    """A log x axis with plain numbers: 1-2-5 ticks when the data span under three decades
+    (matplotlib's default labels every minor tick there, 1.4x10^4 over 1.5x10^4)."""
+    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+
+    ax.set_xscale("log")
+    pos = values[values > 0]
+    fmt = ScalarFormatter()
+    fmt.set_scientific(False)
+    if pos.size and pos.max() < 1000 * pos.min():
+        ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax.xaxis.set_major_formatter(fmt)
+    ax.xaxis.set_minor_formatter(NullFormatter())
+
+
 def _log_if_wide(ax: plt.Axes, values: list[np.ndarray]) -> bool:
     """Log x when the positive samples span more than a decade (a tail to 16 s beside a 20 ms
     body is invisible on a linear axis)."""
     pos = np.concatenate([v[v > 0] for v in values]) if values else np.empty(0)
     if pos.size and pos.max() > 10 * pos.min():
-        ax.set_xscale("log")
+        log_x(ax, pos)
         return True
     return False
 
@@ -105,7 +129,7 @@ def itl_cdf(runs: list[Run]) -> Plot | None:
     if not vals:
         plt.close(fig)
         return None
-    ax.set_xscale("log")
+    log_x(ax, np.concatenate(vals))
     ax.set(xlabel="inter-token latency (ms, log scale)", ylabel="fraction of output tokens")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)

@@ -127,7 +127,9 @@ def delta_tables(runs: list[Run]) -> str:
         for d in delta_rows(stages):
             cells = [fmt(v, d["unit"]) for v in d["values"]]
             for dv, pct, verdict in d["deltas"]:
-                text = "-" if dv is None else f"{dv:+,.3f}" + (f" ({pct:+.0f}%)" if pct is not None else "")
+                whole = all(isinstance(v, float) and v.is_integer() for v in d["values"])
+                text = "-" if dv is None else (f"{dv:+,.0f}" if whole else f"{dv:+,.3f}") + (
+                    f" ({pct:+.0f}%)" if pct is not None else "")
                 cells.append(f"<span class='{verdict}'>{text}</span>" if verdict else text)
             rows.append([d["metric"], *cells])
         head = ["", *(r.name for r in runs), *(f"{r.name} - {runs[0].name}" for r in runs[1:])]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agentserve.workload.plots import COLORS, Plot, plt, png
+from agentserve.workload.plots import COLORS, Plot, log_x, plt, png
 from agentserve.workload.report_data import Run, stage_label, turn_rows
 
 MAX_TIMELINE_SESSIONS = 24
@@ -86,8 +86,8 @@ def timeline(runs: list[Run]) -> Plot | None:
     if not with_sessions:
         return None
     heights = [min(len(_session_order(r)), MAX_TIMELINE_SESSIONS) for r in with_sessions]
-    fig, axes = plt.subplots(len(with_sessions), 1, sharex=True, squeeze=False,
-                             figsize=(9, 1.2 + sum(0.42 * h + 0.5 for h in heights)),
+    inches = 1.2 + sum(0.42 * h + 0.6 for h in heights)
+    fig, axes = plt.subplots(len(with_sessions), 1, sharex=True, squeeze=False, figsize=(9, inches),
                              gridspec_kw={"height_ratios": heights})
     for ax, run in zip(axes[:, 0], with_sessions):
         t0 = min(r.start for r in run.records)
@@ -101,8 +101,8 @@ def timeline(runs: list[Run]) -> Plot | None:
     handles = [Patch(color=MAIN, label="main-agent turn"), Patch(color=SUB_COLORS[0], label="sub-agent group"),
                Patch(color=MAIN, alpha=0.35, label="waiting for first token"),
                Patch(color="tab:red", label="failed request")]
-    axes[0, 0].legend(handles=handles, fontsize=7, ncol=4, loc="lower left", bbox_to_anchor=(0, 1.0))
-    return Plot("timeline", "Sessions over time", png(fig),
+    fig.legend(handles=handles, fontsize=7, ncol=4, loc="upper left", bbox_to_anchor=(0.01, 0.995))
+    return Plot("timeline", "Sessions over time", png(fig, top=1 - 0.4 / inches),
                 "A row a session (first started on top): thick bars are main-agent requests, thin coloured "
                 "ones the sub-agents launched before a turn (a colour a group); gaps are the agent's pauses "
                 "(tool calls, user think time).", wide=True)
@@ -126,7 +126,7 @@ def ttft_vs_input(runs: list[Run]) -> Plot | None:
             ax.scatter([r.input_tokens for r in rs], [r.ttft for r in rs], s=14, alpha=0.7,
                        color=COLORS[k % len(COLORS)], marker="os^D"[k % 4], label=f"{run.name} (n={len(rs)})")
         ax.legend(fontsize=8, loc="upper left")
-    ax.set_xscale("log")
+    log_x(ax, np.asarray([r.input_tokens for rs in pts for r in rs], dtype=float))
     ax.set(xlabel="input tokens (log scale)", ylabel="time to first token (s)")
     ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3, which="both")
@@ -147,8 +147,14 @@ def pd_split(runs: list[Run]) -> Plot | None:
     fig, ax = plt.subplots(figsize=(8, 1.4 + 0.45 * len(rows)))
     left = np.zeros(len(rows))
     cmap = plt.get_cmap("tab10").colors
+
+    def mean(r: tuple, ph: str) -> float:
+        v = (r[2].get(ph) or {}).get("mean") or 0.0
+        # the CPU-restore wait is part of the prefill phase (sim/summary.py): drawn apart, not twice
+        return v - ((r[2].get("cpu_restore") or {}).get("mean") or 0.0) if ph == "prefill" else v
+
     for j, ph in enumerate(phases):
-        v = np.asarray([(r[2].get(ph) or {}).get("mean") or 0.0 for r in rows])
+        v = np.asarray([mean(r, ph) for r in rows])
         ax.barh(range(len(rows)), v, left=left, color=cmap[j % 10], label=ph.replace("_", " "))
         left += v
     ax.set_yticks(range(len(rows)), [", ".join(x for x in r[:2] if x) for r in rows], fontsize=8)
@@ -158,7 +164,7 @@ def pd_split(runs: list[Run]) -> Plot | None:
     ax.grid(alpha=0.3, axis="x")
     return Plot("pd_split", "Where TTFT goes (P/D)", png(fig),
                 "Mean TTFT split into its phases: waiting for and running the prefill engine, pulling its KV "
-                "to the decode engine, then waiting for the first decode step.")
+                "to the decode engine, then waiting for the first decode step.", wide=True)
 
 
 def agent_plots(runs: list[Run]) -> list[Plot]:
