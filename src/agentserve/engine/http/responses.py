@@ -17,7 +17,7 @@ runs on the chat path; only the answer's shape differs. The mapping:
   is the session for routing and the CPU tier's session policy.
 - The answer (id ``resp_...``, ``created_at`` / ``completed_at`` integer seconds, the
   request's settings echoed): a ``message`` item with the text, then one ``function_call``
-  item per call (only those with tool_choice required / a function); ``status``
+  item per call (with tool_choice required or a function, only those); ``status``
   ``incomplete`` (``max_output_tokens``) when cut short. Usage as OpenAI counts it:
   ``input_tokens`` is the whole prompt, of which ``input_tokens_details.cached_tokens`` were
   read from the prefix cache and ``cache_write_tokens`` computed and stored in full blocks
