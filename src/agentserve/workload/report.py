@@ -136,9 +136,11 @@ def write_outputs(out_dir: str | Path, stages: list[dict], records: list[Request
     """Every file of a run into `out_dir`; safe to call again as stages complete."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    # a producer that did not say what ran (the simulator) gets the generic block and its title
-    stages = [s if s.get("run") else {**s, "run": run_info({"producer": s.get("producer"), "title": title})}
-              for s in stages]
+    # a producer that did not say what ran (the simulator) gets the generic block and its title,
+    # in its own stage dicts too, so what it prints (sim --json) is what summary.json holds
+    for s in stages:
+        if not s.get("run"):
+            s["run"] = run_info({"producer": s.get("producer"), "title": title})
     (out / "summary.json").write_text(json.dumps(stages, indent=2))
     write_records(out, records, sessions or [])
     # matplotlib is slow to import: only when plots are asked for (bench's per-stage writes skip them)
