@@ -35,7 +35,10 @@ def test_tiny_sweep_prices_points(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv(CPU_PROFILE_ENV, str(tmp_path / "profile.json"))
     monkeypatch.setattr(sim_run, "load_workload", lambda *a: [_session(i) for i in range(3)])
     cands = [pl.Candidate(1, 1, 1, False, 0.0), pl.Candidate(1, 1, 1, True, 0.0)]
-    pts = pl.sweep(cands, [2], "tiny", "cpu-local", "sweep-full", 120.0, workers=1)
+    done: list[int] = []  # progress: one call per finished simulation
+    pts = pl.sweep(cands, [2], "tiny", "cpu-local", "sweep-full", 120.0, workers=1,
+                   on_done=lambda: done.append(1))
+    assert len(done) == 2
     pl.price(pts, 1.0)
     assert len(pts) == 2 and all(p["output_tok_s"] > 0 and p["cost_per_m_output"] for p in pts)
     pl.write(tmp_path, pts, pl.frontier(pts), pl.recommend(pts, 0.0), {"min_tok_s_per_user": 0})

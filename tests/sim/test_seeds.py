@@ -78,7 +78,8 @@ ARGS = ["sim", "--model", "tiny", "--gpu", "cpu-local", "--topology", "1P1D", "-
 def test_cli_seeds_keeps_the_issue_keys_and_adds_the_spread(seeded_workload) -> None:
     res = CliRunner().invoke(_app(), [*ARGS, "--seeds", "2", "--workers", "1", "--json"])
     assert res.exit_code == 0, res.output
-    out = json.loads(res.output)
+    out = json.loads(res.stdout)  # progress lines go to stderr
+    assert "sim: runs: 2/2 done" in res.stderr
     for k in sim_cli.KEYS:
         assert k in out
     assert out["seeds"]["seeds"] == [0, 1] and out["seeds"]["metrics"]["ttft_p50_s"]["n"] == 2

@@ -20,6 +20,7 @@ from stub_server import StubConfig, StubServer  # noqa: E402
 from agentserve.cluster.procs import free_port  # noqa: E402
 from agentserve.workload.cli_bench import register_bench  # noqa: E402
 from agentserve.workload.replay import BenchConfig, BenchRun  # noqa: E402
+from agentserve.workload.replay_progress import TaskProgress  # noqa: E402
 from agentserve.workload.schema import Session, TraceRequest  # noqa: E402
 
 
@@ -136,3 +137,18 @@ async def test_gpus_from_a_router_health(tmp_path: Path, router: bool) -> None:
         assert await gpus(gpus=8) == (8, "--gpus")
     finally:
         await srv.stop()
+
+
+def test_task_progress_lines(capfd: pytest.CaptureFixture[str]) -> None:
+    """`plan` and `sim --seeds` off a terminal: a line at most every interval, and the last."""
+    with TaskProgress(3, "plan: simulations", interval=3600) as p:
+        for _ in range(3):
+            p.advance()
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plan: simulations: 3/3 done, ")
+    with TaskProgress(2, "sim: runs", interval=0) as p:
+        p.advance()
+        p.advance()
+    lines = capfd.readouterr().err.splitlines()
+    assert [x.split(",")[0] for x in lines] == ["sim: runs: 1/2 done", "sim: runs: 2/2 done"]
+    assert "s left" in lines[0]

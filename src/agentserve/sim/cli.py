@@ -150,7 +150,11 @@ def register(app: typer.Typer) -> None:
             if len(levels) > 1 or seeds > 1:
                 from agentserve.sim.seeds import simulate_ladder
 
-                runs = simulate_ladder(cfg, levels, seeds, workers, keep_records=out is not None)
+                from agentserve.workload.replay_progress import TaskProgress
+
+                with TaskProgress(len(levels) * seeds, "sim: runs") as bar:
+                    runs = simulate_ladder(cfg, levels, seeds, workers, keep_records=out is not None,
+                                           on_done=bar.advance)
             else:
                 runs = [simulate_records(cfg)]
         except (ValueError, OSError) as e:  # unknown spec or topology, unreadable trace
@@ -379,8 +383,11 @@ def register_plan(app: typer.Typer) -> None:
                    f"{lead} + {dur:g} s stages, {workers} workers")
         t0 = time.perf_counter()
         try:
-            points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm, clients,
-                              eff)
+            from agentserve.workload.replay_progress import TaskProgress
+
+            with TaskProgress(len(cands) * len(ladder), "plan: simulations") as bar:
+                points = pl.sweep(cands, ladder, model, gpu, workload, dur, seed, workers, warm,
+                                  clients, eff, on_done=bar.advance)
         except (ValueError, OSError) as e:  # an unreadable trace
             fail(str(e))
         pl.price(points, price)

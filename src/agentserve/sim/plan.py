@@ -14,9 +14,11 @@ the reference's method (`cost.pool_cost`: prefill rental -> input, decode rental
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import textwrap
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from multiprocessing import Pool
 from pathlib import Path
@@ -104,18 +106,23 @@ def _job(args: tuple) -> dict:
 def sweep(cands: list[Candidate], concurrencies: list[int], model: str, gpu: str, workload: str,
           duration: float, seed: int = 0, workers: int = 2,
           warmup: float | None = None, clients: str | None = None,
-          efficiency: dict[str, float] | None = None) -> list[dict]:
+          efficiency: dict[str, float] | None = None,
+          on_done: Callable[[], None] | None = None) -> list[dict]:
     """Simulate every (candidate, concurrency); `workers` processes, biggest jobs first.
     `clients`: the load generator (`SimConfig.clients`; None: AIPerf's agentic replay);
     `warmup`: closed clients' simulated seconds before each stage (None: the default);
-    `efficiency`: overrides of the step model's factors (`SimConfig.efficiency`)."""
+    `efficiency`: overrides of the step model's factors (`SimConfig.efficiency`);
+    `on_done`: called as each simulation completes (progress)."""
     jobs = [(c, k, model, gpu, workload, duration, seed, warmup, clients, efficiency)
             for c in cands for k in concurrencies]
     jobs.sort(key=lambda j: -j[1])
-    if workers <= 1:
-        return [_job(j) for j in jobs]
-    with Pool(workers) as pool:
-        return list(pool.imap_unordered(_job, jobs))
+    out: list[dict] = []
+    with Pool(workers) if workers > 1 else contextlib.nullcontext() as pool:
+        for point in (pool.imap_unordered(_job, jobs) if pool is not None else map(_job, jobs)):
+            out.append(point)
+            if on_done is not None:
+                on_done()
+    return out
 
 
 def price(points: list[dict], per_gpu_hour: float) -> None:

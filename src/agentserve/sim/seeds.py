@@ -12,7 +12,9 @@ interval, the per-seed values).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable
 from multiprocessing import Pool
 
 from agentserve.runstats import mean_records, spread
@@ -30,16 +32,19 @@ SPREAD: dict[str, tuple[str, ...]] = {
 }
 
 
-def simulate_seeds(cfg: SimConfig, n: int, workers: int = 2, confidence: float = 0.95) -> dict:
-    """The mean summary of `cfg` under seeds cfg.seed .. cfg.seed + n - 1, with their spread."""
+def simulate_seeds(cfg: SimConfig, n: int, workers: int = 2, confidence: float = 0.95,
+                   on_done: Callable[[], None] | None = None) -> dict:
+    """The mean summary of `cfg` under seeds cfg.seed .. cfg.seed + n - 1, with their spread;
+    `on_done` is called as each run completes (progress)."""
     if n < 1:
         raise ValueError(f"need at least one seed, got {n}")
     cfgs = [dataclasses.replace(cfg, seed=cfg.seed + i) for i in range(n)]
-    if n == 1 or workers <= 1:
-        runs = [simulate(c) for c in cfgs]
-    else:
-        with Pool(min(workers, n)) as pool:
-            runs = pool.map(simulate, cfgs)
+    runs = []
+    with Pool(min(workers, n)) if n > 1 and workers > 1 else contextlib.nullcontext() as pool:
+        for run in (pool.imap(simulate, cfgs) if pool is not None else map(simulate, cfgs)):
+            runs.append(run)
+            if on_done is not None:
+                on_done()
     out = mean_records(runs)
     out["config"] = {**runs[0]["config"], "seed": cfg.seed}
     out["seeds"] = {
@@ -55,16 +60,22 @@ def _stage(job: tuple[SimConfig, bool]) -> tuple[dict, list[RequestRecord]]:
 
 
 def simulate_ladder(cfg: SimConfig, levels: list[int], seeds: int = 1, workers: int = 2,
-                    keep_records: bool = False) -> list[tuple[dict, list[RequestRecord]]]:
+                    keep_records: bool = False, on_done: Callable[[], None] | None = None
+                    ) -> list[tuple[dict, list[RequestRecord]]]:
     """A stage of `cfg` at each concurrency in `levels`, as `agentserve bench --mode
     concurrency` runs a ladder (each stage a fresh deployment here): per level its summary
     (the seed mean with `seeds` > 1) and, with `keep_records` and one seed, the requests it
-    counted. Levels run on `workers` processes; with seeds, each level's seeds do."""
+    counted. Levels run on `workers` processes; with seeds, each level's seeds do. `on_done` is
+    called as each run completes (progress)."""
     cfgs = [dataclasses.replace(cfg, concurrency=c) for c in levels]
     if seeds > 1:
-        return [(simulate_seeds(c, seeds, workers), []) for c in cfgs]
+        return [(simulate_seeds(c, seeds, workers, on_done=on_done), []) for c in cfgs]
     jobs = [(c, keep_records) for c in cfgs]
-    if len(jobs) == 1 or workers <= 1:
-        return [_stage(j) for j in jobs]
-    with Pool(min(workers, len(jobs))) as pool:
-        return pool.map(_stage, jobs)
+    out = []
+    with Pool(min(workers, len(jobs))) if len(jobs) > 1 and workers > 1 else \
+            contextlib.nullcontext() as pool:
+        for stage in (pool.imap(_stage, jobs) if pool is not None else map(_stage, jobs)):
+            out.append(stage)
+            if on_done is not None:
+                on_done()
+    return out

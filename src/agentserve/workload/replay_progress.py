@@ -96,3 +96,47 @@ class LiveProgress:
         if self._live is not None:
             self._live.update(self.table(), refresh=True)
             self._live.stop()
+
+
+class TaskProgress:
+    """`done / total` of a batch of jobs (the planner's simulations, `sim --seeds` runs): a
+    rich bar on a terminal, else a line on stderr at most every `interval` s and at the end.
+    Call `advance()` as each job completes (from the thread that collects the results)."""
+
+    def __init__(self, total: int, what: str, interval: float = 10.0) -> None:
+        self.total, self.what, self.interval = total, what, interval
+        self.done = 0
+        self.console = Console(stderr=True)
+        self._t0 = self._last = time.perf_counter()
+        self._bar = None
+
+    def __enter__(self) -> "TaskProgress":
+        if self.console.is_terminal:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                       TimeElapsedColumn, TimeRemainingColumn)
+
+            self._bar = Progress(TextColumn(self.what), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TimeRemainingColumn(),
+                                 console=self.console, transient=True)
+            self._bar.start()
+            self._task = self._bar.add_task(self.what, total=self.total)
+        return self
+
+    def line(self) -> str:
+        spent = time.perf_counter() - self._t0
+        left = f", ~{spent / self.done * (self.total - self.done):.0f} s left" if self.done else ""
+        return f"{self.what}: {self.done}/{self.total} done, {spent:.0f} s{left}"
+
+    def advance(self, n: int = 1) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(self._task, completed=self.done)
+            return
+        now = time.perf_counter()
+        if now - self._last >= self.interval or self.done >= self.total:
+            self._last = now
+            print(self.line(), file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.stop()
