@@ -77,15 +77,13 @@ def _cdf(ax: plt.Axes, values: np.ndarray, label: str, style: dict) -> bool:
 def log_x(ax: plt.Axes, values: np.ndarray) -> None:
     """A log x axis with plain numbers: 1-2-5 ticks when the data span under three decades
     (matplotlib's default labels every minor tick there, 1.4x10^4 over 1.5x10^4)."""
-    from matplotlib.ticker import LogLocator, NullFormatter, ScalarFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_xscale("log")
     pos = values[values > 0]
-    fmt = ScalarFormatter()
-    fmt.set_scientific(False)
     if pos.size and pos.max() < 1000 * pos.min():
         ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
-    ax.xaxis.set_major_formatter(fmt)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.xaxis.set_minor_formatter(NullFormatter())
 
 
