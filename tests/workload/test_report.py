@@ -96,6 +96,9 @@ async def test_end_to_end_reuse_numbers(tmp_path: Path) -> None:
     assert st["server_metrics"]["prefix_cache_hits"] == 40 and st["server_metrics"]["prefix_cache_queries"] == 100
     assert st["session_slowdown"]["p50"] is None  # recorded duration 0: no slowdown
     assert (tmp_path / "e" / "report.html").exists() and (tmp_path / "e" / "throughput.png").exists()
+    assert st["run"]["url"] == srv.url and st["run"]["mode"] == "sessions" and st["run"]["model"]
+    page = (tmp_path / "e" / "report.html").read_text()
+    assert srv.url in page and st["run"]["model"] in page and "(preloaded)" in page
     assert not (tmp_path / "e" / "frontier.png").exists()  # one stage: a table row, not a dot
 
 

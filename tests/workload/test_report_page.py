@@ -93,3 +93,14 @@ def test_run_names_tell_same_named_folders_apart(tmp_path) -> None:
 def test_summary_json_keeps_the_run_block(runs) -> None:
     info = json.loads((runs[0] / "summary.json").read_text())[0]["run"]
     assert info["url"] == URL and info["versions"]["python"] and info["machine"]["cpus"] >= 1
+
+
+def test_throughput_bins_count_each_chunk_at_its_arrival() -> None:
+    from agentserve.workload.plots import _bins
+    from agentserve.workload.record import RequestRecord
+
+    a = RequestRecord("a", "s", 0, start=1.0, chunk_times=[0.5, 1.5, 2.5], chunk_tokens=[1, 2])  # 3rd: 1 token
+    b = RequestRecord("b", "s", 0, start=0.0, chunk_times=[0.2], chunk_tokens=[3])
+    x, y = _bins([a, b], 1.0)
+    assert x.tolist() == [0.5, 1.5, 2.5, 3.5] and y.tolist() == [3.0, 1.0, 2.0, 1.0]
+    assert _bins([a], 0.5)[1].sum() * 0.5 == 4  # every token counted once

@@ -10,6 +10,7 @@ from agentserve.workload.plots import COLORS, Plot, log_x, plt, png
 from agentserve.workload.report_data import Run, stage_label, turn_rows
 
 MAX_TIMELINE_SESSIONS = 24
+MAX_SCATTER = 5_000  # points a run in the TTFT-vs-input scatter
 SUB_COLORS = plt.get_cmap("Set2").colors  # sub-agent groups; main-agent turns are always blue
 MAIN = "tab:blue"
 
@@ -111,6 +112,7 @@ def timeline(runs: list[Run]) -> Plot | None:
 def ttft_vs_input(runs: list[Run]) -> Plot | None:
     """TTFT against input length (log x), coloured by cached share (one run) or by run."""
     pts = [[r for r in run.records if r.ok and r.ttft is not None and r.input_tokens > 0] for run in runs]
+    pts = [rs[::-(-len(rs) // MAX_SCATTER)] for rs in pts]  # every k-th: a long sim run has 10^5
     if sum(len(p) for p in pts) < 2:
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
