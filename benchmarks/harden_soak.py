@@ -59,6 +59,10 @@ VARIANTS: dict[str, dict[str, str]] = {
     "trim": TRIM,                                      # malloc_trim(0) every 30 s
     "arena2trim": {**TRIM, "MALLOC_ARENA_MAX": "2"},
     "bpe0": {**NO_TRIM, "AGENTSERVE_ROUTER_BPE_CACHE": "0"},  # tokenizers' BPE word cache off
+    # Python objects from glibc malloc instead of pymalloc's 1 MiB arenas (which keep every
+    # pool they ever touched resident); then a trim can return them too
+    "sysmalloc": {**NO_TRIM, "PYTHONMALLOC": "malloc"},
+    "sysmalloctrim": {**TRIM, "PYTHONMALLOC": "malloc"},
 }
 
 
@@ -188,6 +192,9 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         targets = {f"router-{n}": p.url for n, p in variants.items()} or \
             {"router": cluster.first["router"]}
         extra = {f"router-{n}": p.pid for n, p in variants.items()}
+
+        def watched() -> dict[str, int]:  # the routers whose smaps are kept
+            return extra or {"router": cluster.pids()["router"]}
         threads = []
         for name, url in targets.items():
             counts[name] = Counter()
@@ -202,14 +209,14 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             time.sleep(min(period, max(0.0, duration - (time.monotonic() - t0))))
             samples.append(sample(cluster, t0, extra))
             if not maps and samples[-1]["t"] >= duration * 0.1:
-                maps = {n: [smaps(pid)] for n, pid in extra.items()}
+                maps = {n: [smaps(pid)] for n, pid in watched().items()}
         stop.set()
         for t in threads:
             t.join(120)  # each request is bounded by its deadline (90 s)
         load_s = time.monotonic() - t0
         idle = wait_idle([e["url"] for e in cluster.engines()], timeout=60)
         samples.append(sample(cluster, t0, extra))
-        for n, pid in extra.items():
+        for n, pid in watched().items():
             maps.setdefault(n, [None]).append(smaps(pid))
         restarts = cluster.restarts()
     finally:
@@ -232,11 +239,12 @@ def soak(args: argparse.Namespace, work: Path) -> dict[str, Any]:
            "first_failures": failures, "processes": procs, "rss_growth_pct_max": growth,
            "fds_threads_flat": flat, "kv_after": idle, "kv_leaked": kv_leaked,
            "restarts": restarts, "crashes": int(crashed)}
+    # where each judged router's memory grew, after warm-up to the end (None: not read)
+    out["smaps"] = {n: smaps_growth(*m) if len(m) == 2 and None not in m else None
+                    for n, m in maps.items()}
     if names:
         out["variants"] = {n: {"env": VARIANTS[n], "requests": dict(counts[f"router-{n}"]),
-                               "smaps": smaps_growth(*maps[f"router-{n}"])
-                               if None not in maps[f"router-{n}"] else None}
-                           for n in names}
+                               "smaps": out["smaps"].get(f"router-{n}")} for n in names}
     out["series"] = samples
     out["ok"] = bool(not total["failed"] and total["ok"] and not kv_leaked and not crashed
                      and flat and growth < args.rss_limit_pct)
@@ -262,10 +270,12 @@ def table(r: dict[str, Any]) -> str:
               "KV after: " + ", ".join(f"{u}: {m}" for u, m in r["kv_after"].items()),
               "PASS" if r["ok"] else "FAIL"]
     lines += [f"  failure: {json.dumps(f)[:400]}" for f in r["first_failures"][:3]]
-    for name, v in r.get("variants", {}).items():
-        sm = v["smaps"] or {}
+    for name, sm in r.get("smaps", {}).items():
+        sm = sm or {}
         ro = sm.get("rollup_kib", {})
-        lines.append(f"variant {name} {v['env']}: requests {v['requests']}; smaps KiB warm/end/+: "
+        v = r.get("variants", {}).get(name.removeprefix("router-"), {})
+        lines.append(f"{name} {v.get('env', '')} requests {v.get('requests', r['requests'])}; "
+                     "smaps KiB warm/end/+: "
                      + ", ".join(f"{f} {'/'.join(map(str, x))}" for f, x in ro.items()))
         lines.append("  by class: " + ", ".join(f"{c} {'/'.join(map(str, x))}"
                                                 for c, x in sm.get("by_class_kib", {}).items()))
