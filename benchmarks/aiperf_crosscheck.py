@@ -429,6 +429,52 @@ def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, a_trace: Pat
     return {**ours_info, **parse_ours(o_out)}, {**a_info, **parse_aiperf(a_out)}
 
 
+class EngineTrace:
+    """The engine's own view of each request (AGENTSERVE_STEP_TRACE's request trace: `recv`, the
+    HTTP handler began; `first`, the first output reached its event loop), so each tool's TTFT
+    splits into the engine's part and the client's (send to handler, event loop to read)."""
+
+    def __init__(self, prefix: Path) -> None:
+        self.prefix, self._seen = prefix, 0
+
+    def _lines(self) -> list[dict]:
+        out = []
+        for f in sorted(self.prefix.parent.glob(self.prefix.name + "-requests.*.jsonl")):
+            out += [json.loads(line) for line in open(f) if line.strip()]
+        return out
+
+    def take(self) -> dict[str, float]:
+        """Engine-side TTFT (s) of the requests traced since the last call, by client request id
+        (the engine's id is `chatcmpl-<X-Request-Id>-<8 hex>` / `cmpl-...`)."""
+        lines = self._lines()
+        new, self._seen = lines[self._seen:], len(lines)
+        out = {}
+        for x in new:
+            if "api" in x and "first" in x and "recv" in x:
+                rid = x["api"].split("-", 1)[1].rsplit("-", 1)[0]
+                out[rid] = x["first"] - x["recv"]
+        return out
+
+
+def split_ttft(res: dict, engine_ttft: dict[str, float], ids: dict[str, float]) -> None:
+    """Add the engine-side TTFT p50 and the client's share (client TTFT - engine TTFT) p50."""
+    both = [(ids[k], engine_ttft[k]) for k in ids if k in engine_ttft]
+    res["traced"] = len(both)
+    if both:
+        res["engine_ttft_p50_ms"] = statistics.median(e for _, e in both) * 1e3
+        res["client_share_p50_ms"] = statistics.median(c - e for c, e in both) * 1e3
+
+
+def client_ttfts(tool: str, out: Path) -> dict[str, float]:
+    """Client TTFT (s) by the X-Request-Id each tool sent."""
+    if tool == "aiperf":
+        rows = [json.loads(line) for line in open(out / "profile_export.jsonl")]
+        return {r["metadata"]["x_request_id"]: r["metrics"]["time_to_first_token"]["value"] / 1e3
+                for r in rows if "time_to_first_token" in r.get("metrics", {})}
+    recs = [json.loads(line) for line in open(out / "requests.jsonl")]
+    return {r["request_id"]: r["ttft"] for r in recs if r["ttft"] is not None}
+
+
 def serve_stub(port: int, ttft: float, itl: float) -> None:
     """A vLLM-shaped streaming server with fixed timing, so a TTFT gap between the tools is
     theirs alone (no engine, no batching): each stream opens with a role-only chat delta
@@ -522,6 +568,9 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--client-token-count", action="store_true",
                     help="let AIPerf count output tokens with its tokenizer (shows the ~12%% skew)")
+    ap.add_argument("--engine-trace", action="store_true",
+                    help="engine: turn its request trace on and split each tool's TTFT into the "
+                         "engine's part and the client's")
     ap.add_argument("--work-dir", default=None, help="keep traces and both tools' outputs here")
     ap.add_argument("--out", default="bench-out/aiperf_crosscheck.json")
     args = ap.parse_args()
@@ -548,7 +597,9 @@ def main() -> None:
                                work / "logs" / "stub.log", url=f"http://127.0.0.1:{port}")
     else:
         engine_args = ["--model", str(model_dir), "--kv-cache-tokens", "65536", "--max-num-batched-tokens", "4096"]
-        server = start_engine(work / "logs", extra=engine_args, name="agentserve")
+        trace_env = {"AGENTSERVE_STEP_TRACE": str(work / "logs" / "trace")} if args.engine_trace else None
+        server = start_engine(work / "logs", extra=engine_args, name="agentserve", env=trace_env)
+    etrace = EngineTrace(work / "logs" / "trace") if args.engine_trace and args.target == "engine" else None
     args.engine_pid = server.pid
     args.phase_gap_s = 1.1  # until a round has measured it (see run_overlapped)
     runs: dict[str, list[dict]] = {"agentserve": [], "aiperf": []}
@@ -573,6 +624,10 @@ def main() -> None:
                 Console().print(f"round {r}: AIPerf and agentserve together ({args.duration:g} s, "
                                 f"concurrency {args.concurrency} each, {args.api}, {args.target})")
                 ours, theirs = run_overlapped(aiperf, url, model, trace, a_trace, work, hf_cache, args, r)
+                if etrace is not None:
+                    seen = etrace.take()
+                    split_ttft(ours, seen, client_ttfts("agentserve", work / f"agentserve-r{r}"))
+                    split_ttft(theirs, seen, client_ttfts("aiperf", work / f"aiperf-r{r}"))
                 runs["agentserve"].append(ours)
                 runs["aiperf"].append(theirs)
                 continue
@@ -583,6 +638,8 @@ def main() -> None:
                     res = run_aiperf(aiperf, url, model, a_trace, work / f"aiperf-r{r}", hf_cache, args, r + 1)
                 else:
                     res = run_ours(url, trace, work / f"agentserve-r{r}", args, r + 1)
+                if etrace is not None:
+                    split_ttft(res, etrace.take(), client_ttfts(tool, work / f"{tool}-r{r}"))
                 runs[tool].append(res)
     finally:
         server.stop()
@@ -639,6 +696,8 @@ def summarize(runs: dict[str, list[dict]], args, work: Path) -> dict:
               for tool, rs in runs.items()}
     cores = {tool: {k: (statistics.median(v) if (v := [x[k] for x in rs if x.get(k) is not None]) else None)
                     for k in ("client_cores", "engine_cores")} for tool, rs in runs.items()}
+    split = {tool: {k: (statistics.median(v) if (v := [x[k] for x in rs if x.get(k) is not None]) else None)
+                    for k in ("engine_ttft_p50_ms", "client_share_p50_ms")} for tool, rs in runs.items()}
     verdicts = {c["verdict"] for c in compare.values()}
     target = ("our engine, tiny fp32 model" if args.target == "engine" else
               f"fixed-timing stub (TTFT {args.stub_ttft:g} s, ITL {args.stub_itl:g} s)")
@@ -650,7 +709,7 @@ def summarize(runs: dict[str, list[dict]], args, work: Path) -> dict:
                        "isl": args.isl, "osl": args.osl, "trace_requests": args.requests,
                        "aiperf_token_count": "client tokenizer" if args.client_token_count else "server usage",
                        "tolerance": args.tolerance, "work_dir": str(work)},
-            "served_input_mean": served, "cores_while_measuring": cores, "compare": compare, "runs": runs, "pass": all(c["pass"] for c in compare.values()),
+            "served_input_mean": served, "cores_while_measuring": cores, "ttft_split": split, "compare": compare, "runs": runs, "pass": all(c["pass"] for c in compare.values()),
             "verdict": "fail" if "fail" in verdicts else ("inconclusive" if "inconclusive" in verdicts else "pass")}
 
 
@@ -658,6 +717,13 @@ def _cores(x: dict) -> str:
     """Cores the client and the engine used while this tool measured."""
     f = lambda v: "?" if v is None else f"{v:.2f}"  # noqa: E731
     return f"while measuring: client {f(x.get('client_cores'))} cores, engine {f(x.get('engine_cores'))}"
+
+
+def _split(x: dict) -> str:
+    if x.get("engine_ttft_p50_ms") is None:
+        return ""
+    return (f", TTFT p50 at the engine {x['engine_ttft_p50_ms']:.0f} ms + client share p50 "
+            f"{x['client_share_p50_ms']:.1f} ms ({x['traced']} traced)")
 
 
 def _console() -> Console:
@@ -690,7 +756,7 @@ def _print(result: dict) -> None:
             led = f", started {x['start_after_aiperf_s']:+.2f} s after AIPerf" if "start_after_aiperf_s" in x else ""
             served = x.get("usage_prompt_mean") or x["isl_mean"]  # AIPerf: the server's count
             _console().print(f"  {tool} r{i}: {x['requests']:.0f} req in {x['duration_s']:.1f} s{led}, mean in "
-                            f"(served)/out {served:.0f}/{x['osl_mean']:.1f} tok, {_cores(x)}, client CPU {x['client_cpu_s']:.1f} s "
+                            f"(served)/out {served:.0f}/{x['osl_mean']:.1f} tok, {_cores(x)}{_split(x)}, client CPU {x['client_cpu_s']:.1f} s "
                             f"over {x['wall_s']:.0f} s, load avg {x['loadavg_1m'][0]:.1f}->{x['loadavg_1m'][1]:.1f}")
     v = result["verdict"]
     _console().print("verdict: " + {"pass": "[green]PASS[/]", "fail": "[red]FAIL[/]",
