@@ -60,6 +60,7 @@ def _timeline_axes(ax: plt.Axes, run: Run, t0: float) -> int:
     order = _session_order(run)[:MAX_TIMELINE_SESSIONS]
     row = {sid: i for i, sid in enumerate(order)}
     groups: dict[tuple[str, int], int] = {}
+    bars: dict[tuple, list[tuple[float, float]]] = {}  # (y, height, colour, alpha) -> x ranges: one call each
     for r in run.records:
         if r.session_id not in row:
             continue
@@ -72,9 +73,11 @@ def _timeline_axes(ax: plt.Axes, run: Run, t0: float) -> int:
         top = y - 0.45 + (0 if lane == 0 else 0.45 + (lane - 1) * 0.12)
         start, end = r.start - t0, r.end - t0
         wait = (r.ttft if r.ttft is not None else r.e2e or 0.0)
-        ax.broken_barh([(start, max(wait, 1e-3))], (top, h), facecolors=color, alpha=0.35)
-        ax.broken_barh([(start + wait, max(end - start - wait, 1e-3))], (top, h),
-                       facecolors="tab:red" if not r.ok else color)
+        bars.setdefault((top, h, color, 0.35), []).append((start, max(wait, 1e-3)))
+        bars.setdefault((top, h, "tab:red" if not r.ok else color, 1.0), []).append(
+            (start + wait, max(end - start - wait, 1e-3)))
+    for (top, h, color, alpha), xs in bars.items():
+        ax.broken_barh(xs, (top, h), facecolors=color, alpha=alpha)
     ax.set_yticks(range(len(order)), [s[:18] for s in order], fontsize=7)
     ax.set_ylim(len(order) - 0.4, -0.6)
     ax.grid(alpha=0.3, axis="x")
