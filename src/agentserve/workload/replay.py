@@ -163,7 +163,9 @@ class BenchRun:
                         await self._stage(target, factory, label, sessions, jobs, progress)
                         write_outputs(c.out, self.stages, self.records, self.sessions, plots=False)
         finally:
-            write_outputs(c.out, self.stages, self.records, self.sessions, plots=c.plots)
+            # no request sent (e.g. the URL refused us): nothing to plot, and the cause must show
+            write_outputs(c.out, self.stages, self.records, self.sessions,
+                          plots=c.plots and bool(self.records))
         return self.stages
 
     async def _chat_fit(self, target: Target, model: str) -> ChatFit:
