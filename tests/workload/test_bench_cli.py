@@ -152,3 +152,42 @@ def test_task_progress_lines(capfd: pytest.CaptureFixture[str]) -> None:
     lines = capfd.readouterr().err.splitlines()
     assert [x.split(",")[0] for x in lines] == ["sim: runs: 1/2 done", "sim: runs: 2/2 done"]
     assert "s left" in lines[0]
+
+
+@web.middleware
+async def _no_tokenize(request: web.Request, handler):
+    if request.path == "/tokenize":
+        raise web.HTTPNotFound()
+    return await handler(request)
+
+
+async def test_chat_without_a_tokenizer_is_a_clear_error(tmp_path: Path) -> None:
+    srv = StubServer(StubConfig(ttft=0.001, itl=0.001))
+    srv.app.middlewares.append(_no_tokenize)
+    await srv.start()
+    trace = [Session("s", 64, [TraceRequest(0.0, 64, 2, hash_ids=[0])])]
+    try:
+        c = BenchConfig(url=srv.url, trace_sessions=trace, api="chat", out=str(tmp_path / "o"),
+                        plots=False, progress=False)
+        with pytest.raises(RuntimeError, match=r"has no /tokenize \(HTTP 404\).*pass --tokenizer"):
+            await BenchRun(c).run()
+        assert srv.stats.requests == 0  # nothing sent with a guessed length
+        c.tokenizer = str(tmp_path)  # not a tokenizer
+        with pytest.raises(ValueError, match="neither a .gguf file nor a folder with tokenizer.json"):
+            await BenchRun(c).run()
+    finally:
+        await srv.stop()
+
+
+def test_warmup_in_schedule_mode(stub_thread: StubServer, tmp_path: Path) -> None:
+    mc = [{"timestamp": ms, "input_length": 256, "output_length": 3, "hash_ids": [0]}
+          for ms in (0, 20, 40)]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mc))
+    out = tmp_path / "o"
+    res = _bench("--url", stub_thread.url, "--trace", str(tmp_path / "m.jsonl"), "--mode",
+                 "schedule", "--warmup-requests", "2", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    recs = _records(out)
+    assert len(recs) == 3 and stub_thread.stats.requests == 5
+    # salted apart: the warm-up did not pre-fill the measured prompts' cache
+    assert recs[0]["cached_tokens"] == 0
