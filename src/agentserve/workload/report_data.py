@@ -163,11 +163,13 @@ DELTA_METRICS: tuple[tuple[str, tuple[str, ...], str, bool], ...] = (
 )
 
 
-def _get(s: dict, path: tuple[str, ...]) -> float | None:
+def _get(s: dict, path: tuple[str, ...]) -> float | int | None:
     v: object = s
     for k in path:
         v = v.get(k) if isinstance(v, dict) else None
-    return float(v) if isinstance(v, (int, float)) else None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    return v  # counts stay ints (58, not 58.000)
 
 
 def delta_rows(stages: list[dict]) -> list[dict]:

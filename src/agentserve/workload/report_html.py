@@ -127,7 +127,7 @@ def delta_tables(runs: list[Run]) -> str:
         for d in delta_rows(stages):
             cells = [fmt(v, d["unit"]) for v in d["values"]]
             for dv, pct, verdict in d["deltas"]:
-                whole = all(isinstance(v, float) and v.is_integer() for v in d["values"])
+                whole = all(isinstance(v, int) for v in d["values"])
                 text = "-" if dv is None else (f"{dv:+,.0f}" if whole else f"{dv:+,.3f}") + (
                     f" ({pct:+.0f}%)" if pct is not None else "")
                 cells.append(f"<span class='{verdict}'>{text}</span>" if verdict else text)
