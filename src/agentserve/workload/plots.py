@@ -202,7 +202,7 @@ def scaling(runs: list[Run]) -> Plot | None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     return Plot("scaling", "Throughput by load", png(fig),
-                "Each point is a stage: tokens/s over the stage's wall time against the load it ran at.")
+                "Each point is a stage: tokens/s over the stage's wall time against the load it ran at.", wide=True)
 
 
 def frontier(runs: list[Run]) -> Plot | None:
