@@ -86,7 +86,9 @@ class LocalTokens:
         elif (p / "tokenizer.json").is_file():
             self.tok = Tokenizer.from_dir(p)
         else:
-            raise ValueError(f"--tokenizer {path}: neither a .gguf file nor a folder with tokenizer.json")
+            raise ValueError(f"--tokenizer {path}: neither a .gguf file nor a folder with "
+                             "tokenizer.json (for a preset name pass its .gguf path, or leave "
+                             "--tokenizer out to use the server's /tokenize)")
 
     async def pieces(self, text: str) -> list[str]:
         return [self.tok.token_bytes(i).decode("utf-8", errors="replace")
