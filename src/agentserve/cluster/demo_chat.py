@@ -5,8 +5,8 @@
 history so the prefix cache serves what the last turn already computed (the cached
 tokens grow turn by turn); then a tool turn: a `run_tests` tool with tool_choice named
 (constrained decoding makes even a 135M model emit a well-formed call), the call parsed,
-a tool result (made up by the demo: nothing is executed) sent back as a `tool` message,
-and the model's answer to it. `agent_apis`: two turns in Claude Code's API (/v1/messages)
+a tool result (made up by the demo: nothing is executed) sent back as a `tool` message
+with a question about it, and the model's answer. `agent_apis`: two turns in Claude Code's API (/v1/messages)
 and in Codex's (/v1/responses), run side by side, one line with each second turn's cache
 reads and the start of its text.
 
@@ -33,6 +33,8 @@ RUN_TESTS = {"type": "function", "function": {
     "parameters": {"type": "object", "required": ["path"], "additionalProperties": False,
                    "properties": {"path": {"type": "string", "maxLength": 40}}}}}
 TOOL_ASK = "Run the tests."
+# after the tool result: without a question the 135M model tends to echo <tool_response> back
+TOOL_FOLLOWUP = "Why did it fail? Fix the test."
 TOOL_RESULT = ("collected 1 item\n\ntest_reverse.py F\n\nFAILED test_reverse.py::test_reverse_string"
                " - AssertionError: assert 'olleH' == 'Hello'\n1 failed in 0.03s")
 
@@ -99,7 +101,8 @@ def coding_chat(router: str, max_tokens: int = 80) -> Chat:
         turn.call = f"{fn['name']}({fn['arguments']})"
         chat.turns.append(turn)
         msgs += [{"role": "assistant", "content": None, "tool_calls": calls[:1]},
-                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": TOOL_RESULT}]
+                 {"role": "tool", "tool_call_id": calls[0]["id"], "content": TOOL_RESULT},
+                 {"role": "user", "content": TOOL_FOLLOWUP}]
         chat.turns.append(_ask(router, msgs, max_tokens, tools=[RUN_TESTS])[1])
     except (OSError, KeyError, IndexError, TypeError, ValueError) as e:
         chat.error = f"{type(e).__name__}: {e}"
