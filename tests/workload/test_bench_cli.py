@@ -191,3 +191,16 @@ def test_warmup_in_schedule_mode(stub_thread: StubServer, tmp_path: Path) -> Non
     assert len(recs) == 3 and stub_thread.stats.requests == 5
     # salted apart: the warm-up did not pre-fill the measured prompts' cache
     assert recs[0]["cached_tokens"] == 0
+
+
+def test_a_served_count_off_the_asked_is_flagged(stub_thread: StubServer, tmp_path: Path) -> None:
+    """--tokenizer names the tiny model's tokenizer (its template adds 27 tokens) while the stub
+    counts content words only: each prompt is served 27 short, and bench says so."""
+    from agentserve.engine.model.tiny import default_model_dir
+
+    out = tmp_path / "o"
+    res = _bench("--url", stub_thread.url, "--isl", "100", "--osl", "2", "--request-count", "3",
+                 "--api", "chat", "--tokenizer", str(default_model_dir()), "--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert {(r["requested_input_tokens"], r["input_tokens"]) for r in _records(out)} == {(100, 73)}
+    assert "the server counted 0.730x the input tokens asked" in res.stderr

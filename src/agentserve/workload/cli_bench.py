@@ -177,6 +177,12 @@ def _print(stages: list[dict], out: str) -> None:
                   f(s["output_tok_s"], 0), f(s["input_tok_s"], 0), f(s["cached_token_ratio"]),
                   f(s.get("served_input_ratio")))
     Console().print(t)
+    for s in stages:  # the prompts were sized to the served tokenizer: say so when they missed
+        ratio = s.get("served_input_ratio")
+        if ratio is not None and abs(ratio - 1.0) > 0.01:
+            typer.echo(f"bench: stage {s.get('stage')}: the server counted {ratio:.3f}x the input "
+                       "tokens asked (a tokenizer or chat template other than the one measured?)",
+                       err=True)
 
 
 def register_bench(app: typer.Typer) -> None:
