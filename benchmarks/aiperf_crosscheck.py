@@ -33,9 +33,16 @@ Where each tool starts and stops the TTFT clock (AIPerf 0.13.0 source; ours in r
   as vLLM's serving_chat does on its first output, so it does not start anyone's clock early.
 - ITL: AIPerf ends a request at its last content response, ours at the stream's end (usage chunk,
   [DONE]); `itl_p50_ms_last_chunk` in the result sizes the gap (under 0.1% here).
-With the clocks the same, the finding "bench TTFT 18% below AIPerf's, c8 chat, run back to back"
-is the experiment: AIPerf is a dozen processes; run alone on 2 cores its CPU is the engine's loss.
-Each run records the cores its client and the engine used while it measured (CpuSampler).
+The clocks agree: on the stub TTFT p50 is 311.5 vs 313.8 ms (true 300; results/
+aiperf_crosscheck_chat_stub.json), and on the engine `--engine-trace` splits each TTFT into the
+engine's part (HTTP handler start to first output) and the client's share, whose p50 is ~30 ms for
+both tools. So the finding "bench TTFT 18% below AIPerf's, c8 chat" is in what the ENGINE did for
+each tool's requests, and it stays when both run at once (results/aiperf_crosscheck_chat.json).
+What differs between the tools' load: ours sends the next request 0.2 ms after one ends, AIPerf
+20-37 ms later (its credit goes back through its timing manager), so their requests meet the
+engine's steps at other phases, and AIPerf's more often shared a prefill step (not settled). Each
+run also records the cores its client and the engine used while it measured (CpuSampler): AIPerf
+0.12-0.25 cores, ours ~0.01, which on 2 cores run one after the other is the engine's loss too.
 
 Experiment alignment (not number fudging), each checked in AIPerf 0.13.0's source:
 - `--use-server-token-count`: AIPerf otherwise re-tokenizes the streamed *text* with the client
