@@ -63,6 +63,9 @@ VARIANTS: dict[str, dict[str, str]] = {
     # pool they ever touched resident); then a trim can return them too
     "sysmalloc": {**NO_TRIM, "PYTHONMALLOC": "malloc"},
     "sysmalloctrim": {**TRIM, "PYTHONMALLOC": "malloc"},
+    # router/memtrace.py: tracemalloc's top growth lines every 120 s into the work folder
+    "tracemalloc": {**NO_TRIM, "AGENTSERVE_ROUTER_TRACEMALLOC": "{work}/memtrace.txt",
+                    "AGENTSERVE_ROUTER_TRACEMALLOC_S": "120"},
 }
 
 
@@ -162,7 +165,7 @@ def start_variants(cluster: UpCluster, work: Path, names: list[str]) -> dict[str
         cmd = agentserve_cmd("route", "--config", str(work / "run" / "router.yaml"), "--host",
                              "127.0.0.1", "--port", str(port), "--tokenizer", str(default_model_dir()))
         env = {"AGENTSERVE_KV_TRANSFER_TOKEN": cluster.env["AGENTSERVE_KV_TRANSFER_TOKEN"],
-               **VARIANTS[name]}
+               **{k: v.replace("{work}", str(work)) for k, v in VARIANTS[name].items()}}
         out[name] = start_process(f"router-{name}", cmd, work / f"router-{name}.log",
                                   f"http://127.0.0.1:{port}", env, die_with_parent=True)
     for p in out.values():

@@ -1,16 +1,18 @@
-"""Hand the router's freed heap back to the OS: glibc ``malloc_trim(0)`` every few seconds.
+"""Hand the router's freed heap back to the OS: glibc ``malloc_trim(0)`` every 30 s.
 
-The soak (benchmarks/harden_soak.py) saw the router's RSS climb ~8% over 28 minutes while
-the Python heap stayed flat (memtrace.py): freed native memory (request bodies, JSON,
-aiohttp/zmq buffers, the tokenizer's Rust allocations) stays in glibc's arenas as free
-chunks that are never returned, and each arena's top keeps what its peak left. A periodic
-``malloc_trim(0)`` releases free pages in every arena (``MADV_DONTNEED``); it does not move
-live data, so it cannot fix fragmentation, only retention.
+glibc keeps freed memory in its arenas; ``malloc_trim(0)`` releases the free pages of every
+arena (``MADV_DONTNEED``) without moving live data, so it undoes retention (a burst's peak
+kept after it ended), not fragmentation. Measured side by side on one soak cluster
+(benchmarks/harden_soak.py --variants, 5 routers under the same load for 26 min): with it
+the router's anonymous memory sits 0.4-0.9 MiB lower, but grows as much (+2.3 vs +1.8 MiB);
+``MALLOC_ARENA_MAX=2`` changed nothing (the router allocates on its main thread; its thread
+arenas hold ~150 KiB) and ``PYTHONMALLOC=malloc`` grew more (+3.2 vs +2.1 MiB). The soak's
+growth is live data and fragmentation, not retention (the soak JSON keeps its smaps).
+A trim of a ~100 MiB router heap takes 20-250 us, so it runs inline on the event loop.
 
 ``AGENTSERVE_ROUTER_MALLOC_TRIM_S`` sets the period (``DEFAULT_PERIOD_S``; ``0`` turns it
 off). Where the C library is not glibc (musl, macOS) ``malloc_trim`` is absent and nothing
-runs. A trim of the router's ~100 MiB heap takes well under a millisecond to a few ms, so it
-runs inline on the event loop (from a thread it would contend for the arenas' locks anyway).
+runs.
 """
 
 from __future__ import annotations
