@@ -167,9 +167,10 @@ def _replay(url: str, plan: list[Session], max_turns: int, token_scale: int, max
             out: Path) -> list[dict]:
     from agentserve.workload.replay import BenchConfig, run_bench
 
-    cfg = BenchConfig(url=url, trace_sessions=plan, mode="sessions", sessions=len(plan),
-                      max_turns=max_turns, token_scale=token_scale, gap_cap=0.5,
-                      max_output=max_output, out=str(out))
+    # `trace` names the sample in the report; the cut sessions themselves are preloaded
+    cfg = BenchConfig(url=url, trace=str(bundled_trace()), trace_sessions=plan, mode="sessions",
+                      sessions=len(plan), max_turns=max_turns, token_scale=token_scale,
+                      gap_cap=0.5, max_output=max_output, out=str(out))
     return run_bench(cfg)
 
 

@@ -120,8 +120,7 @@ def print_chat(console: Console, chat: Chat) -> None:
     console.print("\n[bold]a coding conversation through the router[/] (greedy; each turn "
                   "resends the history, the prefix cache serves what it already computed)")
     for i, t in enumerate(chat.turns, 1):
-        where = ("prefilled on the prefill engine, KV pulled" if t.pulled
-                 else "decode engine's prefix cache")
+        where = "prefilled on the prefill engine, KV pulled" if t.pulled else "decode engine"
         console.print(f"[bold]turn {i}[/] {t.ask!r}: prompt {t.prompt_tokens} tokens, "
                       f"{t.cached_tokens} cached ({where}), {t.seconds:.1f} s", highlight=False)
         if t.call:
@@ -129,7 +128,8 @@ def print_chat(console: Console, chat: Chat) -> None:
             console.print("    tool result sent back (made up by the demo):",
                           TOOL_RESULT.splitlines()[-2], markup=False, highlight=False)
         else:
-            console.print(_trim(t.answer), markup=False, highlight=False)
+            console.print(_trim(t.answer, width=max(40, console.width - 5)), markup=False,
+                          highlight=False)
     if chat.error:
         console.print(f"[bold red]conversation failed[/]: {chat.error}")
 
