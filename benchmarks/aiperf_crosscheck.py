@@ -436,6 +436,52 @@ def run_overlapped(aiperf: Path, url: str, model: str, trace: Path, a_trace: Pat
     return {**ours_info, **parse_ours(o_out)}, {**a_info, **parse_aiperf(a_out)}
 
 
+def run_overlapped_self(url: str, model: str, trace: Path, p_trace: Path, work: Path, args,
+                        r: int) -> tuple[dict, dict]:
+    """The control for run_overlapped: a second `agentserve bench` (a subprocess) in AIPerf's
+    place, leading as AIPerf leads in even rounds (ours starts when its requests show on the
+    engine). Two copies of one client should agree; what they do not is the design's own bias
+    and noise, and what AIPerf adds beyond it is AIPerf's."""
+    from agentserve.workload.replay import BenchConfig, run_bench
+
+    p_out, o_out = work / f"peer-r{r}", work / f"agentserve-r{r}"
+    cmd = agentserve_cmd("bench", "--url", url, "--trace", str(p_trace), "--mode", "concurrency",
+                         "--concurrency", str(args.concurrency), "--stage-duration", str(args.duration),
+                         "--seed", str(r + 101), "--out", str(p_out), "--api", args.api, "--model", model,
+                         *(["--tokenizer", args.bench_tokenizer] if args.bench_tokenizer else []))
+    load0 = os.getloadavg()[0]
+    with open(p_out.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=dict(os.environ, COLUMNS="120"))
+        sampler = CpuSampler(proc.pid, args.engine_pid).__enter__()
+        try:
+            deadline = time.monotonic() + 120
+            while not _engine_busy(url):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the peer bench did not start (exit {proc.poll()}); log {log.name}")
+                time.sleep(0.01)
+            ru0, o0, w0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter(), time.time()
+            run_bench(BenchConfig(url=url, trace=str(trace), mode="concurrency", concurrency=[args.concurrency],
+                                  stage_duration=args.duration, seed=r + 1, out=str(o_out), model=model,
+                                  api=args.api, tokenizer=args.bench_tokenizer, progress=False, plots=False))
+            ru1, w1 = resource.getrusage(resource.RUSAGE_SELF), time.time()
+            rc = proc.wait(timeout=300)
+        finally:
+            sampler.__exit__(None, None, None)
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    if rc != 0:
+        raise RuntimeError(f"the peer bench exited {rc}; log {p_out.with_suffix('.log')}")
+    cpu = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
+    ours = {"wall_s": time.perf_counter() - o0, "loadavg_1m": [load0, os.getloadavg()[0]], "client_cpu_s": cpu,
+            "lead": "peer", "engine_cores": sampler.cores("engine", w0, w1), "client_cores": cpu / (w1 - w0)}
+    peer = {"wall_s": w1 - w0, "loadavg_1m": [load0, os.getloadavg()[0]],
+            "client_cpu_s": (sampler.cores("client", w0, w1) or 0.0) * (w1 - w0),
+            **_window_cores(sampler, w0, w1)}
+    return {**ours, **parse_ours(o_out)}, {**peer, **parse_ours(p_out)}
+
+
 class EngineTrace:
     """The engine's own view of each request (AGENTSERVE_STEP_TRACE's request trace: `recv`, the
     HTTP handler began; `first`, the first output reached its event loop), so each tool's TTFT
@@ -575,6 +621,9 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.05)
     ap.add_argument("--client-token-count", action="store_true",
                     help="let AIPerf count output tokens with its tokenizer (shows the ~12%% skew)")
+    ap.add_argument("--peer", choices=("aiperf", "agentserve"), default="aiperf",
+                    help="agentserve: the control, a second copy of our bench in AIPerf's place "
+                         "(overlap design; results land in the 'aiperf' slot, labelled)")
     ap.add_argument("--engine-trace", action="store_true",
                     help="engine: turn its request trace on and split each tool's TTFT into the "
                          "engine's part and the client's")
@@ -626,7 +675,13 @@ def main() -> None:
             trace, a_trace = work / f"trace-r{r}.jsonl", work / f"trace-r{r}-aiperf.jsonl"
             write_trace(trace, args.requests, isl, osl, seed=r, id_base=(r + 1) * 1_000_000)
             write_trace(a_trace, args.requests, isl, osl, seed=r, id_base=(r + 1) * 1_000_000 + 500_000,
-                        input_offset=-overhead)
+                        input_offset=-overhead if args.peer == "aiperf" else 0)
+            if args.peer == "agentserve":
+                Console().print(f"round {r}: agentserve and a second agentserve together (control)")
+                ours, theirs = run_overlapped_self(url, model, trace, a_trace, work, args, r)
+                runs["agentserve"].append(ours)
+                runs["aiperf"].append(theirs)
+                continue
             if args.design == "overlap":
                 Console().print(f"round {r}: AIPerf and agentserve together ({args.duration:g} s, "
                                 f"concurrency {args.concurrency} each, {args.api}, {args.target})")
@@ -709,7 +764,7 @@ def summarize(runs: dict[str, list[dict]], args, work: Path) -> dict:
     target = ("our engine, tiny fp32 model" if args.target == "engine" else
               f"fixed-timing stub (TTFT {args.stub_ttft:g} s, ITL {args.stub_itl:g} s)")
     return {"machine": f"2-core CPU (shared sandbox), {target}",
-            "config": {"api": args.api, "target": args.target, "stub_ttft_s": args.stub_ttft if args.target == "stub" else None,
+            "config": {"api": args.api, "target": args.target, "peer": args.peer, "stub_ttft_s": args.stub_ttft if args.target == "stub" else None,
                        "stub_itl_s": args.stub_itl if args.target == "stub" else None,
                        "aiperf_input_offset": args.aiperf_input_offset,
                        "design": args.design, "concurrency": args.concurrency, "duration_s": args.duration, "rounds": args.rounds,
@@ -740,11 +795,12 @@ def _console() -> Console:
 def _print(result: dict) -> None:
     runs = result["runs"]
     tol = f"±{result['config']['tolerance']:.0%}"
+    peer = "AIPerf" if result["config"].get("peer", "aiperf") == "aiperf" else "agentserve #2"
     t = Table(title=f"agentserve bench vs AIPerf 0.13.0 ({result['config']['api']}, {result['machine']}, "
                     f"{result['config']['design']}, concurrency "
                     f"{result['config']['concurrency']} per tool, "
                     f"{result['config']['duration_s']:g} s runs, median of {result['config']['rounds']} rounds)")
-    for col in ("metric", "agentserve", "AIPerf", "ratio", tol, "agentserve runs", "AIPerf runs",
+    for col in ("metric", "agentserve", peer, "ratio", tol, "agentserve runs", f"{peer} runs",
                 "ratio per round", "pooled ratio [90% CI]"):
         t.add_column(col, justify="right")
     for k, name in METRICS:
