@@ -40,7 +40,10 @@ both tools. So the finding "bench TTFT 18% below AIPerf's, c8 chat" is in what t
 each tool's requests, and it stays when both run at once (results/aiperf_crosscheck_chat.json).
 What differs between the tools' load: ours sends the next request 0.2 ms after one ends, AIPerf
 20-37 ms later (its credit goes back through its timing manager), so their requests meet the
-engine's steps at other phases, and AIPerf's more often shared a prefill step (not settled). Each
+engine's steps at other phases, and AIPerf's more often shared a prefill step. `--peer agentserve`
+(two copies of our bench, the control) shows how big such phase effects are: TTFT p50 1.16
+between identical clients (results/aiperf_crosscheck_chat_control.json), so closed loops sharing
+one busy engine cannot check TTFT to ±5%; a fixed schedule for both would (not built yet). Each
 run also records the cores its client and the engine used while it measured (CpuSampler): AIPerf
 0.12-0.25 cores, ours ~0.01, which on 2 cores run one after the other is the engine's loss too.
 
