@@ -17,6 +17,8 @@ from agentserve.engine.model.gguf import is_gguf, load_gguf_model, open_gguf, re
 from agentserve.engine.core.loop import EngineCore
 from agentserve.engine.core.engine import AsyncEngine
 from agentserve.engine.model.llama import KVCache
+from agentserve.engine.model.mla import allocate_latent, latent_bytes_per_token
+from agentserve.engine.model.mla_checkpoint import MlaConfig
 from agentserve.engine.model.runner import ModelRunner
 from agentserve.engine.core.scheduler import Scheduler
 from agentserve.prompt.tokenizer import Tokenizer
@@ -310,8 +312,15 @@ def build_engine(args: EngineArgs) -> AsyncEngine:
         dtype_name = resolve_dtype(args.dtype, model_dir, args.device)
         model, cfg = load_model(model_dir, dtype=DTYPES[dtype_name], device=str(device))
     dtype = DTYPES[dtype_name]
-    num_blocks = _num_blocks(args, KVCache.bytes_per_token(cfg, dtype))
-    kv_cache = KVCache.allocate(cfg, num_blocks, args.block_size, dtype, device)
+    if isinstance(cfg, MlaConfig):  # one latent per token and layer (mla.py)
+        if _tier_config(args) is not None or auth is not None:
+            raise EngineConfigError("KV offload tiers and KV transfer do not handle the mla-moe "
+                                    "latent cache yet; drop --kv-cpu-gib / --role / --kv-transfer-port")
+        num_blocks = _num_blocks(args, latent_bytes_per_token(cfg, dtype))
+        kv_cache = allocate_latent(cfg, num_blocks, args.block_size, dtype, device)
+    else:
+        num_blocks = _num_blocks(args, KVCache.bytes_per_token(cfg, dtype))
+        kv_cache = KVCache.allocate(cfg, num_blocks, args.block_size, dtype, device)
     max_len = min(cfg.max_position_embeddings, num_blocks * args.block_size)
     if args.max_model_len is not None:
         if args.max_model_len > max_len:

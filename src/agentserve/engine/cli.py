@@ -188,10 +188,11 @@ def serve(
 @model_app.command("make-tiny")
 def make_tiny_cmd(
     out: Path = typer.Option(..., help="Output folder."),
-    preset: str = typer.Option("tiny", help="tiny | small."),
+    preset: str = typer.Option("tiny", help="tiny | small (Llama) | mla-moe (DeepSeek-V3-style MLA + MoE)."),
     seed: int = typer.Option(0, help="Weight seed."),
 ) -> None:
-    """Build a deterministic random-weight Llama checkpoint with a BPE tokenizer, offline."""
+    """Build a deterministic random-weight checkpoint (Llama, or DeepseekV3 for mla-moe)
+    with a BPE tokenizer, offline."""
     from agentserve.engine.model.tiny import make_tiny
 
     try:

@@ -321,7 +321,7 @@ def _decode_attention(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, g: De
     # the G = H / Hkv query heads of one KV head become G query rows of an MHA problem
     qg = q.view(B, Hkv, H // Hkv, D)  # [B, Hkv, G, D]
     k = _gather(kc, g.block_table, ws, "k").transpose(1, 2)  # [B, Hkv, K, D]
-    v = _gather(vc, g.block_table, ws, "v").transpose(1, 2)
+    v = k if vc is kc else _gather(vc, g.block_table, ws, "v").transpose(1, 2)
     g.mask = _additive(g.mask, q.dtype)  # once per step, then reused by every layer
     if shared is None:
         o = F.scaled_dot_product_attention(qg, k, v, attn_mask=g.mask, scale=scale)
@@ -348,7 +348,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: to
         return o.to(q.dtype)[0].transpose(0, 1)
     if p.block_ids is not None:  # earlier tokens are cached: attend over the gathered blocks
         k = _gather(kc, p.block_ids, ws, "k")[: p.kv_len]  # [kv_len, Hkv, D]
-        v = _gather(vc, p.block_ids, ws, "v")[: p.kv_len]
+        v = k if vc is kc else _gather(vc, p.block_ids, ws, "v")[: p.kv_len]
     gqa = q.device.type == "cpu"
     if not gqa and k.shape[1] != q.shape[1]:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
@@ -367,10 +367,13 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: to
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: KVCache, layer: int,
                     meta: BatchMeta, scale: float) -> torch.Tensor:
     """Write k, v at meta.slot_mapping, then attend. q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H, D]."""
-    kc, vc = kv.k[layer], kv.v[layer]  # [num_blocks, block_size, Hkv, D]
+    kc = kv.k[layer]  # [num_blocks, block_size, Hkv, D]
+    # a latent cache (mla.py) is one tensor: k is v, written and gathered once
+    vc = kc if kv.v is kv.k else kv.v[layer]
     Hkv, D = kc.shape[2], kc.shape[3]
     kc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, k)
-    vc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
+    if vc is not kc:
+        vc.view(-1, Hkv, D).index_copy_(0, meta.slot_mapping, v)
     # a shared prefix first: all its rows' queries over it in one pass ([1, H, n, D])
     shared = [attend_prefix(q[s.start:s.start + s.n].transpose(0, 1)[None], kc, vc, s.layout,
                             scale, kv.ws) for s in meta.shared]

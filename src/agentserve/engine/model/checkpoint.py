@@ -146,9 +146,14 @@ def to_state_dict(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> dict[str, tor
 def load_model(
     model_dir: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """Build `LlamaForCausalLM` from an HF folder, weights in `dtype` on `device`, eval mode."""
+    """Build `LlamaForCausalLM` from an HF folder, weights in `dtype` on `device`, eval mode
+    (a DeepseekV3 folder: `MlaMoeForCausalLM` and its MlaConfig, mla_checkpoint.py)."""
     from agentserve.engine.model.llama import LlamaForCausalLM
+    from agentserve.engine.model.mla_checkpoint import is_mla_config, load_mla_model
 
+    path = Path(model_dir) / "config.json"
+    if path.is_file() and is_mla_config(json.loads(path.read_text())):
+        return load_mla_model(model_dir, dtype, device)  # type: ignore[return-value]
     cfg = load_config(model_dir)
     sd = to_state_dict(cfg, read_hf_weights(model_dir))
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}

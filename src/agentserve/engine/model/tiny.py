@@ -87,6 +87,10 @@ def train_tokenizer() -> "tokenizers.Tokenizer":  # noqa: F821
 
 def _hf_weights(p: dict[str, int], seed: int) -> dict[str, torch.Tensor]:
     """Random HF-named weights: N(0, 0.02) drawn in a fixed order, norms at 1."""
+    if "kv_lora_rank" in p:  # the mla-moe family
+        from agentserve.engine.model.mla_checkpoint import tiny_weights
+
+        return tiny_weights(p, VOCAB_SIZE, seed)
     g = torch.Generator().manual_seed(seed)
     H, D = p["hidden_size"], p["head_dim"]
     q_out, kv_out, inter = p["num_attention_heads"] * D, p["num_key_value_heads"] * D, p["intermediate_size"]
@@ -120,6 +124,10 @@ def _configs(p: dict[str, int], ids: dict[str, int]) -> dict[str, dict]:
         attention_bias=False, attention_dropout=0.0, mlp_bias=False, use_cache=True,
         bos_token_id=eot, eos_token_id=im_end, pad_token_id=eot, torch_dtype="float32",
     )
+    if "kv_lora_rank" in p:  # the mla-moe family: a DeepseekV3 config
+        from agentserve.engine.model.mla_checkpoint import tiny_config_keys
+
+        config.update(tiny_config_keys(p))
     generation = dict(bos_token_id=eot, eos_token_id=[im_end, eot], pad_token_id=eot)
     added = {str(ids[t]): dict(content=t, lstrip=False, normalized=False, rstrip=False,
                                single_word=False, special=True) for t in SPECIAL_TOKENS}
