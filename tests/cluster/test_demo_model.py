@@ -94,3 +94,36 @@ def test_the_router_tokenizes_with_a_presets_gguf() -> None:
     tok = load_tokenizer(RouterConfig(tokenizer=src))
     assert tok is not None
     assert launch._tokenizer_source(None) != src
+
+
+def test_a_replay_stopped_by_ctrl_c_fails_the_demo(monkeypatch, tmp_path) -> None:
+    """Ctrl-C stops the replay early (bench keeps its partial stage, marked interrupted): the
+    demo must stop the cluster and exit 130, not carry on and report success."""
+    seen: dict = {}
+
+    class Engine:
+        url, role = "http://127.0.0.1:9", "both"
+
+    class FakeCluster:
+        engines = [(Engine(), None)]
+
+        def __init__(self, run_dir, port, model=None, engine_args=()):
+            pass
+
+        def start(self, topo, health_timeout):
+            pass
+
+        def state(self):
+            return {"router": "http://127.0.0.1:9"}
+
+        def stop(self):
+            seen["stopped"] = True
+
+    monkeypatch.setattr(launch, "Cluster", FakeCluster)
+    monkeypatch.setattr(launch, "status_table", lambda cluster: "")
+    monkeypatch.setattr(demo_mod, "_context", lambda url: 8192)
+    monkeypatch.setattr(demo_mod, "_replay", lambda *a: [{"interrupted": True, "requests_failed": 0}])
+    monkeypatch.setattr(demo_mod, "coding_chat", lambda url: seen.setdefault("chat", True))
+    r = CliRunner().invoke(app, ["demo", "--model", "tiny", "--out", str(tmp_path)])
+    assert r.exit_code == 130, r.output
+    assert "interrupted" in r.output and seen.get("stopped") and "chat" not in seen

@@ -113,6 +113,11 @@ def demo(
         console.print(f"replaying {len(lengths)} requests of {len(plan)} bundled sessions at once "
                       f"(prompts {min(lengths)}-{max(lengths)} tokens, context {context})...")
         stages = _replay(url, plan, max_turns, token_scale, max_output, out)
+        if not stages or stages[0].get("interrupted"):
+            # Ctrl-C during the replay: bench kept what it measured, but the demo did not run
+            console.print("[bold red]interrupted[/]: the replay was stopped; partial results in "
+                          f"{out}")
+            raise typer.Exit(130)
         console.print("a coding conversation and the agent APIs through the router...")
         with ThreadPoolExecutor(2) as pool:  # side by side: decode steps batch them
             chat_job, apis_job = pool.submit(coding_chat, url), pool.submit(agent_apis, url)
