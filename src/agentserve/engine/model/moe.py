@@ -92,6 +92,8 @@ class Router(nn.Module):
         choice = scores if self.e_score_correction_bias is None \
             else scores + self.e_score_correction_bias.float()
         if sp.n_group > 1:  # group-limited: only the topk_group best groups compete
+            # (the others masked to -inf, as vLLM's grouped_topk; HF's fills 0.0, which differs
+            # only if fewer than k allowed experts score above 0)
             T, E = choice.shape
             grouped = choice.view(T, sp.n_group, E // sp.n_group)
             best = grouped.topk(min(2, E // sp.n_group), dim=-1).values.sum(-1)  # [T, n_group]
