@@ -21,13 +21,23 @@ from agentserve.engine.model.mla import (
 )
 from agentserve.engine.model.mla_checkpoint import MlaConfig, read_hf_weights, to_state_dict
 from agentserve.engine.model.mla_model import MlaMoeForCausalLM
-from agentserve.engine.model.tiny import make_tiny
 from tests.conftest import ServerThread
 
 
 @pytest.fixture(scope="module")
 def mla_dir(tmp_path_factory):
-    return make_tiny(tmp_path_factory.mktemp("mla"), "mla-moe", seed=0)
+    """The preset, built as checks build it: `agentserve model make-tiny --preset mla-moe`."""
+    import typer
+    from typer.testing import CliRunner
+
+    from agentserve.engine import cli as engine_cli
+
+    app = typer.Typer()
+    engine_cli.register(app)
+    out = tmp_path_factory.mktemp("mla") / "m"
+    res = CliRunner().invoke(app, ["model", "make-tiny", "--preset", "mla-moe", "--out", str(out)])
+    assert res.exit_code == 0 and res.output.strip() == str(out), res.output
+    return out
 
 
 @pytest.fixture(scope="module")
