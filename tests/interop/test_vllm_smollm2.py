@@ -18,7 +18,9 @@ from agentserve.engine.model.gguf import resolve_model
 from agentserve.kv.events import BlockStored
 from agentserve.kv.zmq_events import KVEventSubscriber
 
-pytestmark = [pytest.mark.interop, pytest.mark.slow]
+# timeout: the first test pays for starting vLLM and our engine on the real model (vLLM alone
+# took 185 s at load ~20 on 2 cores, past the default 300 s with the first prompts)
+pytestmark = [pytest.mark.interop, pytest.mark.slow, pytest.mark.timeout(900)]
 
 MODEL = "smollm2-135m"
 BLOCK = 32  # vLLM's CPU attention needs a multiple of 32
