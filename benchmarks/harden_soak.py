@@ -59,6 +59,7 @@ VARIANTS: dict[str, dict[str, str]] = {
     "trim": TRIM,                                      # malloc_trim(0) every 30 s
     "arena2trim": {**TRIM, "MALLOC_ARENA_MAX": "2"},
     "bpe0": {**NO_TRIM, "AGENTSERVE_ROUTER_BPE_CACHE": "0"},  # tokenizers' BPE word cache off
+    "bpe1k": {**TRIM, "AGENTSERVE_ROUTER_BPE_CACHE": "1000"},  # ... 1,000 words (default 10,000)
     # Python objects from glibc malloc instead of pymalloc's 1 MiB arenas (which keep every
     # pool they ever touched resident); then a trim can return them too
     "sysmalloc": {**NO_TRIM, "PYTHONMALLOC": "malloc"},

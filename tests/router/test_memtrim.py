@@ -105,3 +105,31 @@ def test_router_process_runs_the_trim(tmp_path: Path) -> None:
             time.sleep(0.2)
     finally:
         stop([proc])
+
+
+def test_bpe_cache_knob(monkeypatch: pytest.MonkeyPatch) -> None:
+    """AGENTSERVE_ROUTER_BPE_CACHE=N resizes the router tokenizer's BPE cache; unset, bad,
+    or a tokenizer without one leaves it."""
+    class Model:
+        sizes: list[int] = []
+
+        def _resize_cache(self, n: int) -> None:
+            if n < 0:
+                raise OverflowError(n)
+            self.sizes.append(n)
+
+    class Tok:  # IncrementalTokenizer.tok.hf.model
+        def __init__(self, model: object) -> None:
+            self.tok = type("T", (), {"hf": type("H", (), {"model": model})()})()
+
+    m = Model()
+    monkeypatch.delenv(memtrim.ENV_BPE_CACHE, raising=False)
+    assert memtrim.bpe_cache_from_env(Tok(m)) is None and m.sizes == []
+    monkeypatch.setenv(memtrim.ENV_BPE_CACHE, "1000")
+    assert memtrim.bpe_cache_from_env(Tok(m)) == 1000 and m.sizes == [1000]
+    assert memtrim.bpe_cache_from_env(None) is None  # no tokenizer (token-id prompts only)
+    assert memtrim.bpe_cache_from_env(Tok(object())) is None  # a model without a cache
+    for bad in ("x", "-1"):
+        monkeypatch.setenv(memtrim.ENV_BPE_CACHE, bad)
+        assert memtrim.bpe_cache_from_env(Tok(m)) is None
+    assert m.sizes == [1000]
