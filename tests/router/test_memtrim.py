@@ -108,8 +108,8 @@ def test_router_process_runs_the_trim(tmp_path: Path) -> None:
 
 
 def test_bpe_cache_knob(monkeypatch: pytest.MonkeyPatch) -> None:
-    """AGENTSERVE_ROUTER_BPE_CACHE=N resizes the router tokenizer's BPE cache; unset, bad,
-    or a tokenizer without one leaves it."""
+    """The router tokenizer's BPE cache is resized to DEFAULT_BPE_CACHE (1,000, not tokenizers'
+    10,000), or to AGENTSERVE_ROUTER_BPE_CACHE=N; a bad value or a tokenizer without one leaves it."""
     class Model:
         sizes: list[int] = []
 
@@ -124,12 +124,13 @@ def test_bpe_cache_knob(monkeypatch: pytest.MonkeyPatch) -> None:
 
     m = Model()
     monkeypatch.delenv(memtrim.ENV_BPE_CACHE, raising=False)
-    assert memtrim.bpe_cache_from_env(Tok(m)) is None and m.sizes == []
+    assert memtrim.bpe_cache_from_env(Tok(m)) == memtrim.DEFAULT_BPE_CACHE  # unset: the default
+    assert m.sizes == [memtrim.DEFAULT_BPE_CACHE] and memtrim.DEFAULT_BPE_CACHE < 10_000
     monkeypatch.setenv(memtrim.ENV_BPE_CACHE, "1000")
-    assert memtrim.bpe_cache_from_env(Tok(m)) == 1000 and m.sizes == [1000]
+    assert memtrim.bpe_cache_from_env(Tok(m)) == 1000 and m.sizes[-1] == 1000
     assert memtrim.bpe_cache_from_env(None) is None  # no tokenizer (token-id prompts only)
     assert memtrim.bpe_cache_from_env(Tok(object())) is None  # a model without a cache
     for bad in ("x", "-1"):
         monkeypatch.setenv(memtrim.ENV_BPE_CACHE, bad)
         assert memtrim.bpe_cache_from_env(Tok(m)) is None
-    assert m.sizes == [1000]
+    assert m.sizes == [1000, 1000]  # the bad values changed nothing

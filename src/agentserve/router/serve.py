@@ -82,7 +82,7 @@ def run(cfg: RouterConfig, host: str, port: int, config_path: str | None = None)
 
     limits_of(cfg.options).check()
     gw = Gateway(cfg, config_path, load_tokenizer(cfg))
-    memtrim.bpe_cache_from_env(gw.tokenizer)  # measurement only: AGENTSERVE_ROUTER_BPE_CACHE
+    memtrim.bpe_cache_from_env(gw.tokenizer)  # 1,000 words, not 10,000: memtrim.py
     freeze_startup_heap()  # full collections then skip the imports' objects (gcpause.py)
     start_from_env()  # debug only: AGENTSERVE_ROUTER_TRACEMALLOC=FILE (memtrace.py)
     asyncio.run(_main(gw, host, port))
