@@ -66,6 +66,23 @@ def tiny_tokenizer():
     return AsTokenizer.from_dir(default_model_dir())
 
 
+@pytest.fixture(scope="session")
+def smollm2_engine(tmp_path_factory: pytest.TempPathFactory):
+    """One engine process on the real SmolLM2 GGUF for every slow test that talks to it over
+    HTTP (tools, the demo's chat, bench prompt sizes): a start costs 15-90 s on 2 cores, so
+    it is paid once a session. Tests must not assume a cold prefix cache."""
+    from agentserve.cluster.procs import start_engine
+
+    p = start_engine(Path(tmp_path_factory.mktemp("smollm2")),
+                     extra=["--model", "smollm2-135m", "--kv-cache-tokens", "8192"])
+    try:
+        p.wait_healthy(timeout=180)
+        assert p.url is not None
+        yield p
+    finally:
+        p.stop()
+
+
 # ---- a real server on the tiny model (integration tests) ------------------------------------
 
 API_KEY = "sk-test"

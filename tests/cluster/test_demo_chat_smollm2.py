@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from agentserve.cluster.demo_chat import Chat, agent_apis, coding_chat
-from agentserve.cluster.procs import start_engine
+from agentserve.cluster.procs import ManagedProcess
 
 from tests.smollm2 import MARKS  # noqa: E402
 
@@ -20,15 +18,8 @@ pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    p = start_engine(Path(tmp_path_factory.mktemp("demo-chat")),
-                     extra=["--model", "smollm2-135m", "--kv-cache-tokens", "8192"])
-    try:
-        p.wait_healthy(timeout=180)
-        assert p.url is not None
-        yield p.url
-    finally:
-        p.stop()
+def url(smollm2_engine: ManagedProcess) -> str:
+    return smollm2_engine.url  # one engine for every SmolLM2 HTTP test (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,11 @@ as a local --tokenizer. One engine for the module."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from agentserve.cluster.procs import ManagedProcess, start_engine
+from agentserve.cluster.procs import ManagedProcess
 from agentserve.workload.replay import BenchConfig, BenchRun
 
 from tests.smollm2 import MARKS, SMOLLM2  # noqa: E402
@@ -20,14 +19,8 @@ pytestmark = MARKS
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
-    p = start_engine(Path(tmp_path_factory.mktemp("smol")),
-                     extra=["--model", "smollm2-135m", "--kv-cache-tokens", "8192"])
-    try:
-        p.wait_healthy(timeout=180)
-        yield p
-    finally:
-        p.stop()
+def engine(smollm2_engine: ManagedProcess) -> ManagedProcess:
+    return smollm2_engine  # one engine for every SmolLM2 HTTP test (tests/conftest.py)
 
 
 @pytest.mark.parametrize("api,local", [("completions", False), ("chat", False), ("chat", True)])

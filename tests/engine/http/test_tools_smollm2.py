@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
-from pathlib import Path
 
 import anthropic
 import openai
 import pytest
 
-from agentserve.cluster.procs import ManagedProcess, start_engine
+from agentserve.cluster.procs import ManagedProcess
 
 from tests.smollm2 import MARKS  # noqa: E402
 
@@ -28,14 +26,8 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagedProcess]:
-    p = start_engine(Path(tmp_path_factory.mktemp("smol")),
-                     extra=["--model", "smollm2-135m", "--kv-cache-tokens", "8192"])
-    try:
-        p.wait_healthy(timeout=180)
-        yield p
-    finally:
-        p.stop()
+def engine(smollm2_engine: ManagedProcess) -> ManagedProcess:
+    return smollm2_engine  # one engine for every SmolLM2 HTTP test (tests/conftest.py)
 
 
 @pytest.fixture(scope="module")
