@@ -1,4 +1,5 @@
-"""Hand the router's freed heap back to the OS: glibc ``malloc_trim(0)`` every 30 s.
+"""The router's memory over a long run: glibc ``malloc_trim(0)`` every 30 s, and a smaller
+BPE word cache for its tokenizer (``bpe_cache_from_env``: 1,000 words, not 10,000).
 
 glibc keeps freed memory in its arenas; ``malloc_trim(0)`` releases the free pages of every
 arena (``MADV_DONTNEED``) without moving live data, so it undoes retention (a burst's peak
@@ -7,7 +8,8 @@ kept after it ended), not fragmentation. Measured side by side on one soak clust
 the router's anonymous memory sits 0.4-0.9 MiB lower, but grows as much (+2.3 vs +1.8 MiB);
 ``MALLOC_ARENA_MAX=2`` changed nothing (the router allocates on its main thread; its thread
 arenas hold ~150 KiB) and ``PYTHONMALLOC=malloc`` grew more (+3.2 vs +2.1 MiB). The soak's
-growth is live data and fragmentation, not retention (the soak JSON keeps its smaps).
+growth is live data, not retention (the soak JSON keeps its smaps): about 40% of it was
+tokenizers' BPE word cache filling toward its cap, hence the smaller cap.
 A trim of a ~100 MiB router heap takes 20-250 us, so it runs inline on the event loop.
 
 ``AGENTSERVE_ROUTER_MALLOC_TRIM_S`` sets the period (``DEFAULT_PERIOD_S``; ``0`` turns it
