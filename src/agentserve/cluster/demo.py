@@ -89,7 +89,7 @@ def demo(
 ) -> None:
     """Start a 1P1D cluster (prefill + decode engines + router) on the real model, replay
     bundled agent sessions and hold a coding conversation with a tool call through the
-    router. About three minutes on a 2-core CPU; exits 1 if any request failed."""
+    router. About a minute on a quiet 2-core CPU (three at load 9); exits 1 if any request failed."""
     from agentserve.cluster.launch import Cluster, parse_topology, status_table
     from agentserve.cluster.procs import free_port
 
