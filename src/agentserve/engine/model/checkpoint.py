@@ -157,10 +157,17 @@ def load_model(
     cfg = load_config(model_dir)
     sd = to_state_dict(cfg, read_hf_weights(model_dir))
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
+    return build_model(LlamaForCausalLM, cfg, sd, f"weights in {model_dir} do not match config.json"), cfg
+
+
+def build_model(model_cls: Any, cfg: Any, state_dict: dict[str, torch.Tensor], mismatch: str) -> Any:
+    """`model_cls(cfg)` built on the meta device and given `state_dict`'s tensors as they are
+    (no copy, no init), in eval mode; a missing or extra tensor is a CheckpointError that
+    starts with `mismatch`."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+        model = model_cls(cfg)
     try:
-        model.load_state_dict(sd, strict=True, assign=True)
+        model.load_state_dict(state_dict, strict=True, assign=True)
     except RuntimeError as e:
-        raise CheckpointError(f"weights in {model_dir} do not match config.json: {e}") from None
-    return model.eval(), cfg
+        raise CheckpointError(f"{mismatch}: {e}") from None
+    return model.eval()

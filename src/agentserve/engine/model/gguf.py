@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from agentserve.engine.model.checkpoint import CheckpointError, ModelConfig, to_state_dict
+from agentserve.engine.model.checkpoint import CheckpointError, ModelConfig, build_model, to_state_dict
 
 if TYPE_CHECKING:
     from gguf import GGUFReader
@@ -178,10 +178,4 @@ def load_gguf_model(source: str | Path | GGUFReader, dtype: torch.dtype = torch.
     hf_cfg, weights = read_gguf(source, dtype)
     cfg = ModelConfig.from_dict(hf_cfg)
     sd = {k: v.to(device=device) for k, v in to_state_dict(cfg, weights).items()}
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
-    try:
-        model.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"the GGUF's tensors do not match its metadata: {e}") from None
-    return model.eval(), cfg
+    return build_model(LlamaForCausalLM, cfg, sd, "the GGUF's tensors do not match its metadata"), cfg

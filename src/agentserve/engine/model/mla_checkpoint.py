@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from agentserve.engine.model.checkpoint import CheckpointError, read_hf_weights
+from agentserve.engine.model.checkpoint import CheckpointError, build_model, read_hf_weights
 from agentserve.engine.model.moe import MoeSpec
 
 if TYPE_CHECKING:
@@ -185,13 +185,7 @@ def load_mla_model(model_dir: str | Path, dtype: torch.dtype = torch.float32,
     cfg = MlaConfig.from_dict(json.loads((Path(model_dir) / "config.json").read_text()))
     sd = to_state_dict(cfg, read_hf_weights(model_dir))
     sd = {k: v.to(device=device, dtype=dtype) for k, v in sd.items()}
-    with torch.device("meta"):
-        model = MlaMoeForCausalLM(cfg)
-    try:
-        model.load_state_dict(sd, strict=True, assign=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"weights in {model_dir} do not match config.json: {e}") from None
-    return model.eval(), cfg
+    return build_model(MlaMoeForCausalLM, cfg, sd, f"weights in {model_dir} do not match config.json"), cfg
 
 
 # The tiny preset's routing (config.json keys beside PRESETS["mla-moe"]'s shapes).
